@@ -1,0 +1,1 @@
+"""prefixgym.prompting"""

@@ -1,0 +1,193 @@
+"""The wire types every part of prefixgym speaks: a glossary in pydantic.
+
+These are the request and response shapes of the sampling and training services
+(the built-in engine, `prefixgym serve`, or a remote OpenAI-compatible server).
+They validate what they can see on their own -- ranges, lengths, finite numbers --
+and know nothing of a vocabulary, a model or a cache: checks that need those (a token
+id outside the vocabulary, say) belong to the service that has them.
+
+Every invalid value is refused with `pydantic.ValidationError`, a `ValueError` whose
+message names the field and the value.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+StopReason = Literal["stop", "length"]
+LossFnName = Literal["cross_entropy", "importance_sampling", "ppo"]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ModelInput(_Wire):
+    """A token sequence given to the model: a prompt, or a datum's inputs."""
+
+    tokens: list[int] = Field(min_length=1, description="Token ids, at least one.")
+
+    @field_validator("tokens")
+    @classmethod
+    def _non_negative(cls, tokens: list[int]) -> list[int]:
+        for i, t in enumerate(tokens):
+            if t < 0:
+                raise ValueError(f"token id {t} at index {i} is negative")
+        return tokens
+
+    @classmethod
+    def from_ints(cls, ids: list[int]) -> ModelInput:
+        return cls(tokens=list(ids))
+
+    def to_ints(self) -> list[int]:
+        return list(self.tokens)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+class SamplingParams(_Wire):
+    """How to decode. `temperature=0` is greedy; `top_k=-1` and `top_p=1` turn those off."""
+
+    max_tokens: int = Field(default=64, ge=0, description="Tokens to decode at most.")
+    temperature: float = Field(default=1.0, ge=0.0, description="0 means greedy.")
+    top_k: int = Field(default=-1, description="Keep the k most likely tokens; -1 keeps all.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass, in (0, 1].")
+    stop: list[str] = Field(default_factory=list, description="Stop strings (kept in the output).")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids (kept).")
+    seed: int | None = Field(default=None, description="Same seed, same tokens.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {value}")
+        return value
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"must be finite, got {value}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+
+class AdamParams(_Wire):
+    """One AdamW update. `grad_clip_norm=0` turns clipping off."""
+
+    learning_rate: float = Field(default=1e-4, gt=0.0)
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
+    eps: float = Field(default=1e-8, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    grad_clip_norm: float = Field(default=0.0, ge=0.0)
+
+    @field_validator("learning_rate", "eps", "weight_decay", "grad_clip_norm")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"must be finite, got {value}")
+        return value
+
+
+class Datum(_Wire):
+    """One training sequence: inputs, and per-position loss inputs of the same length.
+
+    `loss_fn_inputs` keys by loss: `cross_entropy` needs `target_tokens` and takes
+    `weights` (default 1); `importance_sampling` and `ppo` need `target_tokens`,
+    `logprobs` (the sampler's) and `advantages`, and take `weights`.
+    """
+
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, list[float] | list[int]]
+
+    @model_validator(mode="after")
+    def _aligned_and_finite(self) -> Datum:
+        n = self.model_input.length
+        for key, values in self.loss_fn_inputs.items():
+            if len(values) != n:
+                raise ValueError(
+                    f"loss_fn_inputs[{key!r}] has {len(values)} values but model_input has "
+                    f"{n} tokens; every loss input needs one value per position"
+                )
+            for i, v in enumerate(values):
+                if not math.isfinite(v):
+                    raise ValueError(f"loss_fn_inputs[{key!r}][{i}] is {v}; values must be finite")
+        targets = self.loss_fn_inputs.get("target_tokens")
+        if targets is not None:
+            for i, t in enumerate(targets):
+                if t != int(t) or t < 0:
+                    raise ValueError(
+                        f"loss_fn_inputs['target_tokens'][{i}] is {t}; target ids are "
+                        "non-negative integers"
+                    )
+        return self
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Positions with a non-zero weight (all of them when there are no weights)."""
+        weights = self.loss_fn_inputs.get("weights")
+        if weights is None:
+            return self.model_input.length
+        return sum(1 for w in weights if w != 0)
+
+
+class Usage(_Wire):
+    """Tokens per phase. Prefill computed + prefill cached = prompt length, per request."""
+
+    prefill_computed_tokens: int = 0
+    prefill_cached_tokens: int = 0
+    sampled_tokens: int = 0
+    train_computed_tokens: int = 0
+    train_loss_tokens: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(**{k: getattr(self, k) + getattr(other, k) for k in Usage.model_fields})
+
+    @property
+    def prefill_tokens(self) -> int:
+        """What prefill would have computed without a prefix cache."""
+        return self.prefill_computed_tokens + self.prefill_cached_tokens
+
+    @property
+    def cache_hit_rate(self) -> float:
+        total = self.prefill_tokens
+        return self.prefill_cached_tokens / total if total else 0.0
+
+
+class SampledSequence(_Wire):
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+
+
+class SampleResponse(_Wire):
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+    usage: Usage = Field(default_factory=Usage)
+
+
+class ForwardBackwardOutput(_Wire):
+    loss_fn_outputs: list[dict[str, list[float]]]
+    metrics: dict[str, float] = Field(default_factory=dict)
+    usage: Usage = Field(default_factory=Usage)
+
+
+class OptimStepOutput(_Wire):
+    metrics: dict[str, float] = Field(default_factory=dict)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The two quick-start commands:
+#   ./run.sh train [ARGS]   set up .venv, then run `prefixgym train` (the main job)
+#   ./run.sh test  [ARGS]   set up .venv, then run the test suite
+# Setup installs torch's CPU wheel first when no torch is present, so that the
+# package's plain `torch` requirement never pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")"
+venv=${PREFIXGYM_VENV:-.venv}
+py=$venv/bin/python
+
+setup() {
+  [[ -x $py ]] || python3 -m venv "$venv"
+  if ! "$py" -c 'import torch' 2>/dev/null; then
+    "$py" -m pip install -q --disable-pip-version-check 'torch==2.13.0'
+  fi
+  # Reinstall only when the project's requirements changed.
+  local stamp=$venv/.prefixgym-setup
+  local want
+  want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+  if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+    "$py" -m pip install -q --disable-pip-version-check -e '.[dev]'
+    echo "$want" > "$stamp"
+  fi
+}
+
+# Spin-waiting OpenMP threads slow torch badly on a shared, busy CPU.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+
+cmd=${1:-}
+shift || true
+case $cmd in
+  train) setup; exec "$venv/bin/prefixgym" train "$@" ;;
+  demo)  setup; exec "$venv/bin/prefixgym" demo "$@" ;;
+  test)  setup; exec "$py" -m pytest "$@" ;;
+  *) echo "usage: ./run.sh train|test [ARGS]" >&2; exit 2 ;;
+esac
