@@ -1,0 +1,131 @@
+"""The KV of running sequences: one slot per sequence in a growable buffer.
+
+`SlotKV` holds keys and values of one weights version as two tensors shaped
+(n_layers, slots, n_kv_heads, length, head_dim). Running sequences live compacted in
+slots 0..B-1, so one decode step attends to the view `k[layer, :B, :, :Tk]` under a
+bool mask (key position <= the row's query position); stale values past a row's
+position are masked out. `prefill_view` and `decode_view` are the `KVView`s handed to
+`Transformer.forward`: they store the new keys/values and return what to attend to.
+
+This module knows nothing of requests, sampling, tokens or the prefix cache: it moves
+tensors between slots, blocks and the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_LENGTH_STEP = 256
+
+
+class SlotKV:
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        dtype: torch.dtype = torch.float32,
+        slots: int = 4,
+        length: int = _LENGTH_STEP,
+    ) -> None:
+        self.max_seq_len = max_seq_len
+        self._shape = (n_layers, n_kv_heads, head_dim)
+        self.dtype = dtype
+        length = min(length, max_seq_len)
+        self.k = torch.zeros(n_layers, slots, n_kv_heads, length, head_dim, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def reserve(self, num_slots: int, length: int) -> None:
+        """Grow (never shrink) so that `num_slots` slots of `length` positions fit."""
+        if length > self.max_seq_len:
+            raise ValueError(f"length {length} exceeds max_seq_len {self.max_seq_len}")
+        if num_slots <= self.num_slots and length <= self.length:
+            return
+        new_slots = max(num_slots, self.num_slots * 2) if num_slots > self.num_slots else self.num_slots
+        new_length = self.length
+        if length > self.length:
+            new_length = min(self.max_seq_len, -(-max(length, 2 * self.length) // _LENGTH_STEP) * _LENGTH_STEP)
+        L, H, D = self._shape
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.zeros(L, new_slots, H, new_length, D, dtype=self.dtype)
+            new[:, : old.shape[1], :, : old.shape[3]] = old
+            setattr(self, name, new)
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy positions [0, length) of slot `src` into slot `dst`."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    def write(self, slot: int, kv_L_2_H_T_D: torch.Tensor, start: int = 0) -> None:
+        """Store cached KV (e.g. prefix-cache blocks concatenated along T) into a slot."""
+        end = start + kv_L_2_H_T_D.shape[3]
+        self.k[:, slot, :, start:end] = kv_L_2_H_T_D[:, 0]
+        self.v[:, slot, :, start:end] = kv_L_2_H_T_D[:, 1]
+
+    def read(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """A new (n_layers, 2, n_kv_heads, end-start, head_dim) tensor of one slot's KV."""
+        return torch.stack((self.k[:, slot, :, start:end], self.v[:, slot, :, start:end]), dim=1)
+
+    def prefill_view(self, slot: int, start: int, num_tokens: int) -> PrefillView:
+        return PrefillView(self, slot, start, num_tokens)
+
+    def decode_view(self, positions_B: torch.Tensor) -> DecodeView:
+        return DecodeView(self, positions_B)
+
+
+class PrefillView:
+    """New tokens at positions [start, start+T) of one slot; keys [0, start) are cached."""
+
+    def __init__(self, kv: SlotKV, slot: int, start: int, num_tokens: int) -> None:
+        self.kv, self.slot, self.start, self.end = kv, slot, start, start + num_tokens
+        query_pos_T_1 = torch.arange(start, self.end).unsqueeze(1)
+        key_pos_1_Tk = torch.arange(self.end).unsqueeze(0)
+        self.mask = (key_pos_1_Tk <= query_pos_T_1)[None, None]  # (1, 1, T, Tk)
+
+    def update(
+        self, layer_idx: int, k_B_Hkv_T_D: torch.Tensor, v_B_Hkv_T_D: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.slot
+        self.kv.k[layer_idx, s, :, self.start : self.end] = k_B_Hkv_T_D[0]
+        self.kv.v[layer_idx, s, :, self.start : self.end] = v_B_Hkv_T_D[0]
+        return (
+            self.kv.k[layer_idx, s : s + 1, :, : self.end],
+            self.kv.v[layer_idx, s : s + 1, :, : self.end],
+            self.mask,
+        )
+
+
+class DecodeView:
+    """One new token per row: row b (slot b) at position positions_B[b]."""
+
+    def __init__(self, kv: SlotKV, positions_B: torch.Tensor) -> None:
+        self.kv = kv
+        self.batch = positions_B.shape[0]
+        self.rows_B = torch.arange(self.batch)
+        self.positions_B = positions_B
+        self.num_keys = int(positions_B.max()) + 1
+        key_pos = torch.arange(self.num_keys)
+        self.mask = (key_pos.unsqueeze(0) <= positions_B.unsqueeze(1))[:, None, None]  # (B,1,1,Tk)
+
+    def update(
+        self, layer_idx: int, k_B_Hkv_T_D: torch.Tensor, v_B_Hkv_T_D: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k_layer, v_layer = self.kv.k[layer_idx], self.kv.v[layer_idx]  # (S, Hkv, Tcap, D)
+        k_layer[self.rows_B, :, self.positions_B] = k_B_Hkv_T_D[:, :, 0]
+        v_layer[self.rows_B, :, self.positions_B] = v_B_Hkv_T_D[:, :, 0]
+        B, Tk = self.batch, self.num_keys
+        return k_layer[:B, :, :Tk], v_layer[:B, :, :Tk], self.mask

@@ -1,0 +1,84 @@
+"""SamplingClient: `sample()` and `compute_logprobs()` against one frozen weights version.
+
+A client is a thin, thread-safe handle: it validates nothing itself beyond what the
+wire types do, and hands requests to the engine's scheduler, which refuses bad input
+with a ValueError at call time and answers through an `APIFuture` (`.result()` or
+`await`). Every response's `usage` is added to the service's ledger by the engine:
+prefill computed + prefill cached = prompt length for every request (a G-sample
+request counts its prompt once), sampled tokens are summed over the samples.
+
+Logprobs of sampled tokens are under the model's distribution at temperature 1,
+without top-k/top-p filtering -- what the trainer's forward pass computes.
+
+`default_stop_token_ids` (LocalService passes the tokenizer's eos and `<|im_end|>`
+ids) are added to every request's `stop_token_ids`; create the client with
+`stop_at_end_of_turn=False` on the service to turn that off.
+
+The client knows nothing of the cache or of batching: those are the scheduler's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prefixgym.engine.model import Transformer
+from prefixgym.engine.scheduler import Scheduler
+from prefixgym.futures import APIFuture
+from prefixgym.types import ModelInput, SampleResponse, SamplingParams
+
+
+class SamplingClient:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        model: Transformer,
+        weights_version: int,
+        default_stop_token_ids: Iterable[int] = (),
+    ) -> None:
+        self._scheduler = scheduler
+        self._model = model
+        self.weights_version = weights_version
+        self.default_stop_token_ids: tuple[int, ...] = tuple(default_stop_token_ids)
+
+    def sample(
+        self,
+        prompt: ModelInput | list[int],
+        num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+    ) -> APIFuture[SampleResponse]:
+        """Decode `num_samples` continuations of `prompt` (one shared prefill).
+
+        With `include_prompt_logprobs=True` the whole prompt is recomputed (no cache
+        read) and `response.prompt_logprobs[i]` is log p(prompt[i] | prompt[:i]),
+        None for i = 0.
+        """
+        tokens = _ids(prompt)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if self.default_stop_token_ids:
+            merged = list(dict.fromkeys([*params.stop_token_ids, *self.default_stop_token_ids]))
+            params = params.model_copy(update={"stop_token_ids": merged})
+        return self._scheduler.submit(
+            tokens, self._model, self.weights_version, params,
+            num_samples=num_samples, include_prompt_logprobs=include_prompt_logprobs,
+        )
+
+    def compute_logprobs(self, prompt: ModelInput | list[int]) -> APIFuture[list[float | None]]:
+        """log p(token i | tokens before i) for every position; None for the first.
+
+        Recomputes the whole sequence (never read from the cache; counted as prefill
+        computed).
+        """
+        future = self._scheduler.submit(
+            _ids(prompt), self._model, self.weights_version, SamplingParams(max_tokens=0),
+            num_samples=1, include_prompt_logprobs=True,
+        )
+        return future.map(lambda response: list(response.prompt_logprobs or []))
+
+
+def _ids(prompt: ModelInput | list[int]) -> list[int]:
+    if isinstance(prompt, ModelInput):
+        return prompt.to_ints()
+    if isinstance(prompt, (list, tuple)):
+        return ModelInput.from_ints(list(prompt)).to_ints()  # validates: non-empty, >= 0
+    raise ValueError(f"prompt must be a ModelInput or a list of token ids, got {type(prompt).__name__}")

@@ -1,0 +1,177 @@
+"""LocalService: the built-in sampling and training service on this machine.
+
+It owns the trainable model, one frozen inference copy per published weights version,
+the prefix KV cache, the engine's scheduler thread and the usage ledger, and hands out
+clients: `create_sampling_client()` (latest version), `create_training_client()`,
+`publish_weights()` (snapshot the trainable model as a new version). Cache keys
+include the version, so KV computed under old weights never serves new ones; an old
+version stays usable for as long as a client holds it.
+
+The service knows nothing of environments, conversations or losses.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Self
+
+import torch
+
+from prefixgym.engine.model import PRESETS, ModelConfig, Transformer, init_weights, load_model
+from prefixgym.engine.prefix_cache import PrefixCache
+from prefixgym.engine.sampling import SamplingClient
+from prefixgym.engine.scheduler import Scheduler
+from prefixgym.engine.usage import UsageLedger
+from prefixgym.types import Usage
+
+if TYPE_CHECKING:
+    from prefixgym.engine.training import TrainingClient
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LocalService:
+    """The local engine. `model`: a preset name, a local HF checkpoint directory, a
+    `ModelConfig` (randomly initialised with `seed`) or a `Transformer` (used as is).
+
+    `tokenizer`: None picks the checkpoint directory's tokenizer for a directory and
+    the built-in one otherwise; a directory name or a tokenizer object also works.
+    `prefix_cache=False` runs the same engine without cache reads or writes.
+    `num_threads` sets torch's intra-op threads (process-wide) only when given.
+    """
+
+    def __init__(
+        self,
+        model: str | ModelConfig | Transformer = "tiny",
+        seed: int = 0,
+        prefix_cache: bool = True,
+        block_size: int = 16,
+        cache_bytes: int = 256 * 2**20,
+        dtype: str | torch.dtype = "float32",
+        tokenizer: Any = None,
+        num_threads: int | None = None,
+        max_running: int = 256,
+    ) -> None:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+        if torch_dtype is None or torch_dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.train_model = _build_model(model, torch_dtype, seed)
+        self.tokenizer = _resolve_tokenizer(model, tokenizer)
+        cfg = self.train_model.config
+        self._cache = (
+            PrefixCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size=block_size,
+                        capacity_bytes=cache_bytes, dtype=torch_dtype)
+            if prefix_cache else None
+        )
+        self.ledger = UsageLedger()
+        decode = None
+        if self.tokenizer is not None:
+            tok = self.tokenizer
+
+            def decode(ids: list[int]) -> str:
+                return str(tok.decode(ids, skip_special_tokens=False))
+
+        self.scheduler = Scheduler(self._cache, decode=decode, ledger=self.ledger, seed=seed,
+                                   max_running=max_running)
+        self._default_stop_ids = _end_of_turn_ids(self.tokenizer, cfg.vocab_size)
+        self._lock = threading.Lock()
+        self._version = 0
+        self._inference_model = self.train_model.clone_for_inference()
+        self._training_clients: list[TrainingClient] = []
+
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    def create_sampling_client(self, stop_at_end_of_turn: bool = True) -> SamplingClient:
+        """A client for the latest published weights. With `stop_at_end_of_turn`, the
+        tokenizer's eos and `<|im_end|>` ids are added to every request's stop ids."""
+        with self._lock:
+            model, version = self._inference_model, self._version
+        stop_ids = self._default_stop_ids if stop_at_end_of_turn else ()
+        return SamplingClient(self.scheduler, model, version, default_stop_token_ids=stop_ids)
+
+    def publish_weights(self) -> SamplingClient:
+        """Snapshot `train_model` as a new frozen weights version; a client for it."""
+        snapshot = self.train_model.clone_for_inference()
+        with self._lock:
+            self._version += 1
+            self._inference_model = snapshot
+        return self.create_sampling_client()
+
+    def create_training_client(self) -> TrainingClient:
+        from prefixgym.engine.training import TrainingClient
+
+        client = TrainingClient(self.train_model, publish=self.publish_weights, ledger=self.ledger)
+        self._training_clients.append(client)
+        return client
+
+    def usage(self) -> Usage:
+        return self.ledger.total()
+
+    def cache_stats(self) -> dict[str, int]:
+        """block_size, capacity_bytes, used_bytes, num_blocks, query/hit tokens, evictions."""
+        if self._cache is None:
+            return {"enabled": 0, "block_size": 0, "capacity_bytes": 0, "used_bytes": 0,
+                    "num_blocks": 0, "query_tokens": 0, "hit_tokens": 0, "evicted_blocks": 0}
+        return {"enabled": 1, **self.scheduler.cache_stats()}
+
+    def engine_stats(self) -> dict[str, int]:
+        """Engine counters: prefill calls/positions, decode steps, max batch size, ..."""
+        return self.scheduler.stats()
+
+    def check_cache_integrity(self) -> None:
+        self.scheduler.check_cache_integrity()
+
+    def close(self) -> None:
+        self.scheduler.close()
+        for client in self._training_clients:
+            client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _build_model(model: str | ModelConfig | Transformer, dtype: torch.dtype, seed: int) -> Transformer:
+    if isinstance(model, Transformer):
+        return model
+    if isinstance(model, ModelConfig):
+        built = Transformer(model)
+        init_weights(built, seed)
+        return built.to(dtype)
+    if isinstance(model, str):
+        return load_model(model, dtype=dtype, seed=seed)
+    raise ValueError(
+        f"model must be a preset name, a checkpoint directory, a ModelConfig or a Transformer; "
+        f"got {type(model).__name__}"
+    )
+
+
+def _resolve_tokenizer(model: object, tokenizer: Any) -> Any:
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        return tokenizer
+    from prefixgym.engine.tokenizer import load_tokenizer
+
+    if isinstance(tokenizer, str):
+        return load_tokenizer(tokenizer)
+    if isinstance(model, str) and model not in PRESETS:
+        return load_tokenizer(model)
+    return load_tokenizer("builtin")
+
+
+def _end_of_turn_ids(tokenizer: Any, vocab_size: int) -> tuple[int, ...]:
+    if tokenizer is None:
+        return ()
+    ids: list[int] = []
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if isinstance(im_end, int) and im_end != unk:
+        ids.append(im_end)
+    return tuple(dict.fromkeys(i for i in ids if 0 <= i < vocab_size))

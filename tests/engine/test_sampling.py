@@ -1,0 +1,99 @@
+"""Token selection (greedy, temperature, top-k, top-p) and the SamplingClient's contract."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from prefixgym.engine.model import ModelConfig
+from prefixgym.engine.service import LocalService
+from prefixgym.engine.token_sampler import RowParams, sample_tokens
+from prefixgym.types import Datum, ModelInput, SamplingParams
+
+SMALL = ModelConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    hidden_dim=128, max_seq_len=512)
+LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+
+
+def draw(u: float, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0) -> tuple[int, float]:
+    tokens, logprobs = sample_tokens(LOGITS, RowParams.build([temperature], [top_k], [top_p]), [u])
+    return int(tokens[0]), float(logprobs[0])
+
+
+def test_inverse_cdf_draws_follow_the_distribution() -> None:
+    assert [draw(u)[0] for u in (0.0, 0.49, 0.51, 0.74, 0.76, 0.9, 0.99)] == [0, 0, 1, 1, 2, 3, 3]
+
+
+def test_greedy_top_k_and_top_p_filters() -> None:
+    assert draw(0.99, temperature=0.0)[0] == 0
+    assert draw(0.99, top_k=1)[0] == 0
+    assert [draw(u, top_k=2)[0] for u in (0.6, 0.7)] == [0, 1]  # renormalised to 2/3, 1/3
+    assert draw(0.99, top_p=0.5)[0] == 0  # the first token alone holds half the mass
+    assert [draw(u, top_p=0.7)[0] for u in (0.6, 0.7)] == [0, 1]
+
+
+def test_logprobs_are_unfiltered_temperature_one() -> None:
+    token, logprob = draw(0.99, temperature=0.3, top_k=2)
+    assert token == 1
+    assert logprob == pytest.approx(math.log(0.25), abs=1e-6)
+
+
+def test_rows_are_independent_of_their_batch_mates() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = RowParams.build([1.0, 0.0, 0.7], [-1, -1, 5], [1.0, 1.0, 0.8])
+    batched, _ = sample_tokens(logits, params, [0.3, 0.0, 0.6])
+    for row, u in enumerate([0.3, 0.0, 0.6]):
+        alone = RowParams.build([params.temperature_B[row].item()], [int(params.top_k_B[row])],
+                                [params.top_p_B[row].item()])
+        single, _ = sample_tokens(logits[row : row + 1], alone, [u])
+        assert int(single[0]) == int(batched[row])
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[LocalService]:
+    with LocalService(SMALL, seed=0) as svc:
+        yield svc
+
+
+def test_sampled_logprobs_match_the_trainers_forward(service: LocalService) -> None:
+    sampler = service.create_sampling_client(stop_at_end_of_turn=False)
+    prompt = list(range(20, 60))
+    seq = sampler.sample(ModelInput.from_ints(prompt),
+                         sampling_params=SamplingParams(max_tokens=10, temperature=0.8, top_k=20,
+                                                        seed=3)).result().sequences[0]
+    tokens = prompt + seq.tokens
+    datum = Datum(model_input=ModelInput.from_ints(tokens[:-1]),
+                  loss_fn_inputs={"target_tokens": tokens[1:]})
+    out = service.create_training_client().forward([datum], loss_fn="cross_entropy").result()
+    trained = out.loss_fn_outputs[0]["logprobs"][len(prompt) - 1 :]
+    assert trained == pytest.approx(seq.logprobs, abs=1e-4)
+
+
+def test_usage_is_recorded_for_every_response(service: LocalService) -> None:
+    sampler = service.create_sampling_client(stop_at_end_of_turn=False)
+    before = service.usage()
+    a = sampler.sample([5] * 20, num_samples=3, sampling_params=SamplingParams(max_tokens=4)).result()
+    b = sampler.compute_logprobs([6] * 10).result()
+    after = service.usage()
+    assert len(b) == 10 and b[0] is None
+    assert a.usage.sampled_tokens == 12
+    assert after.sampled_tokens - before.sampled_tokens == 12
+    assert after.prefill_tokens - before.prefill_tokens == 20 + 10
+    assert after.prefill_computed_tokens - before.prefill_computed_tokens >= 10
+
+
+def test_max_tokens_zero_returns_empty_sequences(service: LocalService) -> None:
+    resp = service.create_sampling_client().sample(
+        [1, 2, 3], num_samples=2, sampling_params=SamplingParams(max_tokens=0)).result()
+    assert [(s.tokens, s.stop_reason) for s in resp.sequences] == [([], "length")] * 2
+
+
+def test_prompt_must_be_token_ids(service: LocalService) -> None:
+    sampler = service.create_sampling_client()
+    with pytest.raises(ValueError, match="prompt must be"):
+        sampler.sample("hello")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="negative"):
+        sampler.sample([3, -1])

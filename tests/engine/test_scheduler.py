@@ -1,0 +1,249 @@
+"""The engine: cache reuse, shared prefill, prompt logprobs, versions, seeds, stops, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixgym.engine.model import ModelConfig, Transformer
+from prefixgym.engine.service import LocalService
+from prefixgym.types import ModelInput, SamplingParams
+
+SMALL = ModelConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    hidden_dim=128, max_seq_len=512)
+BS = 16
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[LocalService]:
+    with LocalService(SMALL, seed=0, block_size=BS) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def uncached() -> Iterator[LocalService]:
+    with LocalService(SMALL, seed=0, block_size=BS, prefix_cache=False) as svc:
+        yield svc
+
+
+def full_forward_logprobs(model: Transformer, tokens: list[int]) -> list[float | None]:
+    """log p(tokens[i] | tokens[:i]) from one plain causal forward (no KV view)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]))[0]
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    return [None, *logp.gather(1, torch.tensor(tokens[1:]).unsqueeze(1)).squeeze(1).tolist()]
+
+
+def run_turns(svc: LocalService, first: list[int], extra: list[list[int]], params: SamplingParams):
+    sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+    prompt, out = list(first), []
+    for more in [[], *extra]:
+        prompt = prompt + more
+        resp = sampler.sample(ModelInput.from_ints(prompt), sampling_params=params).result()
+        out.append((list(prompt), resp))
+        prompt = prompt + resp.sequences[0].tokens
+    return out
+
+
+tokens = st.lists(st.integers(1, 4000), min_size=1, max_size=40)
+
+
+@settings(max_examples=6, derandomize=True)
+@given(first=tokens, extra=st.lists(tokens, min_size=1, max_size=3))
+def test_cached_and_uncached_agree_and_turns_hit_the_cache(
+    service: LocalService, uncached: LocalService, first: list[int], extra: list[list[int]]
+) -> None:
+    cached_turns = run_turns(service, first, extra, GREEDY)
+    plain_turns = run_turns(uncached, first, extra, GREEDY)
+    previous_shared = 0
+    for (prompt, a), (_, b) in zip(cached_turns, plain_turns):
+        assert a.sequences[0].tokens == b.sequences[0].tokens
+        assert a.sequences[0].logprobs == pytest.approx(b.sequences[0].logprobs, abs=1e-5)
+        assert a.usage.prefill_computed_tokens + a.usage.prefill_cached_tokens == len(prompt)
+        assert b.usage.prefill_cached_tokens == 0
+        assert a.usage.prefill_cached_tokens >= previous_shared - BS
+        previous_shared = len(prompt) + len(a.sequences[0].tokens)
+    service.check_cache_integrity()
+
+
+def test_group_of_eight_prefills_the_prompt_once(service: LocalService) -> None:
+    prompt = list(range(3000, 3050))
+    before = service.engine_stats()["prefill_positions"]
+    resp = service.create_sampling_client().sample(
+        prompt, num_samples=8, sampling_params=SamplingParams(max_tokens=5, seed=1)
+    ).result()
+    assert len(resp.sequences) == 8
+    assert resp.usage.prefill_computed_tokens == 50 and resp.usage.prefill_cached_tokens == 0
+    assert service.engine_stats()["prefill_positions"] - before == 50
+    assert resp.usage.sampled_tokens == sum(len(s.tokens) for s in resp.sequences)
+    assert len({tuple(s.tokens) for s in resp.sequences}) > 1  # per-sample randomness
+
+
+def test_prompt_logprobs_skip_the_cache_and_match_a_full_forward(service: LocalService) -> None:
+    sampler = service.create_sampling_client()
+    prompt = list(range(100, 170))
+    sampler.sample(prompt, sampling_params=SamplingParams(max_tokens=1)).result()  # now cached
+    hits = service.cache_stats()["hit_tokens"]
+    expected = full_forward_logprobs(sampler._model, prompt)
+    resp = sampler.sample(prompt, sampling_params=GREEDY, include_prompt_logprobs=True).result()
+    assert resp.usage.prefill_cached_tokens == 0 and resp.usage.prefill_computed_tokens == 70
+    assert resp.prompt_logprobs is not None and resp.prompt_logprobs[0] is None
+    assert resp.prompt_logprobs[1:] == pytest.approx(expected[1:], abs=1e-5)
+    logprobs = sampler.compute_logprobs(ModelInput.from_ints(prompt)).result()
+    assert logprobs[0] is None and logprobs[1:] == pytest.approx(expected[1:], abs=1e-5)
+    assert service.cache_stats()["hit_tokens"] == hits
+
+
+def test_a_new_weights_version_never_hits_old_blocks() -> None:
+    with LocalService(SMALL, seed=0, block_size=BS) as svc:
+        prompt = list(range(200, 260))
+        old = svc.create_sampling_client()
+        old.sample(prompt, sampling_params=GREEDY).result()
+        assert old.sample(prompt, sampling_params=GREEDY).result().usage.prefill_cached_tokens == 48
+        new = svc.publish_weights()
+        assert (new.weights_version, svc.weights_version) == (1, 1)
+        first = new.sample(prompt, sampling_params=GREEDY).result()
+        assert first.usage.prefill_cached_tokens == 0
+        assert new.sample(prompt, sampling_params=GREEDY).result().usage.prefill_cached_tokens == 48
+        assert old.sample(prompt, sampling_params=GREEDY).result().usage.prefill_cached_tokens == 48
+
+
+def test_cache_stays_within_budget_under_a_large_workload() -> None:
+    with LocalService(SMALL, seed=0, block_size=BS, cache_bytes=0) as svc:
+        cache = svc.scheduler.cache
+        assert cache is not None
+        cache.capacity_bytes = 6 * cache.block_bytes
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        svc.scheduler.pause()
+        futures = [
+            sampler.sample(list(range(i * 50 + 1, i * 50 + 41)), num_samples=2,
+                           sampling_params=SamplingParams(max_tokens=20, seed=i))
+            for i in range(6)
+        ]
+        svc.scheduler.resume()
+        for future in futures:
+            resp = future.result()
+            assert resp.usage.prefill_computed_tokens + resp.usage.prefill_cached_tokens == 40
+            svc.check_cache_integrity()
+        stats = svc.cache_stats()
+        assert stats["used_bytes"] <= stats["capacity_bytes"]
+        assert stats["evicted_blocks"] > 0
+        assert stats["referenced_blocks"] == 0  # every finished request unpinned its blocks
+
+
+def test_seeds_reproduce_while_other_requests_share_the_batch(service: LocalService) -> None:
+    sampler = service.create_sampling_client(stop_at_end_of_turn=False)
+    params = SamplingParams(max_tokens=15, temperature=1.0, top_k=50, top_p=0.9, seed=42)
+    alone = sampler.sample(list(range(10, 30)), sampling_params=params).result()
+    results: list[list[int]] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        noise = sampler.sample([i + 1] * 25, sampling_params=SamplingParams(max_tokens=20, seed=i))
+        mine = sampler.sample(list(range(10, 30)), sampling_params=params)
+        with lock:
+            results.append(mine.result().sequences[0].tokens)
+        noise.result()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [alone.sequences[0].tokens] * 4
+
+
+def test_concurrent_requests_are_batched() -> None:
+    with LocalService(SMALL, seed=0) as svc:
+        sampler = svc.create_sampling_client()
+        svc.scheduler.pause()
+        futures = [sampler.sample([i + 5] * 9, sampling_params=SamplingParams(max_tokens=4, seed=i))
+                   for i in range(5)]
+        svc.scheduler.resume()
+        assert all(len(f.result().sequences) == 1 for f in futures)
+        assert svc.engine_stats()["max_batch_size"] == 5
+
+
+def test_stop_strings_stop_tokens_and_max_tokens(service: LocalService) -> None:
+    sampler = service.create_sampling_client(stop_at_end_of_turn=False)
+    prompt = list(range(400, 420))
+    free = sampler.sample(prompt, sampling_params=GREEDY).result().sequences[0]
+    assert free.stop_reason == "length" and len(free.tokens) == GREEDY.max_tokens
+    stop_id = free.tokens[4]
+    by_id = sampler.sample(
+        prompt, sampling_params=GREEDY.model_copy(update={"stop_token_ids": [stop_id]})
+    ).result().sequences[0]
+    assert by_id.stop_reason == "stop"
+    assert by_id.tokens == free.tokens[: free.tokens.index(stop_id) + 1]
+    text_of = service.tokenizer.decode
+    stop_text = text_of(free.tokens[6:7]) or text_of(free.tokens[5:7])
+    by_text = sampler.sample(
+        prompt, sampling_params=GREEDY.model_copy(update={"stop": [stop_text]})
+    ).result().sequences[0]
+    assert by_text.stop_reason == "stop"
+    assert stop_text in text_of(by_text.tokens)
+    assert stop_text not in text_of(by_text.tokens[:-1])
+    assert by_text.tokens == free.tokens[: len(by_text.tokens)]
+
+
+def test_default_end_of_turn_ids_stop_sampling(service: LocalService) -> None:
+    sampler = service.create_sampling_client()
+    im_end = service.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in sampler.default_stop_token_ids
+    assert service.tokenizer.eos_token_id in sampler.default_stop_token_ids
+    assert service.create_sampling_client(stop_at_end_of_turn=False).default_stop_token_ids == ()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "num_samples", "message"),
+    [
+        ([1, 2, 5000], GREEDY, 1, "token id 5000 at index 2"),
+        ([1] * 505, GREEDY, 1, "max_seq_len 512"),
+        ([1, 2], GREEDY, 0, "num_samples"),
+        ([1, 2], GREEDY.model_copy(update={"stop_token_ids": [99999]}), 1, "stop_token_ids"),
+        ([], GREEDY, 1, "tokens"),
+    ],
+)
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(
+    service: LocalService, prompt: list[int], params: SamplingParams, num_samples: int, message: str
+) -> None:
+    sampler = service.create_sampling_client()
+    with pytest.raises(ValueError, match=message):
+        sampler.sample(prompt, num_samples=num_samples, sampling_params=params)
+    resp = sampler.sample([1, 2, 3], sampling_params=GREEDY).result()
+    assert len(resp.sequences[0].tokens) >= 1
+
+
+def test_sample_can_be_awaited(service: LocalService) -> None:
+    sampler = service.create_sampling_client()
+
+    async def main() -> list[int]:
+        responses = await asyncio.gather(
+            *(sampler.sample([7, 8, 9], sampling_params=SamplingParams(max_tokens=3, seed=5))
+              for _ in range(3))
+        )
+        return [len({tuple(r.sequences[0].tokens) for r in responses})]
+
+    assert asyncio.run(main()) == [1]
+
+
+def test_an_error_inside_the_engine_fails_only_its_request(service: LocalService) -> None:
+    broken = Transformer(SMALL)
+
+    def explode(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    broken.forward = explode  # type: ignore[method-assign]
+    future = service.scheduler.submit([1, 2, 3], broken, 99, GREEDY)
+    with pytest.raises(RuntimeError, match="boom"):
+        future.result()
+    resp = service.create_sampling_client().sample([1, 2, 3], sampling_params=GREEDY).result()
+    assert len(resp.sequences[0].tokens) >= 1
+    service.check_cache_integrity()

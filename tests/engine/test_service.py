@@ -1,0 +1,82 @@
+"""LocalService: construction, versions, clients, stats, closing."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixgym.engine.model import ModelConfig, Transformer
+from prefixgym.engine.service import LocalService
+from prefixgym.engine.training import TrainingClient
+from prefixgym.types import AdamParams, Datum, ModelInput, SamplingParams
+
+SMALL = ModelConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    hidden_dim=128, max_seq_len=512)
+
+
+def test_tiny_preset_with_builtin_tokenizer() -> None:
+    with LocalService("tiny", seed=0) as svc:
+        assert len(svc.tokenizer) == 4096
+        assert isinstance(svc.train_model, Transformer) and svc.weights_version == 0
+        ids = svc.tokenizer.encode("hello world")
+        resp = svc.create_sampling_client().sample(
+            ids, sampling_params=SamplingParams(max_tokens=3, seed=0)).result()
+        assert len(resp.sequences[0].tokens) <= 3
+
+
+def test_training_then_publishing_changes_the_sampler() -> None:
+    with LocalService(SMALL, seed=0) as svc:
+        prompt = list(range(30, 50))
+        greedy = SamplingParams(max_tokens=4, temperature=0.0)
+        before = svc.create_sampling_client().sample(prompt, sampling_params=greedy).result()
+        trainer = svc.create_training_client()
+        assert isinstance(trainer, TrainingClient)
+        target = before.sequences[0].tokens[0]
+        tokens = prompt + [(target + 1) % 4096]
+        datum = Datum(model_input=ModelInput.from_ints(tokens[:-1]),
+                      loss_fn_inputs={"target_tokens": tokens[1:],
+                                      "weights": [0.0] * (len(prompt) - 1) + [1.0]})
+        for _ in range(5):
+            trainer.forward_backward([datum], "cross_entropy").result()
+            trainer.optim_step(AdamParams(learning_rate=1e-2)).result()
+        new = trainer.save_weights_and_get_sampling_client()
+        assert new.weights_version == svc.weights_version == 1
+        after = new.sample(prompt, sampling_params=greedy).result()
+        assert after.sequences[0].tokens[0] == (target + 1) % 4096
+        assert after.usage.prefill_cached_tokens == 0  # old KV never serves new weights
+        assert svc.usage().train_computed_tokens == 5 * len(tokens[:-1])
+
+
+def test_cache_stats_and_disabled_cache() -> None:
+    with LocalService(SMALL, block_size=8, cache_bytes=2**20) as svc:
+        svc.create_sampling_client().sample(list(range(1, 30)),
+                                            sampling_params=SamplingParams(max_tokens=2)).result()
+        stats = svc.cache_stats()
+        assert stats["block_size"] == 8 and stats["capacity_bytes"] == 2**20
+        assert stats["num_blocks"] >= 3 and stats["used_bytes"] > 0
+        assert stats["query_tokens"] == 29
+    with LocalService(SMALL, prefix_cache=False) as svc:
+        resp = svc.create_sampling_client().sample(
+            list(range(1, 40)), sampling_params=SamplingParams(max_tokens=2)).result()
+        resp2 = svc.create_sampling_client().sample(
+            list(range(1, 40)), sampling_params=SamplingParams(max_tokens=2)).result()
+        assert resp2.usage.prefill_cached_tokens == 0 == resp.usage.prefill_cached_tokens
+        assert svc.cache_stats()["used_bytes"] == 0 and svc.cache_stats()["enabled"] == 0
+
+
+def test_bad_constructor_arguments() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        LocalService(SMALL, dtype="int8")
+    with pytest.raises(ValueError, match="unknown model"):
+        LocalService("no-such-model")
+    with pytest.raises(ValueError, match="model must be"):
+        LocalService(3)  # type: ignore[arg-type]
+
+
+def test_close_stops_the_engine_thread() -> None:
+    svc = LocalService(SMALL)
+    sampler = svc.create_sampling_client()
+    svc.close()
+    assert not svc.scheduler._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        sampler.sample([1, 2, 3])
+    svc.close()  # idempotent
