@@ -1,0 +1,414 @@
+"""TrainingClient: forward_backward, optim_step, save/load of the train phase.
+
+1) Validate the whole request before any compute (loss name and config, required
+   keys, lengths, target ids inside the vocabulary, finite values): a bad request
+   raises ValueError naming the datum and key, and changes nothing.
+2) Right-pad datums of different lengths into (B, T) chunks of at most
+   `max_tokens_per_forward` tokens; padded positions get weight 0. Causal attention
+   makes the results equal to running datums one by one.
+3) Per chunk: forward, per-token target logprobs, the loss (a **sum** of weight x
+   per-token loss, see `losses.py`), gradients. Gradients are staged and added to
+   the parameters' `.grad` only when the whole call succeeded with finite values,
+   so accumulated gradients are never half-updated.
+4) `optim_step` applies AdamW to the accumulated gradients and zeroes them.
+
+Calls run in order on one worker thread and return `APIFuture`s, so they are safe to
+issue from any thread, e.g. while another thread samples. This module knows nothing
+of tokenizers, caches or the sampler: publishing weights is a callable it is given.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from prefixgym.engine import losses
+from prefixgym.engine.checkpoint_io import (
+    capture_rng_state,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from prefixgym.engine.model import Transformer
+from prefixgym.engine.usage import UsageLedger
+from prefixgym.futures import APIFuture
+from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput, Usage
+
+T = TypeVar("T")
+Tensor = torch.Tensor
+
+
+@dataclass
+class _Prepared:
+    """One validated datum as 1-D CPU tensors of length n."""
+
+    tokens_T: Tensor  # int64
+    inputs: dict[str, Tensor]  # target_tokens (int64), weights/logprobs/advantages (float64)
+    num_loss_tokens: int
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens_T.shape[0])
+
+
+def _as_1d(where: str, values: object) -> Tensor:
+    try:
+        if isinstance(values, Tensor):
+            out = values.detach().to("cpu", torch.float64)
+        else:
+            out = torch.as_tensor(values, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{where} is not a list of numbers: {e}") from None
+    if out.dim() != 1:
+        raise ValueError(f"{where} must be a flat list of numbers, got shape {tuple(out.shape)}")
+    return out
+
+
+def _token_ids(where: str, values: object, vocab_size: int) -> Tensor:
+    ids = _as_1d(where, values)
+    bad = (~torch.isfinite(ids)) | (ids != ids.round()) | (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        j = int(bad.nonzero()[0])
+        raise ValueError(
+            f"{where}[{j}] = {ids[j].item():g} is not a token id of this model "
+            f"(integers in [0, {vocab_size}))"
+        )
+    return ids.long()
+
+
+def prepare_datum(
+    i: int, datum: Datum, spec: losses.LossSpec, loss_fn: str, vocab_size: int, max_seq_len: int
+) -> _Prepared:
+    """Validate datum `i` for `loss_fn` and turn it into tensors; ValueError names the problem."""
+    tokens = getattr(getattr(datum, "model_input", None), "tokens", None)
+    if tokens is None:
+        raise ValueError(f"datums[{i}] has no model_input.tokens (got {type(datum).__name__})")
+    tokens_T = _token_ids(f"datums[{i}].model_input.tokens", tokens, vocab_size)
+    n = int(tokens_T.shape[0])
+    if n == 0:
+        raise ValueError(f"datums[{i}].model_input.tokens is empty")
+    if n > max_seq_len:
+        raise ValueError(
+            f"datums[{i}] has {n} tokens, more than the model's max_seq_len {max_seq_len}"
+        )
+    loss_fn_inputs = getattr(datum, "loss_fn_inputs", None)
+    if not isinstance(loss_fn_inputs, Mapping):
+        raise ValueError(  # noqa: TRY004 - bad input is a ValueError throughout prefixgym
+            f"datums[{i}].loss_fn_inputs must be a dict, got {type(loss_fn_inputs).__name__}"
+        )
+    unknown = sorted(set(loss_fn_inputs) - losses.KNOWN_INPUT_KEYS)
+    if unknown:
+        raise ValueError(
+            f"datums[{i}].loss_fn_inputs has unknown key(s) {unknown}; known keys are "
+            f"{sorted(losses.KNOWN_INPUT_KEYS)}"
+        )
+    for key in spec.required:
+        if key not in loss_fn_inputs:
+            raise ValueError(
+                f"datums[{i}].loss_fn_inputs is missing {key!r}, which loss_fn "
+                f"{loss_fn!r} needs (it needs {list(spec.required)})"
+            )
+    inputs: dict[str, Tensor] = {}
+    for key in (*spec.required, *spec.optional):
+        if key not in loss_fn_inputs:
+            continue
+        where = f"datums[{i}].loss_fn_inputs[{key!r}]"
+        if key == "target_tokens":
+            values = _token_ids(where, loss_fn_inputs[key], vocab_size)
+        else:
+            values = _as_1d(where, loss_fn_inputs[key])
+            finite = torch.isfinite(values)
+            if not finite.all():
+                j = int((~finite).nonzero()[0])
+                raise ValueError(f"{where}[{j}] = {values[j].item()}; values must be finite")
+        if values.shape[0] != n:
+            raise ValueError(
+                f"{where} has {values.shape[0]} values but model_input has {n} tokens; "
+                "every loss input needs one value per position"
+            )
+        inputs[key] = values
+    inputs.setdefault("weights", torch.ones(n, dtype=torch.float64))
+    return _Prepared(tokens_T, inputs, int((inputs["weights"] != 0).sum()))
+
+
+@dataclass
+class _Chunk:
+    indices: list[int]
+    tokens_B_T: Tensor
+    inputs: dict[str, Tensor]  # each (B, T), zero-padded on the right
+
+
+def make_chunks(
+    prepared: Sequence[_Prepared], max_tokens: int, device: torch.device
+) -> list[_Chunk]:
+    """Consecutive datums, right-padded, B x T_max <= max_tokens per chunk (>= 1 datum)."""
+    groups: list[list[int]] = []
+    for i, p in enumerate(prepared):
+        if groups:
+            t_max = max(p.length, *(prepared[j].length for j in groups[-1]))
+            if t_max * (len(groups[-1]) + 1) <= max_tokens:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    chunks = []
+    for group in groups:
+        T = max(prepared[j].length for j in group)
+        tokens_B_T = torch.zeros(len(group), T, dtype=torch.long)
+        keys = prepared[group[0]].inputs.keys()
+        inputs = {
+            k: torch.zeros(len(group), T, dtype=prepared[group[0]].inputs[k].dtype) for k in keys
+        }
+        for b, j in enumerate(group):
+            n = prepared[j].length
+            tokens_B_T[b, :n] = prepared[j].tokens_T
+            for k in keys:
+                inputs[k][b, :n] = prepared[j].inputs[k]
+        on_device = {
+            k: v.to(device) if k == "target_tokens" else v.to(device, torch.float32)
+            for k, v in inputs.items()
+        }
+        chunks.append(_Chunk(group, tokens_B_T.to(device), on_device))
+    return chunks
+
+
+class TrainingClient:
+    """Trains `model` in place. See the module docstring for the order of operations.
+
+    `compute_dtype=torch.bfloat16` runs forward/backward under autocast with fp32
+    master weights (a bf16 model simply trains in bf16). `seed` seeds a generator
+    owned by this client (saved with the state) for stochastic training ops.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        publish: Callable[[], Any] | None = None,
+        ledger: UsageLedger | None = None,
+        seed: int = 0,
+        compute_dtype: torch.dtype = torch.float32,
+        max_tokens_per_forward: int = 8192,
+    ) -> None:
+        if compute_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}"
+            )
+        if max_tokens_per_forward < 1:
+            raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
+        self.model = model
+        self.ledger = ledger if ledger is not None else UsageLedger()
+        self.compute_dtype = compute_dtype
+        self.max_tokens_per_forward = max_tokens_per_forward
+        self._publish = publish
+        self._optimizer: torch.optim.AdamW | None = None
+        self._step = 0
+        self._generator = torch.Generator().manual_seed(seed)
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="prefixgym-train"
+        )
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (restored by `load_state`)."""
+        return self._step
+
+    # -- requests ------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Add d(loss)/d(params) to the accumulated gradients; return logprobs, metrics, usage."""
+        request = self._validate(datums, loss_fn, loss_fn_config)
+        return self._submit(self._run, *request, True)
+
+    def forward(
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """`forward_backward` without gradients (evaluation); counted as train compute."""
+        request = self._validate(datums, loss_fn, loss_fn_config)
+        return self._submit(self._run, *request, False)
+
+    def optim_step(self, adam: AdamParams) -> APIFuture[OptimStepOutput]:
+        """One AdamW update from the accumulated gradients, then zero them."""
+        if not isinstance(adam, AdamParams):
+            adam = AdamParams.model_validate(adam)
+        return self._submit(self._optim_step, adam)
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> Any:
+        """Publish the current weights as a new version and return a SamplingClient for them."""
+        if self._publish is None:
+            raise RuntimeError(
+                "this TrainingClient has no publish callable; create it with "
+                "LocalService.create_training_client() to sample from trained weights"
+            )
+        return self._submit(self._publish).result()
+
+    def save_state(self, path: str | os.PathLike[str]) -> APIFuture[str]:
+        """Save weights, optimizer state, step and RNG states to directory `path`, atomically.
+
+        Gradients accumulated since the last `optim_step` are not saved. Returns once saved.
+        """
+        self._submit(self._save_state, os.fspath(path)).result()
+        return APIFuture.completed(os.fspath(path))
+
+    def load_state(self, path: str | os.PathLike[str]) -> APIFuture[int]:
+        """Restore what `save_state` wrote (model of the same architecture); drops pending grads."""
+        step = self._submit(self._load_state, os.fspath(path)).result()
+        return APIFuture.completed(step)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    # -- worker side -----------------------------------------------------------------
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> APIFuture[T]:
+        return APIFuture(self._worker.submit(fn, *args))
+
+    def _validate(
+        self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None
+    ) -> tuple[list[_Prepared], losses.LossSpec, dict[str, float]]:
+        spec = losses.get_loss(loss_fn)
+        config = losses.validate_config(loss_fn, loss_fn_config)
+        if isinstance(datums, (str, bytes)) or not isinstance(datums, Sequence):
+            raise ValueError(  # noqa: TRY004 - bad input is a ValueError throughout prefixgym
+                f"datums must be a list of Datum, got {type(datums).__name__}"
+            )
+        if len(datums) == 0:
+            raise ValueError("datums is empty; forward_backward needs at least one Datum")
+        cfg = self.model.config
+        prepared = [
+            prepare_datum(i, d, spec, loss_fn, cfg.vocab_size, cfg.max_seq_len)
+            for i, d in enumerate(datums)
+        ]
+        return prepared, spec, config
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        param = next(self.model.parameters())
+        if self.compute_dtype == torch.float32 or param.dtype != torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(param.device.type, dtype=self.compute_dtype)
+
+    def _run(
+        self,
+        prepared: list[_Prepared],
+        spec: losses.LossSpec,
+        config: dict[str, float],
+        backward: bool,
+    ) -> ForwardBackwardOutput:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        device = params[0].device if params else torch.device("cpu")
+        staged: list[Tensor | None] = [None] * len(params)
+        loss_total = 0.0
+        metric_sums: dict[str, float] = {}
+        logprobs_out: list[list[float]] = [[] for _ in prepared]
+        for chunk in make_chunks(prepared, self.max_tokens_per_forward, device):
+            with torch.set_grad_enabled(backward):
+                with self._autocast():
+                    logits_B_T_V = self.model(chunk.tokens_B_T)
+                logprobs_B_T = losses.target_logprobs(logits_B_T_V, chunk.inputs["target_tokens"])
+                loss, sums = spec.fn(logprobs_B_T, chunk.inputs, config)
+            if backward:
+                chunk_grads = torch.autograd.grad(loss, params, allow_unused=True)
+                for k, g in enumerate(chunk_grads):
+                    prev = staged[k]
+                    if g is not None:
+                        staged[k] = g if prev is None else prev + g
+            loss_total += float(loss.detach())
+            for key, value in sums.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + value
+            rows = logprobs_B_T.detach().double().cpu()
+            for b, j in enumerate(chunk.indices):
+                logprobs_out[j] = rows[b, : prepared[j].length].tolist()
+        bad_grad = any(g is not None and not bool(torch.isfinite(g).all()) for g in staged)
+        if not math.isfinite(loss_total) or bad_grad:
+            raise ValueError(
+                f"the loss ({loss_total}) or its gradient is not finite (an importance ratio "
+                "exp(logp - sampler logprob) may have overflowed); gradients left unchanged"
+            )
+        # Commit: only now do accumulated gradients change.
+        for param, staged_grad in zip(params, staged):
+            if staged_grad is not None:
+                param.grad = staged_grad if param.grad is None else param.grad.add_(staged_grad)
+        usage = Usage(
+            train_computed_tokens=sum(p.length for p in prepared),
+            train_loss_tokens=sum(p.num_loss_tokens for p in prepared),
+        )
+        self.ledger.add(usage)
+        n_loss = max(usage.train_loss_tokens, 1)
+        metrics = {
+            "loss": loss_total,
+            "loss/mean_per_loss_token": loss_total / n_loss,
+            "train_computed_tokens": float(usage.train_computed_tokens),
+            "train_loss_tokens": float(usage.train_loss_tokens),
+            **{key: value / n_loss for key, value in metric_sums.items()},
+        }
+        return ForwardBackwardOutput(
+            loss_fn_outputs=[{"logprobs": lp} for lp in logprobs_out], metrics=metrics, usage=usage
+        )
+
+    def _optim_step(self, adam: AdamParams) -> OptimStepOutput:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        betas = (adam.beta1, adam.beta2)
+        if self._optimizer is None:
+            self._optimizer = torch.optim.AdamW(
+                params,
+                lr=adam.learning_rate,
+                betas=betas,
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
+        for group in self._optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate, betas=betas, eps=adam.eps, weight_decay=adam.weight_decay
+            )
+        grads = [g for g in (p.grad for p in params) if g is not None]
+        grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if adam.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(
+                params, adam.grad_clip_norm, torch.tensor(grad_norm)
+            )
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._step += 1
+        return OptimStepOutput(
+            metrics={
+                "grad_norm": grad_norm,
+                "step": float(self._step),
+                "learning_rate": adam.learning_rate,
+            }
+        )
+
+    def _save_state(self, path: str) -> None:
+        state = {
+            "step": self._step,
+            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+            "rng": capture_rng_state(),
+            "generator": self._generator.get_state(),
+        }
+        save_checkpoint(path, self.model, state)
+
+    def _load_state(self, path: str) -> int:
+        state = load_checkpoint(path, self.model)
+        self.model.zero_grad(set_to_none=True)
+        if state["optimizer"] is not None:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self._optimizer = torch.optim.AdamW(params)
+            self._optimizer.load_state_dict(state["optimizer"])
+        else:
+            self._optimizer = None
+        self._step = int(state["step"])
+        restore_rng_state(state["rng"])
+        self._generator.set_state(state["generator"])
+        return self._step
