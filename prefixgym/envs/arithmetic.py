@@ -1,0 +1,121 @@
+"""Arithmetic: evaluate a multi-step integer expression, with a calculator tool.
+
+This module knows text only.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from collections.abc import Callable
+from typing import Any
+
+from prefixgym.envs.base import AgentEnv, Outcome
+from prefixgym.prompting.tools import Tool, format_tool_call
+
+_INT_RE = re.compile(r"\s*([+-]?\d{1,30})\s*\.?\s*")
+_BINARY: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression with + - * / // % and parentheses.
+
+    Args:
+        expression: The expression, for example "(3 + 4) * 5".
+    """
+    if len(expression) > 500:
+        raise ValueError("expression longer than 500 characters")
+    value = _evaluate(ast.parse(expression, mode="eval").body)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value  # type: ignore[return-value]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        value = _evaluate(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if max(abs(left), abs(right)) > 10**12:
+            raise ValueError("numbers too large")
+        return _BINARY[type(node.op)](left, right)  # type: ignore[no-any-return]
+    raise ValueError(f"unsupported syntax: {type(node).__name__}")
+
+
+class Arithmetic(AgentEnv):
+    """Compute the integer value of an expression such as "(7 + 12) * 3 - 5".
+
+    Rules: the agent may call the `calculator` tool (`<tool_call>{"name":
+    "calculator", "arguments": {"expression": "..."}}</tool_call>`) any number of
+    times; its first reply without a tool call is the answer, one integer. A reply
+    that is not an integer is invalid (penalised, the episode goes on).
+
+    Reward: 1.0 for the right answer, 0 for a wrong one (the episode ends either
+    way), `-invalid_penalty` per invalid reply or malformed tool call.
+    Difficulty: `num_operands` (2..8), `max_value` (operands in 1..max_value),
+    `parentheses` (group the first two operands). The expert calls the calculator
+    once and then answers.
+    """
+
+    system_prompt = (
+        "Compute the value of the expression. You may call the calculator tool. "
+        "Then reply with the final integer only."
+    )
+
+    def __init__(
+        self,
+        *,
+        num_operands: int = 3,
+        max_value: int = 20,
+        parentheses: bool = True,
+        max_turns: int = 4,
+        invalid_penalty: float = 0.1,
+        render_mode: str | None = None,
+    ) -> None:
+        if not 2 <= num_operands <= 8:
+            raise ValueError(f"num_operands must be in 2..8, got {num_operands!r}")
+        if not 1 <= max_value <= 10**6:
+            raise ValueError(f"max_value must be in 1..10**6, got {max_value!r}")
+        super().__init__(max_turns=max_turns, invalid_penalty=invalid_penalty,
+                         tools=[Tool.from_function(calculator)], render_mode=render_mode)
+        self.num_operands, self.max_value = num_operands, max_value
+        self.parentheses = parentheses
+        self._expression, self._answer = "1 + 1", 2
+
+    def _reset_task(self) -> str:
+        rng = self.np_random
+        numbers = [str(int(rng.integers(1, self.max_value + 1))) for _ in range(self.num_operands)]
+        ops = [str(rng.choice(["+", "-", "*"])) for _ in range(self.num_operands - 1)]
+        text = numbers[0]
+        for i, (op, number) in enumerate(zip(ops, numbers[1:])):
+            text = f"{text} {op} {number}"
+            if i == 0 and self.parentheses and self.num_operands > 2:
+                text = f"({text})"
+        self._expression = text
+        self._answer = int(calculator(text))
+        return f"What is {text}?"
+
+    def _act(self, text: str) -> Outcome:
+        match = _INT_RE.fullmatch(text)
+        if match is None:
+            return Outcome("Invalid. Reply with the final integer only, or call the "
+                           "calculator.", invalid=True)
+        if int(match.group(1)) == self._answer:
+            return Outcome("Correct!", rewards={"success": 1.0}, done=True, success=True)
+        return Outcome(f"Wrong. The answer was {self._answer}.", done=True)
+
+    def expert_action(self) -> str:
+        last = self._transcript[-1] if self._transcript else None
+        if last is not None and last["role"] == "tool" and last["name"] == "calculator":
+            return last["content"]
+        return format_tool_call("calculator", {"expression": self._expression})
+
+    def _leak_probes(self) -> list[str]:
+        return [f"= {self._answer}", f"answer is {self._answer}", f"answer was {self._answer}"]

@@ -1,0 +1,86 @@
+"""GuessNumber: find a hidden integer in [low, high] from "Higher"/"Lower" hints.
+
+The default training env: small enough for a ~5M-parameter model learning from
+scratch on a CPU (short replies, the state in the latest message).
+This module knows text only.
+"""
+
+from __future__ import annotations
+
+import re
+
+from prefixgym.envs.base import AgentEnv, Outcome
+
+_INT_RE = re.compile(r"\s*([+-]?\d{1,12})\s*\.?\s*")
+
+
+class GuessNumber(AgentEnv):
+    """Guess a hidden integer drawn uniformly from [low, high].
+
+    Rules: each reply is one integer, e.g. "8". The env answers "Higher." or
+    "Lower." and, with `show_range=True` (default), the range still possible:
+    "Higher. The number is between 9 and 16." A correct guess ends the episode.
+    A reply that is not an integer, or is outside [low, high], is invalid.
+
+    Reward: 1.0 for finding the number, plus `speed_bonus * (1 - (turns-1)/max_turns)`
+    for finding it early; `-invalid_penalty` for each invalid reply; 0 otherwise.
+    `is_success` is True iff the number was found. The expert does binary search,
+    which needs at most ceil(log2(high - low + 1)) + 1 guesses.
+    """
+
+    system_prompt = (
+        "You play a guessing game. Guess the hidden integer. "
+        "Reply with one integer only, for example: 8"
+    )
+
+    def __init__(
+        self,
+        *,
+        low: int = 1,
+        high: int = 16,
+        max_turns: int = 8,
+        show_range: bool = True,
+        speed_bonus: float = 0.2,
+        invalid_penalty: float = 0.1,
+        render_mode: str | None = None,
+    ) -> None:
+        if not (isinstance(low, int) and isinstance(high, int)) or low >= high:
+            raise ValueError(f"need integers low < high, got low={low!r}, high={high!r}")
+        if speed_bonus < 0:
+            raise ValueError(f"speed_bonus must be >= 0, got {speed_bonus!r}")
+        super().__init__(max_turns=max_turns, invalid_penalty=invalid_penalty,
+                         render_mode=render_mode)
+        self.low, self.high = low, high
+        self.show_range = show_range
+        self.speed_bonus = float(speed_bonus)
+        self._secret = low
+        self._lo, self._hi = low, high
+
+    def _reset_task(self) -> str:
+        self._secret = int(self.np_random.integers(self.low, self.high + 1))
+        self._lo, self._hi = self.low, self.high
+        return f"Guess a number between {self.low} and {self.high}."
+
+    def _act(self, text: str) -> Outcome:
+        match = _INT_RE.fullmatch(text)
+        guess = int(match.group(1)) if match else None
+        if guess is None or not self.low <= guess <= self.high:
+            return Outcome(f"Invalid. Reply with one integer between {self._lo} and "
+                           f"{self._hi}.", invalid=True)
+        if guess == self._secret:
+            bonus = self.speed_bonus * (1.0 - (self.turn - 1) / self.max_turns)
+            return Outcome("Correct!", rewards={"success": 1.0, "speed": bonus},
+                           done=True, success=True)
+        if guess < self._secret:
+            hint, self._lo = "Higher.", max(self._lo, guess + 1)
+        else:
+            hint, self._hi = "Lower.", min(self._hi, guess - 1)
+        if self.show_range:
+            hint += f" The number is between {self._lo} and {self._hi}."
+        return Outcome(hint)
+
+    def expert_action(self) -> str:
+        return str((self._lo + self._hi) // 2)
+
+    def _leak_probes(self) -> list[str]:
+        return [f"number is {self._secret}", f"answer is {self._secret}"]

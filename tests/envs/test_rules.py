@@ -1,0 +1,139 @@
+"""The rules and rewards of each built-in env, as their docstrings state them."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from prefixgym.envs import Arithmetic, GridMaze, GuessNumber, KeyValueLookup, Mastermind
+from prefixgym.envs.arithmetic import calculator
+from prefixgym.envs.mastermind import score
+from prefixgym.prompting.tools import format_tool_call
+
+
+def test_guess_number_hints_range_and_bonus() -> None:
+    env = GuessNumber(low=1, high=16, max_turns=8)
+    env.reset(seed=0)
+    secret = env._secret
+    lower_guess = 1 if secret > 1 else 16
+    obs, reward, *_ = env.step(str(lower_guess))
+    if lower_guess < secret:
+        assert obs[0]["content"] == "Higher. The number is between 2 and 16."
+    else:
+        assert obs[0]["content"] == "Lower. The number is between 1 and 15."
+    assert reward == 0.0
+    _, reward, terminated, _, info = env.step(f" {secret}\n")
+    assert terminated and info["is_success"]
+    assert info["reward_components"] == {"success": 1.0, "speed": pytest.approx(0.2 * 7 / 8)}
+
+
+@pytest.mark.parametrize("reply", ["0", "17", "eight", "8 9", "8.5", ""])
+def test_guess_number_invalid_replies(reply: str) -> None:
+    env = GuessNumber()
+    env.reset(seed=0)
+    obs, reward, terminated, _, info = env.step(reply)
+    assert info["invalid_action"] and reward == pytest.approx(-0.1) and not terminated
+    assert obs[0]["content"].startswith("Invalid.")
+
+
+def test_guess_number_without_range_hint_and_expert_is_binary_search() -> None:
+    env = GuessNumber(low=1, high=100, max_turns=8, show_range=False)
+    for seed in range(30):
+        env.reset(seed=seed)
+        for _ in range(7):  # ceil(log2(100)) = 7
+            obs, _, terminated, _, info = env.step(env.expert_action())
+            if terminated:
+                break
+            assert obs[0]["content"] in ("Higher.", "Lower.")
+        assert info["is_success"]
+    with pytest.raises(ValueError, match="low < high"):
+        GuessNumber(low=5, high=5)
+
+
+def test_calculator_is_safe_and_exact() -> None:
+    assert calculator("(7 + 12) * 3 - 5") == "52"
+    assert calculator("7 / 2") == "3.5" and calculator("8 / 2") == "4"
+    for bad in ["__import__('os')", "2 ** 10", "x + 1", "a" * 600]:
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def test_arithmetic_tool_then_answer() -> None:
+    env = Arithmetic(num_operands=4, max_value=9)
+    obs, _ = env.reset(seed=2)
+    question = obs[0]["content"]
+    assert question.startswith("What is (") and question.endswith("?")
+    obs, reward, terminated, _, _ = env.step(env.expert_action())
+    assert obs[0]["role"] == "tool" and obs[0]["content"] == str(env._answer)
+    assert (reward, terminated) == (0.0, False)
+    _, reward, terminated, _, info = env.step(str(env._answer + 1))
+    assert (reward, terminated, info["is_success"]) == (0.0, True, False)
+
+
+def test_mastermind_scoring_and_feedback() -> None:
+    assert score("AABB", "ABAB") == (2, 2)
+    assert score("ABCD", "DCBA") == (0, 4)
+    assert score("AAAA", "ABCD") == (1, 0)
+    env = Mastermind(code_length=4, num_colors=6, max_turns=2)
+    env.reset(seed=0)
+    guess = "ABCD" if env._code != "ABCD" else "ABCE"
+    obs, *_ = env.step(guess.lower())
+    exact, misplaced = score(guess, env._code)
+    assert obs[0]["content"] == f"{guess}: {exact} exact, {misplaced} misplaced."
+    _, reward, _, truncated, _ = env.step("ZZZZ")  # invalid, but the last turn: partial
+    assert truncated and reward == pytest.approx(0.3 * exact / 4 - 0.1)
+
+
+def test_mastermind_expert_solves_every_code_in_eight() -> None:
+    env = Mastermind(code_length=3, num_colors=4, max_turns=8)
+    env.reset(seed=0)
+    for code in itertools.product("ABCD", repeat=3):
+        env.reset(seed=0)
+        env._code = "".join(code)
+        for _ in range(8):
+            _, _, terminated, _, info = env.step(env.expert_action())
+            if terminated:
+                break
+        assert info["is_success"], code
+
+
+def test_grid_maze_moves_blocked_and_progress_credit() -> None:
+    env = GridMaze(size=5, wall_density=0.0, max_turns=20)
+    env.reset(seed=0)
+    start = env._start_dist
+    best = env.expert_action()
+    obs, reward, *_ = env.step(best)
+    assert reward == pytest.approx(0.5 / start) and "Goal:" in obs[0]["content"]
+    back = {"up": "down", "down": "up", "left": "right", "right": "left"}[best]
+    _, reward, *_ = env.step(back)
+    assert reward == pytest.approx(-0.5 / start)
+    env._pos = (0, 0)
+    obs, reward, _, _, info = env.step("up")
+    assert obs[0]["content"].startswith("Blocked.\n##") and reward == 0.0
+    assert not info["invalid_action"]
+    _, reward, _, _, info = env.step("north")
+    assert info["invalid_action"] and reward == pytest.approx(-0.1)
+
+
+def test_grid_maze_view_marks_agent_walls_and_goal() -> None:
+    env = GridMaze(size=3, wall_density=0.0)
+    env.reset(seed=0)
+    env._pos, env._goal = (0, 0), (0, 2)
+    assert env._view() == "###\n#A.\n#..\nGoal: 2 right."
+
+
+def test_key_value_lookup_two_hops_and_partial_credit() -> None:
+    env = KeyValueLookup(num_keys=5)
+    obs, _ = env.reset(seed=0)
+    question_key = env._question_key
+    assert question_key in obs[0]["content"] and env._middle_key not in obs[0]["content"]
+    obs, reward, *_ = env.step(format_tool_call("lookup", {"key": question_key}))
+    assert obs[0] == {"role": "tool", "name": "lookup", "content": env._middle_key}
+    obs, *_ = env.step(format_tool_call("lookup", {"key": "nope"}))
+    assert obs[0]["content"] == "No key 'nope' in the store."
+    _, reward, terminated, _, info = env.step(env._middle_key)
+    assert (reward, terminated, info["is_success"]) == (0.2, True, False)
+    env.reset(seed=0)
+    _, reward, terminated, _, info = env.step("  " + env._answer + "\n")
+    assert (reward, terminated, info["is_success"]) == (1.0, True, True)
