@@ -1,0 +1,104 @@
+"""Load a tokenizer: the built-in byte-level BPE, or any local Hugging Face one.
+
+`load_tokenizer("builtin")` gives the 4096-token BPE shipped in `engine/assets/`
+(trained by `engine/build_tokenizer.py`), with its ChatML chat template, `eos_token`
+and `pad_token` set. Any other argument is a local directory that
+`AutoTokenizer.from_pretrained` can read; nothing is ever downloaded.
+
+This module knows nothing about chat formats beyond the template string it attaches,
+and nothing about models.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from prefixgym.engine.build_tokenizer import (
+    ASSETS_DIR,
+    EOS_TOKEN,
+    IM_END,
+    IM_START,
+    VOCAB_SIZE,
+)
+
+BUILTIN = "builtin"
+
+__all__ = [
+    "BUILTIN",
+    "EOS_TOKEN",
+    "IM_END",
+    "IM_START",
+    "VOCAB_SIZE",
+    "builtin_chat_template",
+    "is_builtin_tokenizer",
+    "load_tokenizer",
+]
+
+
+def load_tokenizer(name_or_dir: str | Path = BUILTIN) -> PreTrainedTokenizerFast:
+    """The built-in tokenizer ("builtin") or the one in a local HF tokenizer directory.
+
+    The built-in tokenizer is loaded once per process and the same instance is returned
+    every time (tokenizers are mutable: do not change it; load a directory copy with
+    `load_tokenizer(ASSETS_DIR)` if you must). Raises ValueError for anything else.
+    """
+    if str(name_or_dir) == BUILTIN:
+        return _load_builtin()
+    path = Path(name_or_dir)
+    if not path.is_dir():
+        raise ValueError(
+            f"tokenizer {str(name_or_dir)!r} is neither 'builtin' nor a local directory; "
+            "prefixgym never downloads tokenizers, so give a directory that holds "
+            "tokenizer.json (or the files of a Hugging Face tokenizer)"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ...
+        raise ValueError(f"cannot load a tokenizer from directory {str(path)!r}: {e}") from e
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise ValueError(
+            f"the tokenizer in {str(path)!r} is {type(tokenizer).__name__}; prefixgym needs a "
+            "fast tokenizer (a directory with tokenizer.json)"
+        )
+    return tokenizer
+
+
+@functools.lru_cache(maxsize=1)
+def _load_builtin() -> PreTrainedTokenizerFast:
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(ASSETS_DIR / "tokenizer.json"),
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        clean_up_tokenization_spaces=False,
+        model_max_length=1_000_000,
+    )
+    tokenizer.name_or_path = BUILTIN
+    tokenizer.chat_template = builtin_chat_template()
+    if len(tokenizer) != VOCAB_SIZE:
+        raise RuntimeError(
+            f"shipped tokenizer has {len(tokenizer)} tokens, want {VOCAB_SIZE}; "
+            "rebuild it with `python -m prefixgym.engine.build_tokenizer`"
+        )
+    return tokenizer
+
+
+@functools.lru_cache(maxsize=1)
+def builtin_chat_template() -> str:
+    """The Jinja chat template shipped with the built-in tokenizer (ChatML)."""
+    return (ASSETS_DIR / "chat_template.jinja").read_text(encoding="utf-8")
+
+
+def is_builtin_tokenizer(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether `tokenizer` is the shipped BPE (the same instance, or a copy loaded from disk)."""
+    if tokenizer is _load_builtin():
+        return True
+    return (
+        len(tokenizer) == VOCAB_SIZE
+        and tokenizer.convert_tokens_to_ids([IM_START, IM_END, EOS_TOKEN])
+        == _load_builtin().convert_tokens_to_ids([IM_START, IM_END, EOS_TOKEN])
+        and tokenizer.get_vocab() == _load_builtin().get_vocab()
+    )
