@@ -1,0 +1,141 @@
+"""`prefixgym lint template|trace|env ...`: parse arguments, run one check, print, exit.
+
+Exit codes: 0 nothing found, 1 findings, 2 bad input (one clear line on stderr, no
+traceback). Defaults come from `[tool.prefixgym.lint]` in the nearest
+pyproject.toml; command-line options win. Also runnable as
+`python -m prefixgym.prompting.lint.command template PATH`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from prefixgym.prompting.lint.config import LintConfig, load_config
+from prefixgym.prompting.lint.findings import LintInputError, filter_findings, parse_codes
+from prefixgym.prompting.lint.report import Report, render_json, render_text
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefixgym lint", description="Find what makes prompts miss the prefix cache."
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--format", choices=["text", "json"], default="text", help="output format")
+    common.add_argument("--select", help="comma-separated rule codes or prefixes to report (e.g. PG1,PG203)")
+    common.add_argument("--ignore", help="comma-separated rule codes or prefixes to leave out")
+    sub = parser.add_subparsers(dest="what", required=True)
+
+    template = sub.add_parser("template", parents=[common], help="probe a chat template")
+    template.add_argument("path", help="a .jinja file, a tokenizer_config.json or a model directory")
+    template.add_argument("--bos-token", help="BOS string, when the file does not say")
+    template.add_argument("--eos-token", help="EOS (end of generation) string, when the file does not say")
+    template.add_argument("--tokenizer", help="a local tokenizer directory: also compare token ids")
+
+    trace = sub.add_parser("trace", parents=[common], help="replay a rollout trace (JSONL)")
+    trace.add_argument("path", help="trace file, one sampling request per line")
+    trace.add_argument("--block-size", type=int, help="tokens per simulated cache block")
+    trace.add_argument("--capacity-tokens", type=int, help="tokens the simulated cache holds")
+    trace.add_argument("--tokenizer", help="a local tokenizer directory to decode tokens "
+                       "(default: the built-in tokenizer, else token ids)")
+
+    env = sub.add_parser("env", parents=[common], help="lint an env's conversations (expert policy)")
+    env.add_argument("env_id", help="a gymnasium id such as prefixgym/GuessNumber-v0")
+    env.add_argument("--episodes", type=int, default=3, help="expert episodes to run")
+    env.add_argument("--block-size", type=int, help="tokens per simulated cache block")
+    env.add_argument("--tokenizer", help="a local tokenizer directory (default: built-in)")
+    return parser
+
+
+def load_tokenizer_dir(path: str) -> Any:
+    """A transformers tokenizer from a local directory, or LintInputError."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001  (transformers raises many kinds here)
+        raise LintInputError(f"{path}: cannot load a tokenizer: {type(exc).__name__}: {exc}") from None
+
+
+def _builtin_tokenizer() -> Any | None:
+    try:
+        from prefixgym.engine.tokenizer import load_tokenizer
+
+        return load_tokenizer("builtin")
+    except Exception:  # noqa: BLE001  (the built-in tokenizer is optional for decoding)
+        return None
+
+
+def _decoder(tokenizer: Any, requests: list[Any]) -> Any:
+    if tokenizer is None:
+        return None
+    size = len(tokenizer)
+    for r in requests:
+        if any(t >= size for t in r.prompt_tokens) or any(t >= size for c in r.completion_tokens for t in c):
+            return None  # the trace was not made with this tokenizer: show ids
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+    return decode
+
+
+def _run(args: argparse.Namespace, config: LintConfig) -> Report:
+    if args.what == "template":
+        from prefixgym.prompting.lint.source import load_template
+        from prefixgym.prompting.lint.template import probe_template
+
+        source = load_template(args.path, args.bos_token, args.eos_token)
+        tokenizer = load_tokenizer_dir(args.tokenizer) if args.tokenizer else None
+        return probe_template(source.template, source.bos_token, source.eos_token, tokenizer, source.origin)
+    if args.what == "trace":
+        from prefixgym.prompting.lint.trace import analyze_trace
+        from prefixgym.prompting.lint.trace_file import load_trace
+
+        requests = load_trace(args.path)
+        tokenizer = load_tokenizer_dir(args.tokenizer) if args.tokenizer else _builtin_tokenizer()
+        return analyze_trace(requests, config.block_size, config.capacity_tokens,
+                             _decoder(tokenizer, requests), args.path)
+    from prefixgym.prompting.lint.env import lint_env
+
+    tokenizer = load_tokenizer_dir(args.tokenizer) if args.tokenizer else None
+    return lint_env(args.env_id, episodes=args.episodes, block_size=config.block_size, tokenizer=tokenizer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help exits 0, a usage error 2
+        return int(exc.code or 0)
+    try:
+        config = load_config()
+        if args.select is not None:
+            config.select = parse_codes(args.select)
+        if args.ignore is not None:
+            config.ignore = parse_codes(args.ignore)
+        if getattr(args, "block_size", None) is not None:
+            config.block_size = args.block_size
+        if getattr(args, "capacity_tokens", None) is not None:
+            config.capacity_tokens = args.capacity_tokens
+        config.__post_init__()
+        report = _run(args, config)
+    except (LintInputError, ValueError) as exc:
+        print(f"prefixgym lint: error: {exc}", file=sys.stderr)
+        return 2
+    report.findings = filter_findings(report.findings, config.select, config.ignore)
+    try:
+        if args.format == "json":
+            print(render_json(report))
+        else:
+            print(render_text(report, use_colour=sys.stdout.isatty()))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `prefixgym lint ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1 if report.findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The linter's vocabulary: rule codes, severities and the `Finding` record.
+
+PG1xx rules are about chat templates, PG2xx about rollout traces, PG3xx about
+environments. This module only names and filters findings; it does not know how
+they are detected or printed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    code: str
+    name: str
+    severity: Severity
+    summary: str
+
+
+RULES: dict[str, Rule] = {
+    r.code: r
+    for r in [
+        Rule("PG101", "reasoning-stripped", "error",
+             "the template drops the reasoning block of earlier assistant turns"),
+        Rule("PG102", "system-moved", "error",
+             "the system prompt moves (or disappears) as the conversation grows"),
+        Rule("PG103", "end-of-turn-changed", "error",
+             "an assistant turn ends differently once it is in the history"),
+        Rule("PG104", "eos-in-history", "error",
+             "the template appends an EOS token to a rendered history"),
+        Rule("PG105", "whitespace-changed", "error",
+             "whitespace differs between a prompt and its continuation"),
+        Rule("PG106", "system-role-refused", "error",
+             "the template raises on a system message"),
+        Rule("PG107", "history-rewritten", "error",
+             "an earlier part of the conversation renders differently later on"),
+        Rule("PG108", "reads-current-date", "warning",
+             "the template renders the current date, which changes the prefix daily"),
+        Rule("PG109", "probe-failed", "warning",
+             "the template raised on a probe conversation, which was not checked"),
+        Rule("PG110", "token-boundary-merge", "warning",
+             "the text extends the previous prompt but its tokens do not"),
+        Rule("PG201", "retokenized-history", "error",
+             "history was re-tokenized: same text, different token ids"),
+        Rule("PG202", "fixed-prefix-changed", "error",
+             "the system prompt or tool definitions changed"),
+        Rule("PG203", "volatile-prefix", "error",
+             "volatile content (a timestamp, UUID or counter) sits in the prefix"),
+        Rule("PG204", "history-edited", "error",
+             "history was edited or truncated between turns"),
+        Rule("PG205", "prompt-logprobs-bypass", "warning",
+             "include_prompt_logprobs=True requests bypass the prefix cache"),
+        Rule("PG206", "group-split", "warning",
+             "members of one group were sent as separate requests, not num_samples"),
+        Rule("PG301", "env-prefix-varies", "error",
+             "the env's fixed prefix (system prompt + tools) differs across seeds"),
+        Rule("PG302", "env-not-append-only", "error",
+             "an env conversation's prompt does not extend the previous prompt + reply"),
+    ]
+}
+
+
+@dataclass
+class Finding:
+    """One problem found, located precisely enough to fix it.
+
+    `first_divergence` is a character index into the rendered text (templates) or a
+    token index into the prompt (traces); `expected`/`actual` hold the text on both
+    sides of it (short windows); `caret` is where in those windows they part.
+    """
+
+    rule: str
+    message: str
+    location: str
+    first_divergence: int | None = None
+    expected: str | None = None
+    actual: str | None = None
+    caret: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def severity(self) -> Severity:
+        return RULES[self.rule].severity
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "rule": self.rule,
+            "name": RULES[self.rule].name,
+            "severity": self.severity,
+            "message": self.message,
+            "location": self.location,
+            "first_divergence": self.first_divergence,
+        }
+        if self.expected is not None or self.actual is not None:
+            out["expected"] = self.expected
+            out["actual"] = self.actual
+            out["caret"] = self.caret
+        out.update(self.extra)
+        return out
+
+
+def parse_codes(value: str | list[str] | None) -> list[str]:
+    """'PG1, PG203' or ['PG1', 'PG203'] -> ['PG1', 'PG203'] (validated prefixes)."""
+    if value is None:
+        return []
+    parts = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    codes = [p.strip().upper() for p in parts if p.strip()]
+    for code in codes:
+        if code != "ALL" and not any(rule.startswith(code) for rule in RULES):
+            raise ValueError(f"unknown rule code or prefix {code!r} (known: PG1xx, PG2xx, PG3xx)")
+    return codes
+
+
+def is_selected(rule: str, select: list[str], ignore: list[str]) -> bool:
+    """A rule is kept when it matches a select prefix (or select is empty) and no ignore prefix."""
+    chosen = not select or any(s == "ALL" or rule.startswith(s) for s in select)
+    return chosen and not any(i == "ALL" or rule.startswith(i) for i in ignore)
+
+
+def filter_findings(findings: list[Finding], select: list[str], ignore: list[str]) -> list[Finding]:
+    return [f for f in findings if is_selected(f.rule, select, ignore)]
+
+
+class LintInputError(ValueError):
+    """Input the linter cannot read: a missing file, a bad JSON line, a broken template.
+
+    The command prints its message as one line and exits 2.
+    """

@@ -1,0 +1,137 @@
+"""Render a chat template the way transformers does, at a clock we choose.
+
+Uses transformers' own `render_jinja_template` (its sandbox, filters and
+`strftime_now`), so what the linter checks is what `apply_chat_template` produces.
+`strftime_now` reads `datetime.now()` inside transformers; `fixed_clock` pins it so
+that two renders of one conversation compare equal, and so that two different
+clocks reveal a template that prints the date. Knows nothing about what a
+"break" is: it only turns messages into text or raises `RenderError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import jinja2
+
+from prefixgym.prompting.lint.findings import LintInputError
+
+CLOCK_A = datetime(2024, 1, 15, 9, 30, 0)
+CLOCK_B = datetime(2025, 7, 4, 18, 5, 42)
+
+# Names through which a template can see the current date.
+DATE_READ_PATTERN = re.compile(
+    r"strftime_now|\bnow\s*\(|\bdate_string\b|\bcurrent_date\b|\btoday\b|\bdatetime\b"
+)
+
+
+class RenderError(Exception):
+    """The template raised while rendering one conversation (e.g. raise_exception)."""
+
+
+def _transformers_backend() -> tuple[Any, Any] | None:
+    try:
+        from transformers.utils import chat_template_utils as ctu
+
+        return ctu, ctu.render_jinja_template
+    except (ImportError, AttributeError):
+        return None
+
+
+class _Clock:
+    now_value: datetime = CLOCK_A
+
+
+def _fallback_compile(template: str) -> jinja2.Template:
+    # Used only when the installed transformers has no render_jinja_template.
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: _Clock.now_value.strftime(fmt)
+    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(
+        x, ensure_ascii=False, indent=indent, sort_keys=kw.get("sort_keys", False)
+    )
+    return env.from_string(template)
+
+
+@contextlib.contextmanager
+def fixed_clock(when: datetime) -> Iterator[None]:
+    """Make `strftime_now` inside templates read `when` (not thread-safe; the CLI is single-threaded)."""
+    backend = _transformers_backend()
+    previous_value = _Clock.now_value
+    _Clock.now_value = when
+    if backend is None:
+        try:
+            yield
+        finally:
+            _Clock.now_value = previous_value
+        return
+    ctu = backend[0]
+    real = ctu.datetime
+
+    class _Frozen(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> datetime:  # type: ignore[override]
+            return when
+
+    ctu.datetime = _Frozen
+    try:
+        yield
+    finally:
+        ctu.datetime = real
+        _Clock.now_value = previous_value
+
+
+class TemplateRenderer:
+    """Renders message lists with one chat template, BOS and EOS strings.
+
+    Raises `LintInputError` at construction when the template does not compile.
+    """
+
+    def __init__(self, template: str, bos_token: str | None, eos_token: str | None,
+                 origin: str = "<template>") -> None:
+        self.template = template
+        self.bos_token = bos_token or ""
+        self.eos_token = eos_token or ""
+        self._backend = _transformers_backend()
+        try:
+            if self._backend is not None:
+                self._backend[0]._compile_jinja_template(template)
+                self._fallback = None
+            else:
+                self._fallback = _fallback_compile(template)
+        except jinja2.TemplateSyntaxError as exc:
+            raise LintInputError(f"{origin}:{exc.lineno}: template does not compile: {exc.message}") from None
+
+    @property
+    def reads_date_statically(self) -> bool:
+        return bool(DATE_READ_PATTERN.search(self.template))
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+               tools: list[dict[str, Any]] | None = None, clock: datetime = CLOCK_A) -> str:
+        kwargs = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        try:
+            with fixed_clock(clock):
+                if self._fallback is not None:
+                    return self._fallback.render(messages=messages, tools=tools,
+                                                 add_generation_prompt=add_generation_prompt, **kwargs)
+                assert self._backend is not None
+                rendered, _ = self._backend[1](
+                    conversations=[messages], tools=tools, chat_template=self.template,
+                    add_generation_prompt=add_generation_prompt, **kwargs,
+                )
+                return str(rendered[0])
+        except Exception as exc:  # noqa: BLE001  (a template may raise anything; the probe records it)
+            raise RenderError(f"{type(exc).__name__}: {exc}") from None

@@ -1,0 +1,114 @@
+"""Print a lint report as text (for people) or JSON (for tools).
+
+The text form shows, for every finding, the text on both sides of the first
+divergence with a caret under it; control characters are escaped so the caret
+lines up, and ANSI colour is used only when asked (the command asks when stdout
+is a TTY). Knows nothing of how findings were made.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+from prefixgym.prompting.lint.findings import RULES, Finding
+
+_RED, _GREEN, _YELLOW, _BOLD, _DIM, _RESET = (
+    "\033[31m", "\033[32m", "\033[33m", "\033[1m", "\033[2m", "\033[0m"
+)
+
+
+class Report(Protocol):
+    target: str
+    append_only: bool
+    findings: list[Finding]
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+def escape(text: str) -> str:
+    """One visible character run per input character class: newlines as \\n, tabs as \\t."""
+    out = []
+    for ch in text:
+        if ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ord(ch) < 32 or ord(ch) == 127:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _side(label: str, text: str, caret: int, colour: str, use_colour: bool) -> list[str]:
+    head, tail = escape(text[:caret]), escape(text[caret:])
+    body = f"{head}{_BOLD}{colour}{tail}{_RESET}" if use_colour else head + tail
+    pointer = " " * len(head) + "^"
+    if use_colour:
+        pointer = f"{_YELLOW}{pointer}{_RESET}"
+    pad = " " * len(label)
+    return [f"    {label}{body}", f"    {pad}{pointer}"]
+
+
+def format_finding(finding: Finding, use_colour: bool = False) -> list[str]:
+    rule = RULES[finding.rule]
+    severity: str = finding.severity
+    if use_colour:
+        severity = f"{_RED if severity == 'error' else _YELLOW}{severity}{_RESET}"
+    lines = [f"{finding.rule} {severity} [{rule.name}] {finding.location}", f"  {finding.message}"]
+    occurrences = finding.extra.get("occurrences")
+    if occurrences:
+        lines.append(f"  (seen {occurrences} times in the probes; the first is shown)")
+    if finding.first_divergence is not None:
+        where = f"  first divergence at index {finding.first_divergence}"
+        token_at = finding.extra.get("first_divergence_token")
+        if token_at is not None and token_at != finding.first_divergence:
+            where += f" (token {token_at})"
+        lines.append(where + ":")
+    if finding.expected is not None and finding.actual is not None:
+        caret = finding.caret or 0
+        lines += _side("expected: ", finding.expected, caret, _RED, use_colour)
+        lines += _side("actual:   ", finding.actual, caret, _GREEN, use_colour)
+    for side in ("expected", "actual"):
+        ids = finding.extra.get(f"{side}_ids", finding.extra.get(f"{side}_tokens"))
+        pieces = finding.extra.get(f"{side}_tokens") if f"{side}_ids" in finding.extra else None
+        if ids:
+            shown = ", ".join(f"{i} {escape(repr(p))}" for i, p in zip(ids, pieces)) if pieces else \
+                ", ".join(map(str, ids))
+            lines.append(f"    {side} ids from there: [{shown}]")
+    return lines
+
+
+def _summary(report: Report) -> str:
+    data = report.to_json()
+    parts = [f"{report.target}: append_only={'yes' if report.append_only else 'no'}"]
+    if data.get("kind") == "trace":
+        parts.append(f"{data['requests']} requests, {data['prompt_tokens']} prompt tokens")
+        parts.append(f"predicted hit rate {data['predicted_hit_rate']:.1%} "
+                     f"(block {data['block_size']}, capacity {data['capacity_tokens']} tokens)")
+        if data["observed_hit_rate"] is not None:
+            parts.append(f"observed {data['observed_hit_rate']:.1%}")
+    if data.get("kind") == "env":
+        parts.append(f"{data['episodes']} expert episodes, {data['requests']} requests")
+        parts.append(f"predicted hit rate {data['predicted_hit_rate']:.1%}")
+    return ", ".join(parts)
+
+
+def render_text(report: Report, use_colour: bool = False) -> str:
+    lines = [_summary(report)]
+    for finding in report.findings:
+        lines.append("")
+        lines += format_finding(finding, use_colour)
+    errors = sum(f.severity == "error" for f in report.findings)
+    warnings = len(report.findings) - errors
+    lines.append("")
+    lines.append(f"{len(report.findings)} finding(s): {errors} error(s), {warnings} warning(s)"
+                 if report.findings else "no findings")
+    return "\n".join(lines)
+
+
+def render_json(report: Report) -> str:
+    return json.dumps(report.to_json(), ensure_ascii=False)
