@@ -1,0 +1,95 @@
+"""The `prefixgym` command: train | rollout | demo | lint | serve | bench.
+
+Each subcommand parses its own arguments and imports its part of the package
+lazily, so `prefixgym lint ...` never pays for loading torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+USAGE = """usage: prefixgym COMMAND [ARGS]
+
+commands:
+  train     SFT warm start + GRPO on a built-in env (the main job)
+  rollout   sample episodes of an env, print transcripts and cache hits
+  demo      a short multi-turn sampling demo that prints the usage ledger
+  lint      find what makes prompts miss the prefix cache (template | trace | env)
+  serve     expose the built-in engine over an OpenAI-compatible HTTP API
+  bench     run a benchmark from bench/
+
+Run `prefixgym COMMAND --help` for the options of one command.
+"""
+
+
+def _train(argv: list[str]) -> int:
+    from prefixgym.trainer.command import main
+
+    return main(argv)
+
+
+def _rollout(argv: list[str]) -> int:
+    from prefixgym.rollouts.command import main
+
+    return main(argv)
+
+
+def _demo(argv: list[str]) -> int:
+    from prefixgym.demo import main
+
+    return main(argv)
+
+
+def _lint(argv: list[str]) -> int:
+    from prefixgym.prompting.lint.command import main
+
+    return main(argv)
+
+
+def _serve(argv: list[str]) -> int:
+    from prefixgym.serve import main
+
+    return main(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    from prefixgym.bench_command import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "train": _train,
+    "rollout": _rollout,
+    "demo": _demo,
+    "lint": _lint,
+    "serve": _serve,
+    "bench": _bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    command = COMMANDS.get(name)
+    if command is None:
+        print(f"prefixgym: unknown command {name!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return command(rest)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("prefixgym"):
+            print(f"prefixgym {name}: not available in this version ({e.name})", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Drive agent envs against a sampler: one episode, a group, many groups at once.
+
+An episode: reset the env, start a `Conversation` with its system prompt and tools,
+then observe, sample, step, until the env ends it or a turn or token budget does.
+A group: G envs reset with one seed share their first prompt, so the first turn's G
+replies come from one `sample(num_samples=G)` request (one prefill); later turns
+run concurrently. Many groups run at once under asyncio, so the engine batches them.
+
+The rollout knows envs (text), conversations (tokens) and the sampling protocol; it
+does not know which engine serves the samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+from prefixgym.prompting import Conversation
+from prefixgym.rollouts.types import Trajectory, TrajectoryGroup, Turn
+from prefixgym.types import ModelInput, SampledSequence, SampleResponse, SamplingParams
+
+
+@dataclass
+class RolloutConfig:
+    max_tokens: int = 24
+    """Tokens one assistant turn may sample."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = 1.0
+    max_turns: int = 16
+    """Assistant turns per episode at most (the env may end it sooner)."""
+    max_episode_tokens: int = 1536
+    """The episode's conversation may not grow past this many tokens."""
+
+
+class TraceWriter:
+    """Writes one JSONL line per sampling request, in the trace format of API.md."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+
+    def write(
+        self, episode_ids: Sequence[str], group_id: str, turn: int, prompt: ModelInput,
+        num_samples: int, response: SampleResponse,
+    ) -> None:
+        record = {
+            "episode_id": episode_ids[0] if len(episode_ids) == 1 else list(episode_ids),
+            "group_id": group_id,
+            "turn": turn,
+            "prompt_tokens": prompt.tokens,
+            "completion_tokens": [s.tokens for s in response.sequences],
+            "num_samples": num_samples,
+            "include_prompt_logprobs": False,
+            "usage": response.usage.model_dump(),
+        }
+        self._stream.write(json.dumps(record) + "\n")
+
+
+class _Episode:
+    """One env + its conversation + the trajectory being recorded."""
+
+    def __init__(self, env: Any, tokenizer: Any, trajectory: Trajectory) -> None:
+        self.env = env
+        self.agent = env.unwrapped
+        self.conv = Conversation(
+            tokenizer=tokenizer, system=self.agent.system_prompt, tools=list(self.agent.tools)
+        )
+        self.traj = trajectory
+        self.done = False
+
+    def observe(self, messages: Sequence[dict[str, str]]) -> None:
+        for m in messages:
+            if m["role"] == "tool":
+                self.conv.add_tool_result(m.get("name", ""), m["content"])
+            else:
+                self.conv.add_user(m["content"])
+
+    def finish(self, stop_reason: str, error: str | None = None) -> None:
+        self.done = True
+        self.traj.stop_reason = stop_reason
+        self.traj.tokens = list(self.conv.tokens)
+        self.traj.extension_ok = self.conv.extension_ok
+        if error is not None:
+            self.traj.failed, self.traj.error = True, error
+
+
+class Rollouts:
+    """Runs groups of episodes of one env id against a sampling client."""
+
+    def __init__(
+        self, sampler: Any, tokenizer: Any, config: RolloutConfig,
+        trace: TraceWriter | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.config = config
+        self.trace = trace
+
+    def params(self, seed: int | None) -> SamplingParams:
+        c = self.config
+        return SamplingParams(
+            max_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, seed=seed
+        )
+
+    async def run_group(self, envs: Sequence[Any], seed: int, group_id: str) -> TrajectoryGroup:
+        """1) reset G envs with one seed; 2) one G-sample first turn; 3) the rest concurrently."""
+        episodes = []
+        for i, env in enumerate(envs):
+            traj = Trajectory(episode_id=f"{group_id}/{i}", group_id=group_id, seed=seed)
+            ep = _Episode(env, self.tokenizer, traj)
+            obs, _ = env.reset(seed=seed)
+            ep.observe(obs)
+            episodes.append(ep)
+        # 1) the G prompts are equal when the env is deterministic under its seed
+        prompts = [ep.conv.generation_prompt() for ep in episodes]
+        # 2) one request, one prefill, G samples
+        if all(p.tokens == prompts[0].tokens for p in prompts):
+            firsts = await self._sample(episodes, prompts[0], 0, seed)
+        else:
+            firsts = [
+                (await self._sample([ep], p, 0, _mix(seed, i)))[0]
+                for i, (ep, p) in enumerate(zip(episodes, prompts))
+            ]
+        # 3) each episode goes on by itself; the engine batches them
+        await asyncio.gather(
+            *(self._continue(ep, prompts[i], firsts[i], _mix(seed, i))
+              for i, ep in enumerate(episodes))
+        )
+        return TrajectoryGroup(group_id, seed, [ep.traj for ep in episodes])
+
+    async def _sample(
+        self, episodes: Sequence[_Episode], prompt: ModelInput, turn: int, seed: int
+    ) -> list[tuple[SampledSequence, Turn]]:
+        g = len(episodes)
+        response = await self.sampler.sample(
+            prompt, num_samples=g, sampling_params=self.params(seed)
+        )
+        if self.trace is not None:
+            ids = [ep.traj.episode_id for ep in episodes]
+            self.trace.write(ids, episodes[0].traj.group_id, turn, prompt, g, response)
+        out = []
+        for i, seq in enumerate(response.sequences):
+            record = Turn(
+                prompt_tokens=list(prompt.tokens), sampled_tokens=list(seq.tokens),
+                sampled_logprobs=list(seq.logprobs), stop_reason=seq.stop_reason,
+                reply_text="", shared_by=g,
+                usage=response.usage if i == 0 else type(response.usage)(),
+            )
+            out.append((seq, record))
+        return out
+
+    async def _continue(
+        self, ep: _Episode, prompt: ModelInput, first: tuple[SampledSequence, Turn], seed: int
+    ) -> None:
+        seq, turn = first
+        n = 0
+        while True:
+            # sample -> conversation -> env
+            ep.conv.add_sampled(seq.tokens, stop_reason=seq.stop_reason)
+            turn.reply_text = ep.conv.last_reply_text
+            ep.traj.turns.append(turn)
+            try:
+                obs, reward, terminated, truncated, info = await self._step(ep, turn.reply_text)
+            except Exception as e:  # an env that raises ends its episode, never the run
+                ep.finish("env_error", error=f"{type(e).__name__}: {e}")
+                return
+            turn.reward = float(reward)
+            turn.invalid_action = bool(info.get("invalid_action", False))
+            n += 1
+            if terminated or truncated:
+                ep.traj.terminated, ep.traj.truncated = bool(terminated), bool(truncated)
+                ep.traj.is_success = bool(info.get("is_success", False))
+                ep.finish(str(info.get("stop_reason", "terminated" if terminated else "truncated")))
+                return
+            ep.observe(obs)
+            prompt = ep.conv.generation_prompt()
+            if n >= self.config.max_turns:
+                ep.traj.truncated = True
+                ep.finish("max_turns")
+                return
+            if prompt.length + self.config.max_tokens > self.config.max_episode_tokens:
+                ep.traj.truncated = True
+                ep.finish("max_episode_tokens")
+                return
+            [(seq, turn)] = await self._sample([ep], prompt, n, _mix(seed, 1000 + n))
+
+    async def _step(self, ep: _Episode, text: str) -> tuple[Any, float, bool, bool, dict]:
+        agent = ep.agent
+        if type(agent).astep is not _base_astep():
+            return await agent.astep(text)  # an env that waits on I/O
+        return ep.env.step(text)
+
+
+def _base_astep() -> Any:
+    from prefixgym.envs.base import AgentEnv
+
+    return AgentEnv.astep
+
+
+def _mix(seed: int, k: int) -> int:
+    """A distinct, reproducible seed per (group seed, sample index)."""
+    return (seed * 1_000_003 + k * 7919) % (2**31 - 1)

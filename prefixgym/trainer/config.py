@@ -1,0 +1,95 @@
+"""The one config of `prefixgym train`: SFT warm start, then GRPO, on one env.
+
+Every field's docstring is its `--help` text. The defaults are the main job: the
+built-in `tiny` model learning the built-in GuessNumber env on two CPU cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+LOSSES = ("importance_sampling", "ppo")
+
+
+@dataclass
+class TrainConfig:
+    env: str = "prefixgym/GuessNumber-v0"
+    """Gymnasium id of the env to train on."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the env, e.g. {"high": 32}."""
+    model: str = "tiny"
+    """A built-in preset (tiny, small) or a local Hugging Face checkpoint directory."""
+    out: str = "runs/latest"
+    """Directory for metrics.jsonl, report.md, plots and checkpoints."""
+    seed: int = 0
+    """Seed of the model init, the env seeds and the sampler."""
+    sft_steps: int = 150
+    """Warm-start steps of cross-entropy on expert episodes (0 skips the warm start)."""
+    sft_episodes_per_step: int = 16
+    """Expert episodes per warm-start step."""
+    sft_lr: float = 2e-3
+    """Learning rate of the warm start."""
+    steps: int = 30
+    """GRPO steps."""
+    groups_per_step: int = 16
+    """Groups (distinct env seeds) per GRPO step: B."""
+    group_size: int = 8
+    """Episodes per group, all reset with one seed: G."""
+    lr: float = 1e-4
+    """GRPO learning rate."""
+    loss: str = "importance_sampling"
+    """GRPO loss: importance_sampling or ppo."""
+    kl_coef: float = 0.0
+    """Penalty on the sampled tokens' log-ratio to the warm-start weights (0 = off)."""
+    normalize_std: bool = False
+    """Divide group-relative advantages by the group's reward std."""
+    max_tokens: int = 8
+    """Tokens one assistant turn may sample."""
+    temperature: float = 1.0
+    """Sampling temperature during GRPO (evaluation is greedy)."""
+    eval_every: int = 10
+    """Evaluate every this many GRPO steps (and before and after training)."""
+    eval_episodes: int = 200
+    """Held-out seeds per evaluation."""
+    async_mode: bool = False
+    """Sample step t+1 while step t trains (at most one step off-policy)."""
+    resume: bool = False
+    """Continue from the last checkpoint in OUT/checkpoints."""
+    checkpoint_every: int = 10
+    """Save resumable state every this many GRPO steps."""
+    num_threads: int = 0
+    """torch threads (0 = torch's default)."""
+    progress: bool = True
+    """Show a progress bar."""
+    sampler_url: str = ""
+    """OpenAI-compatible completions server for rollouts and evaluation (vLLM, SGLang,
+    prefixgym serve), e.g. http://host:8000/v1; empty samples in-process. The server
+    samples from its own weights: trained weights are not sent to it."""
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        positive = {
+            "groups_per_step": self.groups_per_step, "group_size": self.group_size,
+            "max_tokens": self.max_tokens, "eval_episodes": self.eval_episodes,
+            "sft_episodes_per_step": self.sft_episodes_per_step,
+            "eval_every": self.eval_every, "checkpoint_every": self.checkpoint_every,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        for name, value in {"steps": self.steps, "sft_steps": self.sft_steps,
+                            "num_threads": self.num_threads}.items():
+            if value < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        for name, rate in {"lr": self.lr, "sft_lr": self.sft_lr}.items():
+            if not rate > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {rate}")
+        if self.kl_coef < 0 or self.temperature < 0:
+            raise ValueError("--kl-coef and --temperature must be >= 0")
+        if self.group_size < 2:
+            raise ValueError(
+                f"--group-size must be at least 2 (group-relative advantages), got "
+                f"{self.group_size}"
+            )

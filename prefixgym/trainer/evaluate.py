@@ -1,0 +1,75 @@
+"""Evaluation: greedy episodes on held-out env seeds, success rate with its error.
+
+Held-out seeds start at `EVAL_SEED_BASE`, far from the training seeds, so no eval
+episode was ever trained on. Knows rollouts and envs; not how the model is trained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixgym.rollouts.rollout import RolloutConfig, Rollouts
+from prefixgym.rollouts.types import Trajectory
+from prefixgym.types import Usage
+
+EVAL_SEED_BASE = 1_000_000
+
+
+@dataclass
+class EvalResult:
+    success: float
+    success_stderr: float
+    reward: float
+    episodes: int
+    usage: Usage
+
+    def as_metrics(self, prefix: str = "eval") -> dict[str, float]:
+        return {
+            f"{prefix}/success": self.success,
+            f"{prefix}/success_stderr": self.success_stderr,
+            f"{prefix}/reward/mean": self.reward,
+            f"{prefix}/episodes": float(self.episodes),
+        }
+
+
+def success_stderr(p: float, n: int) -> float:
+    """Standard error of a success rate over n independent episodes."""
+    return math.sqrt(p * (1.0 - p) / n) if n else 0.0
+
+
+def summarize(trajectories: Sequence[Trajectory]) -> EvalResult:
+    n = len(trajectories)
+    successes = sum(t.is_success for t in trajectories)
+    p = successes / n if n else 0.0
+    usage = Usage()
+    for t in trajectories:
+        usage = usage + t.usage
+    reward = sum(t.total_reward for t in trajectories) / n if n else 0.0
+    return EvalResult(p, success_stderr(p, n), reward, n, usage)
+
+
+def evaluate(
+    sampler: Any, tokenizer: Any, envs: Sequence[Any], episodes: int, config: RolloutConfig,
+    concurrency: int | None = None,
+) -> EvalResult:
+    """Greedy episodes on seeds EVAL_SEED_BASE + i, `len(envs)` at a time."""
+    greedy = RolloutConfig(**{**config.__dict__, "temperature": 0.0})
+    rollouts = Rollouts(sampler, tokenizer, greedy)
+    width = min(concurrency or len(envs), len(envs))
+
+    async def _all() -> list[Trajectory]:
+        out: list[Trajectory] = []
+        for start in range(0, episodes, width):
+            seeds = range(start, min(start + width, episodes))
+            groups = await asyncio.gather(*(
+                rollouts.run_group([envs[i % width]], EVAL_SEED_BASE + s, f"eval/{s}")
+                for i, s in enumerate(seeds)
+            ))
+            out.extend(t for g in groups for t in g.trajectories)
+        return out
+
+    return summarize(asyncio.run(_all()))

@@ -1,0 +1,189 @@
+"""The GRPO loop: rollouts -> group-relative advantages -> datums -> one update.
+
+One step (numbered as in the code):
+  1) sample B groups x G episodes with the current weights (in async mode, the
+     next step's groups are sampled while this step trains: one step off-policy);
+  2) advantages per group (equal-reward groups skipped, failed episodes left out);
+  3) one merged Datum per episode, with the sampler's logprobs;
+  4) forward_backward + optim_step; publish the new weights to the sampler;
+  5) log per-phase tokens, evaluate and checkpoint at their intervals.
+
+Knows the sampling and training protocols, envs and conversations; not the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from prefixgym.rollouts.rollout import RolloutConfig, Rollouts
+from prefixgym.rollouts.types import TrajectoryGroup
+from prefixgym.trainer.advantages import group_advantages
+from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.datum import trajectory_to_datums
+from prefixgym.types import AdamParams, Datum, ModelInput, Usage
+
+GRPO_SEED_BASE = 3_000_000
+
+
+def step_seeds(config: TrainConfig, step: int) -> list[int]:
+    """The env seeds of one step's B groups: fixed by (run seed, step), so resumable."""
+    b = config.groups_per_step
+    return [GRPO_SEED_BASE + config.seed * 100_000 + step * b + i for i in range(b)]
+
+
+def collect(
+    sampler: Any, tokenizer: Any, envs: Sequence[Any], config: TrainConfig, step: int,
+    rollout_config: RolloutConfig,
+) -> tuple[list[TrajectoryGroup], float]:
+    """Step 1: B groups of G episodes, all concurrently. Returns groups and seconds."""
+    start = time.perf_counter()
+    rollouts = Rollouts(sampler, tokenizer, rollout_config)
+    g = config.group_size
+
+    async def _all() -> list[TrajectoryGroup]:
+        return list(await asyncio.gather(*(
+            rollouts.run_group(envs[i * g:(i + 1) * g], seed, f"step{step}/g{i}")
+            for i, seed in enumerate(step_seeds(config, step))
+        )))
+
+    return asyncio.run(_all()), time.perf_counter() - start
+
+
+def assemble(
+    groups: Sequence[TrajectoryGroup], config: TrainConfig
+) -> tuple[list[Datum], dict[str, float]]:
+    """Steps 2-3: advantages and merged datums, with the counts of what was left out."""
+    datums: list[Datum] = []
+    skipped = failed = splits = 0
+    for group in groups:
+        kept = [t for t in group.trajectories if not t.failed]
+        failed += len(group.trajectories) - len(kept)
+        if len(kept) < 2:
+            skipped += 1
+            continue
+        adv = group_advantages([t.total_reward for t in kept], config.normalize_std)
+        if adv.skipped:
+            skipped += 1
+            continue
+        for traj, a in zip(kept, adv.advantages_G):
+            assembled = trajectory_to_datums(traj, a)
+            datums.extend(assembled.datums)
+            splits += assembled.num_splits
+    return datums, {
+        "groups/skipped": float(skipped), "episodes/failed": float(failed),
+        "datums/splits": float(splits), "datums/count": float(len(datums)),
+    }
+
+
+def apply_kl_penalty(datums: list[Datum], ref_sampler: Any, kl_coef: float) -> dict[str, float]:
+    """A_t -= kl_coef * (logp_sampler - logp_ref) on sampled tokens (a k1 KL estimate).
+
+    The reference logprobs come from `compute_logprobs`, which never reads the cache.
+    """
+    futures = [
+        ref_sampler.compute_logprobs(
+            ModelInput.from_ints(
+                d.model_input.tokens + [int(t) for t in d.loss_fn_inputs["target_tokens"][-1:]]
+            )
+        )
+        for d in datums
+    ]
+    total_kl, n = 0.0, 0
+    for d, fut in zip(datums, futures):
+        ref = fut.result()[1:]  # ref[i] = logp_ref(target i)
+        inputs = d.loss_fn_inputs
+        advantages = [float(a) for a in inputs["advantages"]]
+        for i, w in enumerate(inputs["weights"]):
+            if w:
+                kl = inputs["logprobs"][i] - float(ref[i])  # type: ignore[arg-type]
+                advantages[i] -= kl_coef * kl
+                total_kl, n = total_kl + kl, n + 1
+        inputs["advantages"] = advantages
+    return {"kl/sampled_vs_ref": total_kl / n if n else 0.0}
+
+
+def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> tuple[dict[str, float], Usage]:
+    trajs = [t for g in groups for t in g.trajectories]
+    usage = Usage()
+    for g in groups:
+        usage = usage + g.usage
+    n = len(trajs)
+    return {
+        "reward/mean": sum(t.total_reward for t in trajs) / n,
+        "success/mean": sum(t.is_success for t in trajs) / n,
+        "turns/mean": sum(len(t.turns) for t in trajs) / n,
+        "invalid_actions/mean": sum(t.num_invalid_actions for t in trajs) / n,
+    }, usage
+
+
+def phase_metrics(usage: Usage) -> dict[str, float]:
+    """The per-phase token counts, under the metric names of API.md."""
+    return {
+        "tokens/prefill_computed": float(usage.prefill_computed_tokens),
+        "tokens/prefill_cached": float(usage.prefill_cached_tokens),
+        "tokens/sampled": float(usage.sampled_tokens),
+        "tokens/train_computed": float(usage.train_computed_tokens),
+        "tokens/train_loss": float(usage.train_loss_tokens),
+        "cache/hit_rate": usage.cache_hit_rate,
+    }
+
+
+class StepPipeline:
+    """Step 1 in sync or async mode: where the next step's groups come from."""
+
+    def __init__(self, sample_fn: Any, async_mode: bool) -> None:
+        self._sample = sample_fn
+        self._async = async_mode
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
+        self._pending: Future[Any] | None = None
+
+    def start(self, sampler: Any, step: int) -> None:
+        self._pending = self._pool.submit(self._sample, sampler, step)
+
+    def take(self, sampler: Any, step: int, last_step: int) -> Any:
+        """This step's groups; in async mode the next step starts sampling now."""
+        assert self._pending is not None
+        result = self._pending.result()
+        self._pending = None
+        if self._async and step + 1 < last_step:
+            self.start(sampler, step + 1)
+        return result
+
+    def after_update(self, sampler: Any, step: int, last_step: int) -> None:
+        """In sync mode the next step samples from the freshly published weights."""
+        if not self._async and step + 1 < last_step:
+            self.start(sampler, step + 1)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def grpo_step(
+    training: Any, groups: Sequence[TrajectoryGroup], config: TrainConfig,
+    ref_sampler: Any | None,
+) -> tuple[dict[str, float], Usage]:
+    """Steps 2-4 on one step's groups. Returns metrics and the step's usage."""
+    metrics, usage = rollout_metrics(groups)
+    datums, counts = assemble(groups, config)
+    metrics.update(counts)
+    if datums and config.kl_coef > 0 and ref_sampler is not None:
+        metrics.update(apply_kl_penalty(datums, ref_sampler, config.kl_coef))
+    # The losses are sums over tokens: scaling advantages by 1/(loss tokens) makes
+    # the update a per-token mean, so the learning rate does not depend on B, G or
+    # episode length.
+    n_loss = sum(d.num_loss_tokens for d in datums)
+    for d in datums:
+        d.loss_fn_inputs["advantages"] = [a / n_loss for a in d.loss_fn_inputs["advantages"]]
+    if datums:
+        out = training.forward_backward(datums, loss_fn=config.loss).result()
+        opt = training.optim_step(
+            AdamParams(learning_rate=config.lr, grad_clip_norm=1.0)
+        ).result()
+        usage = usage + out.usage
+        metrics["loss"] = out.metrics.get("loss", 0.0)
+        metrics.update({f"optim/{k}": v for k, v in opt.metrics.items()})
+    return metrics, usage

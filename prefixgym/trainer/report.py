@@ -1,0 +1,163 @@
+"""What a run leaves behind: metrics.jsonl, report.md and PNG plots.
+
+`report.md` lists the whole run's tokens per phase, as the source document asks:
+prefill computed and cached, sampled, train computed and train loss tokens, and what
+prefill would have cost without the cache. Knows metric dicts and `Usage`; not how
+they were produced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from prefixgym.types import Usage
+
+PHASE_KEYS = (
+    "tokens/prefill_computed", "tokens/prefill_cached", "tokens/sampled",
+    "tokens/train_computed", "tokens/train_loss",
+)
+
+
+class MetricsLog:
+    """Append-only metrics.jsonl; `truncate_after(step)` makes a resumed run exact."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Drop what a run logged after the checkpoint of GRPO step `step` was saved."""
+        # an eval at step+1 ran on the checkpoint's weights, before it was saved
+        kept = [r for r in self.read()
+                if r.get("step", -1) <= step or (r.get("phase") == "eval" and r["step"] <= step + 1)]
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, self.path)
+
+
+def _fmt(n: float) -> str:
+    return f"{int(n):,}"
+
+
+def phase_table(usage: Usage) -> str:
+    without_cache = usage.prefill_tokens
+    rows = [
+        ("prefill, computed", usage.prefill_computed_tokens),
+        ("prefill, served from the prefix cache", usage.prefill_cached_tokens),
+        ("sample (decoded tokens)", usage.sampled_tokens),
+        ("train, computed (every position)", usage.train_computed_tokens),
+        ("train, in the loss (non-zero weight)", usage.train_loss_tokens),
+    ]
+    lines = ["| phase | tokens |", "|---|---:|"]
+    lines += [f"| {name} | {_fmt(v)} |" for name, v in rows]
+    computed = usage.prefill_computed_tokens + usage.sampled_tokens + usage.train_computed_tokens
+    lines.append(f"| **computed in all** (prefill + sample + train) | **{_fmt(computed)}** |")
+    lines.append("")
+    lines.append(
+        f"Without the prefix cache, prefill would have computed {_fmt(without_cache)} tokens "
+        f"instead of {_fmt(usage.prefill_computed_tokens)} (cache hit rate "
+        f"{usage.cache_hit_rate:.1%})."
+    )
+    return "\n".join(lines)
+
+
+def eval_table(evals: Sequence[dict[str, Any]]) -> str:
+    lines = ["| when | step | success | ± stderr | mean reward | episodes |",
+             "|---|---:|---:|---:|---:|---:|"]
+    last_grpo = max((i for i, e in enumerate(evals) if e["when"] == "GRPO"), default=-1)
+    for i, e in enumerate(evals):
+        when = e["when"] if e["when"] != "GRPO" else (
+            "after GRPO" if i == last_grpo else "during GRPO")
+        lines.append(
+            f"| {when} | {e['step']} | {e['eval/success']:.1%} | "
+            f"{e['eval/success_stderr']:.1%} | {e['eval/reward/mean']:.3f} | "
+            f"{int(e['eval/episodes'])} |"
+        )
+    return "\n".join(lines)
+
+
+def write_report(
+    out: Path, title: str, config: dict[str, Any], total: Usage, sft_usage: Usage,
+    evals: Sequence[dict[str, Any]], wall_s: float,
+) -> Path:
+    grpo_usage = Usage(**{k: getattr(total, k) - getattr(sft_usage, k) for k in Usage.model_fields})
+    parts = [
+        f"# {title}",
+        "",
+        f"Wall time: {wall_s:.0f} s. Config: `{json.dumps(config, sort_keys=True)}`",
+        "",
+        "## Evaluation (greedy, held-out seeds)",
+        "",
+        eval_table(evals) if evals else "No evaluation ran.",
+        "",
+        "## Tokens per phase, whole run",
+        "",
+        phase_table(total),
+        "",
+        "## Tokens per phase, GRPO only (warm start excluded)",
+        "",
+        phase_table(grpo_usage),
+        "",
+        "Train tokens are counted at every computed position, not only the positions in the "
+        "loss: the forward and backward passes pay for all of them.",
+        "",
+    ]
+    path = out / "report.md"
+    path.write_text("\n".join(parts))
+    return path
+
+
+def write_plots(out: Path, records: Sequence[dict[str, Any]]) -> list[Path]:
+    """reward.png (train reward and eval success) and tokens.png (tokens per phase)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in records if r.get("phase") == "grpo"]
+    evals = [r for r in records if r.get("phase") == "eval"]
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if steps:
+        ax.plot([r["step"] for r in steps], [r["reward/mean"] for r in steps],
+                label="train reward (mean)")
+    if evals:
+        ax.errorbar([r["step"] for r in evals], [r["eval/success"] for r in evals],
+                    yerr=[r["eval/success_stderr"] for r in evals], fmt="o-", capsize=3,
+                    label="eval success")
+    ax.set_xlabel("GRPO step")
+    ax.set_title("Reward")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "reward.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key in PHASE_KEYS:
+        if steps:
+            ax.plot([r["step"] for r in steps], [r[key] for r in steps],
+                    label=key.split("/")[1])
+    ax.set_yscale("symlog")
+    ax.set_xlabel("GRPO step")
+    ax.set_title("Tokens per phase per step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "tokens.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths

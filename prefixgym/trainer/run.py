@@ -1,0 +1,189 @@
+"""`train(config)`: the whole job — evaluate, warm start, GRPO, report.
+
+  1) evaluate the starting weights on held-out seeds;
+  2) warm start on expert episodes (SFT), evaluate again;
+  3) GRPO steps (see grpo.py), evaluating and checkpointing at intervals;
+  4) write report.md and the plots.
+A resumed run skips 1-2 and continues from the last checkpoint exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+
+from prefixgym.rollouts.rollout import RolloutConfig
+from prefixgym.trainer.checkpoint import (
+    LoopState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.evaluate import evaluate
+from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step, phase_metrics
+from prefixgym.trainer.report import MetricsLog, write_plots, write_report
+from prefixgym.trainer.sft import warm_start
+from prefixgym.types import Usage
+
+
+@dataclass
+class RunResult:
+    out: Path
+    evals: list[dict[str, Any]]
+    usage: Usage
+
+
+def make_envs(config: TrainConfig, n: int) -> list[Any]:
+    import prefixgym.envs  # noqa: F401  (registers the built-in ids)
+
+    try:
+        return [gym.make(config.env, **config.env_kwargs) for _ in range(n)]
+    except gym.error.Error as e:
+        raise ValueError(f"cannot make env {config.env!r}: {e}") from e
+
+
+class Run:
+    def __init__(self, config: TrainConfig, service: Any | None = None) -> None:
+        from prefixgym.engine.service import LocalService
+
+        self.config = config
+        self.out = Path(config.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.service = service or LocalService(
+            model=config.model, seed=config.seed, num_threads=config.num_threads or None
+        )
+        self.tokenizer = self.service.tokenizer
+        self.training = self.service.create_training_client()
+        if config.sampler_url:  # rollouts and evaluation on a remote server (docs/scaling.md)
+            from prefixgym.serving.openai_client import OpenAISamplingClient, RemoteSampling
+
+            self.training = RemoteSampling(self.training, OpenAISamplingClient(
+                config.sampler_url, tokenizer=self.tokenizer, ledger=self.service.ledger))
+        self.envs = make_envs(config, config.groups_per_step * config.group_size)
+        self.eval_envs = make_envs(config, min(config.eval_episodes, 100))
+        self.rollout_config = RolloutConfig(
+            max_tokens=config.max_tokens, temperature=config.temperature
+        )
+        self.log = MetricsLog(self.out / "metrics.jsonl")
+
+    def evaluate(self, sampler: Any, step: int, when: str, state: LoopState) -> None:
+        result = evaluate(sampler, self.tokenizer, self.eval_envs, self.config.eval_episodes,
+                          self.rollout_config)
+        record = {"step": step, "phase": "eval", "when": when, **result.as_metrics(),
+                  **phase_metrics(result.usage)}
+        state.evals.append(record)
+        self.log.write(record)
+
+    def start(self) -> tuple[LoopState, Any]:
+        """A fresh run: steps 1-2. A resumed one: its checkpoint. Returns the ref sampler."""
+        c = self.config
+        ckpt = latest_checkpoint(self.out) if c.resume else None
+        if ckpt is not None:
+            ref = None
+            if c.kl_coef > 0:
+                load_checkpoint(self.out / "checkpoints" / "warm_start", self.training)
+                ref = self.training.save_weights_and_get_sampling_client()
+            state = load_checkpoint(ckpt, self.training)
+            self.log.truncate_after(state.next_step - 1)
+            return state, ref
+        if c.resume:
+            print(f"no checkpoint in {self.out / 'checkpoints'}: starting a new run")
+        self.log.path.unlink(missing_ok=True)
+        state = LoopState(next_step=0)
+        # 1) the starting weights
+        first = self.training.sampler if c.sampler_url else self.service.create_sampling_client()
+        self.evaluate(first, 0, "before training", state)
+        # 2) warm start
+        if c.sft_steps:
+            state.sft_usage = warm_start(
+                self.training, self.envs, self.tokenizer, c.sft_steps, c.sft_episodes_per_step,
+                c.sft_lr, on_step=lambda i, m, u: self.log.write(
+                    {"step": 0, "phase": "sft", "sft_step": i, **m}),
+            )
+            ref = self.training.save_weights_and_get_sampling_client()
+            self.evaluate(ref, 0, "after warm start", state)
+        else:
+            ref = self.training.save_weights_and_get_sampling_client()
+        save_checkpoint(self.out, self.training, state, name="warm_start")
+        return state, ref if c.kl_coef > 0 else None
+
+    def run(self) -> RunResult:
+        c = self.config
+        t_start = time.perf_counter()
+        base_usage = self.service.usage()
+        state, ref_sampler = self.start()
+        prior_usage, prior_wall = state.usage, state.wall_s
+        sampler = self.training.save_weights_and_get_sampling_client()
+        pipeline = StepPipeline(
+            lambda s, step: collect(s, self.tokenizer, self.envs, c, step, self.rollout_config),
+            c.async_mode,
+        )
+        progress = _progress(c, state.next_step)
+        try:
+            if state.next_step < c.steps:
+                pipeline.start(sampler, state.next_step)
+            # 3) GRPO: sample, learn, publish
+            for step in range(state.next_step, c.steps):
+                t0 = time.perf_counter()
+                groups, sample_s = pipeline.take(sampler, step, c.steps)
+                metrics, usage = grpo_step(self.training, groups, c, ref_sampler)
+                sampler = self.training.save_weights_and_get_sampling_client()
+                pipeline.after_update(sampler, step, c.steps)
+                self.log.write({"step": step, "phase": "grpo", **metrics, **phase_metrics(usage),
+                                "time/sample_s": sample_s, "time/step_s": time.perf_counter() - t0})
+                state.next_step = step + 1
+                if state.next_step % c.eval_every == 0 or state.next_step == c.steps:
+                    self.evaluate(sampler, state.next_step, "GRPO", state)
+                if state.next_step % c.checkpoint_every == 0 or state.next_step == c.steps:
+                    state.usage = prior_usage + _minus(self.service.usage(), base_usage)
+                    state.wall_s = prior_wall + time.perf_counter() - t_start
+                    save_checkpoint(self.out, self.training, state)
+                progress.update(metrics, usage)
+        finally:
+            pipeline.close()
+            progress.close()
+        # 4) report
+        state.usage = prior_usage + _minus(self.service.usage(), base_usage)
+        wall = prior_wall + time.perf_counter() - t_start
+        write_report(self.out, f"prefixgym train: {c.env}", asdict(c), state.usage,
+                     state.sft_usage, state.evals, wall)
+        write_plots(self.out, self.log.read())
+        return RunResult(self.out, state.evals, state.usage)
+
+
+def _minus(a: Usage, b: Usage) -> Usage:
+    return Usage(**{k: getattr(a, k) - getattr(b, k) for k in Usage.model_fields})
+
+
+class _progress:
+    """A tqdm bar showing step, reward and cache hit rate (a no-op when disabled)."""
+
+    def __init__(self, config: TrainConfig, initial: int) -> None:
+        self.bar = None
+        if config.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=config.steps, initial=initial, desc="GRPO", unit="step")
+
+    def update(self, metrics: dict[str, float], usage: Usage) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
+                                 hit=f"{usage.cache_hit_rate:.0%}")
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train(config: TrainConfig, service: Any | None = None) -> RunResult:
+    result = Run(config, service).run()
+    print(json.dumps({f"{e['when']} (step {e['step']})": round(e["eval/success"], 3)
+                      for e in result.evals}))
+    return result

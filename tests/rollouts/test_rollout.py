@@ -1,0 +1,63 @@
+import asyncio
+import io
+import json
+
+import gymnasium as gym
+import pytest
+
+from prefixgym.engine.service import LocalService
+from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
+
+
+@pytest.fixture(scope="module")
+def service():
+    with LocalService(model="tiny", seed=0) as s:
+        yield s
+
+
+def _run(service, envs, seed=3, trace=None, temperature=1.0):
+    rollouts = Rollouts(service.create_sampling_client(), service.tokenizer,
+                        RolloutConfig(max_tokens=6, temperature=temperature), trace=trace)
+    return asyncio.run(rollouts.run_group(envs, seed, "g0"))
+
+
+def test_group_shares_one_first_request_and_prompts_extend(service):
+    envs = [gym.make("tests/Lengthy-v0") for _ in range(4)]
+    stream = io.StringIO()
+    group = _run(service, envs, trace=TraceWriter(stream))
+    lines = [json.loads(x) for x in stream.getvalue().splitlines()]
+    first = [r for r in lines if r["turn"] == 0]
+    assert len(first) == 1 and first[0]["num_samples"] == 4
+    assert len(first[0]["completion_tokens"]) == 4
+    # the first prompt is prefilled once for the 4 episodes
+    u = first[0]["usage"]
+    assert u["prefill_computed_tokens"] + u["prefill_cached_tokens"] == len(first[0]["prompt_tokens"])
+    assert len(lines) == 1 + 4  # turn 1 of each episode is its own request
+    for traj in group.trajectories:
+        assert len(traj.turns) == 2 and traj.extension_ok and not traj.failed
+        t0, t1 = traj.turns
+        assert t1.prompt_tokens[: len(t0.prompt_tokens) + len(t0.sampled_tokens)] == (
+            t0.prompt_tokens + t0.sampled_tokens)
+        assert traj.tokens[: len(t1.prompt_tokens)] == t1.prompt_tokens
+        assert len(t0.sampled_logprobs) == len(t0.sampled_tokens)
+    # later turns hit the cache on the history they share with the first turn
+    later = [r for r in lines if r["turn"] == 1]
+    block = service.cache_stats()["block_size"]
+    for r in later:
+        assert r["usage"]["prefill_cached_tokens"] >= len(first[0]["prompt_tokens"]) - block
+
+
+def test_greedy_rollouts_are_reproducible(service):
+    a = _run(service, [gym.make("tests/Lengthy-v0")], temperature=0.0)
+    b = _run(service, [gym.make("tests/Lengthy-v0")], temperature=0.0)
+    assert a.trajectories[0].tokens == b.trajectories[0].tokens
+
+
+def test_env_that_raises_ends_its_episode_as_failed(service):
+    envs = [gym.make("tests/Lengthy-v0", raise_on_seed=3) for _ in range(2)]
+    group = _run(service, envs, seed=3)
+    for traj in group.trajectories:
+        assert traj.failed and "broken on purpose" in traj.error
+        assert traj.stop_reason == "env_error"
+    ok = _run(service, [gym.make("tests/Lengthy-v0", raise_on_seed=3)], seed=4)
+    assert not ok.trajectories[0].failed

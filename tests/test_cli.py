@@ -1,0 +1,30 @@
+"""The `prefixgym` command: dispatch, usage errors, and the demo's ledger."""
+
+import re
+
+from prefixgym.cli import main
+
+
+def test_no_command_prints_usage_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "train" in capsys.readouterr().out
+
+
+def test_unknown_command(capsys):
+    assert main(["nope"]) == 2
+    assert "unknown command 'nope'" in capsys.readouterr().err
+
+
+def test_demo_prints_a_ledger_with_cache_hits(capsys):
+    assert main(["demo", "--turns", "3", "--samples", "2"]) == 0
+    out = capsys.readouterr().out
+    computed = int(re.search(r"prefill_computed_tokens\s+(\d+)", out).group(1))
+    cached = int(re.search(r"prefill_cached_tokens\s+(\d+)", out).group(1))
+    sampled = int(re.search(r"sampled_tokens\s+(\d+)", out).group(1))
+    assert cached > 0 and computed > 0 and sampled > 0
+    # per turn: computed + cached == the prompt length
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s", out, re.M)
+    assert len(rows) == 3
+    for _, prompt, comp, cach, _ in rows:
+        assert int(comp) + int(cach) == int(prompt)
+    assert "extension property held: True" in out

@@ -1,0 +1,28 @@
+import pytest
+
+from prefixgym.config_cli import build_parser, parse_config
+from prefixgym.trainer.command import FLAG_NAMES
+from prefixgym.trainer.config import TrainConfig
+
+
+def test_flags_and_help_come_from_the_dataclass():
+    parser = build_parser(TrainConfig, "t", "d", FLAG_NAMES)
+    help_text = parser.format_help()
+    for flag in ["--env", "--model", "--out", "--steps", "--sft-steps", "--group-size",
+                 "--groups-per-step", "--lr", "--loss", "--async", "--resume", "--seed"]:
+        assert flag in help_text
+    assert "Episodes per group" in help_text
+
+
+def test_parse_values():
+    c = parse_config(TrainConfig, ["--steps", "3", "--async", "--lr", "0.01",
+                                   "--env-kwargs", '{"high": 8}'], "t", "d", FLAG_NAMES)
+    assert (c.steps, c.async_mode, c.lr, c.env_kwargs) == (3, True, 0.01, {"high": 8})
+
+
+@pytest.mark.parametrize("argv", [["--loss", "nope"], ["--group-size", "1"], ["--lr", "-1"]])
+def test_bad_values_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(TrainConfig, argv, "t", "d", FLAG_NAMES)
+    assert e.value.code == 2
+    assert "must" in capsys.readouterr().err

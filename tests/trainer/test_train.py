@@ -1,0 +1,103 @@
+"""End-to-end smoke runs of `prefixgym train` on a tiny budget: metric keys, the
+per-phase accounting identities, exact resume, and failing envs."""
+
+import json
+
+import pytest
+
+from prefixgym.cli import main as cli_main
+from prefixgym.engine.service import LocalService
+from prefixgym.rollouts.rollout import RolloutConfig
+from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.grpo import assemble, collect, grpo_step
+from prefixgym.trainer.run import make_envs, train
+
+SMALL = dict(env="tests/Lengthy-v0", sft_steps=1, sft_episodes_per_step=2, groups_per_step=2,
+             group_size=3, eval_episodes=4, eval_every=2, max_tokens=6, progress=False)
+
+
+def _grpo_lines(out):
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")}
+            for r in lines if r["phase"] in ("grpo", "eval")]
+
+
+def test_accounting_identities():
+    config = TrainConfig(**SMALL, steps=1)
+    with LocalService(model="tiny", seed=0) as service:
+        training = service.create_training_client()
+        sampler = service.create_sampling_client()
+        envs = make_envs(config, 6)
+        groups, _ = collect(sampler, service.tokenizer, envs, config, 0,
+                            RolloutConfig(max_tokens=6))
+        datums, _ = assemble(groups, config)
+        assert datums, "the test env gives varied rewards, so some group trains"
+        metrics, usage = grpo_step(training, groups, config, None)
+    turns = [t for g in groups for traj in g.trajectories for t in traj.turns]
+    requests = [t for t in turns if t.usage.prefill_tokens]  # a shared turn counts once
+    assert usage.prefill_computed_tokens + usage.prefill_cached_tokens == sum(
+        len(t.prompt_tokens) for t in requests)
+    assert len(requests) == len(groups) * (1 + config.group_size)  # 1 shared + 1 each
+    assert usage.sampled_tokens == sum(len(t.sampled_tokens) for t in turns)
+    assert usage.train_computed_tokens == sum(d.model_input.length for d in datums)
+    assert usage.train_loss_tokens == sum(
+        sum(1 for w in d.loss_fn_inputs["weights"] if w) for d in datums)
+    # weights are 1 exactly on the sampled tokens of each merged episode
+    assert usage.train_loss_tokens == sum(
+        len(t.sampled_tokens) for g in groups for traj in g.trajectories for t in traj.turns
+        if len(set(x.total_reward for x in g.trajectories)) > 1)
+    assert metrics["reward/mean"] == pytest.approx(
+        sum(traj.total_reward for g in groups for traj in g.trajectories) / 6)
+
+
+def test_cli_run_writes_metrics_report_plots_and_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--out", str(out), "--steps", "2"]
+    for k, v in SMALL.items():
+        if k == "progress":
+            args.append("--no-progress")
+        else:
+            args += [f"--{k.replace('_', '-')}", str(v)]
+    assert cli_main(args) == 0
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["phase"] == "grpo"]
+    assert [r["step"] for r in steps] == [0, 1]
+    for key in ["step", "reward/mean", "tokens/prefill_computed", "tokens/prefill_cached",
+                "tokens/sampled", "tokens/train_computed", "tokens/train_loss", "time/step_s"]:
+        assert all(key in r for r in steps), key
+    evals = [r for r in records if r["phase"] == "eval"]
+    assert [e["when"] for e in evals] == ["before training", "after warm start", "GRPO"]
+    assert all("eval/reward/mean" in e for e in evals)
+    report = (out / "report.md").read_text()
+    assert "prefill, served from the prefix cache" in report and "train, in the loss" in report
+    assert (out / "reward.png").stat().st_size > 0 and (out / "tokens.png").stat().st_size > 0
+    assert (out / "checkpoints" / "latest").read_text() == "step-000001"
+
+
+def test_resume_continues_exactly(tmp_path):
+    full = TrainConfig(**SMALL, steps=4, checkpoint_every=2, out=str(tmp_path / "a"))
+    train(full)
+    first = TrainConfig(**SMALL, steps=2, checkpoint_every=2, out=str(tmp_path / "b"))
+    train(first)
+    resumed = TrainConfig(**SMALL, steps=4, checkpoint_every=2, out=str(tmp_path / "b"),
+                          resume=True)
+    train(resumed)
+    a, b = _grpo_lines(tmp_path / "a"), _grpo_lines(tmp_path / "b")
+    assert [r["step"] for r in b if r["phase"] == "grpo"] == [0, 1, 2, 3]
+    assert a == b
+
+
+def test_failing_env_is_left_out_and_counted():
+    config = TrainConfig(**{**SMALL, "env_kwargs": {"raise_on_seed": None}}, steps=1)
+    with LocalService(model="tiny", seed=0) as service:
+        envs = make_envs(config, 6)
+        seed0 = 3_000_000  # GRPO_SEED_BASE + seed 0, step 0, group 0
+        for env in envs[:3]:
+            env.unwrapped.raise_on_seed = seed0
+        groups, _ = collect(service.create_sampling_client(), service.tokenizer, envs,
+                            config, 0, RolloutConfig(max_tokens=6))
+        assert all(t.failed for t in groups[0].trajectories)
+        assert not any(t.failed for t in groups[1].trajectories)
+        datums, counts = assemble(groups, config)
+    assert counts["episodes/failed"] == 3.0
+    assert all(d.model_input.length > 0 for d in datums)
