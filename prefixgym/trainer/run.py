@@ -59,7 +59,7 @@ class Run:
             model=config.model, seed=config.seed, num_threads=config.num_threads or None
         )
         self.tokenizer = self.service.tokenizer
-        self.training = self.service.create_training_client()
+        self.training: Any = self.service.create_training_client()
         if config.sampler_url:  # rollouts and evaluation on a remote server (docs/scaling.md)
             from prefixgym.serving.openai_client import OpenAISamplingClient, RemoteSampling
 

@@ -1,0 +1,46 @@
+"""`prefixgym serve`: run the built-in engine behind an OpenAI-compatible HTTP API.
+
+Parses `ServeConfig` flags, builds a `LocalService`, and runs `serving.app` under
+uvicorn until interrupted. The endpoint and its extras are described in
+`prefixgym/serving/app.py` and docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+from prefixgym.config_cli import parse_config
+from prefixgym.serving.config import ServeConfig
+
+
+def main(argv: list[str]) -> int:
+    config = parse_config(
+        ServeConfig, argv, prog="prefixgym serve",
+        description="Serve the built-in engine (with its prefix cache) on an OpenAI-compatible "
+        "/v1/completions endpoint: token ids in and out, cached tokens in usage.",
+    )
+    try:
+        import uvicorn
+
+        from prefixgym.serving.app import create_app
+    except ImportError as e:
+        print(f"prefixgym serve needs fastapi and uvicorn: pip install 'prefixgym[serve]' ({e})")
+        return 2
+    from prefixgym.engine.service import LocalService
+
+    try:
+        service = LocalService(model=config.model, seed=config.seed,
+                               prefix_cache=config.prefix_cache)
+    except (ValueError, OSError) as e:
+        print(f"prefixgym serve: cannot load model {config.model!r}: {e}")
+        return 2
+    try:
+        app = create_app(service, config)
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                               log_level=config.log_level))
+        print(f"prefixgym serve: {config.model_name} on http://{config.host}:{config.port}/v1",
+              flush=True)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shuts down first, then passes Ctrl-C on
+        pass
+    finally:
+        service.close()
+    return 0

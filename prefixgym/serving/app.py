@@ -1,0 +1,192 @@
+"""The HTTP face of a `LocalService`: an OpenAI-compatible completions endpoint.
+
+Routes: `POST /v1/completions`, `GET /v1/models`, `GET /health`.
+
+A completion request goes:
+  1) read the body, refusing one larger than `max_body_bytes` (413);
+  2) parse JSON and check fields and this server's limits (400; unknown model 404);
+  3) submit to the engine and *await* its future, so the event loop keeps serving
+     while the engine thread prefills and decodes (engine ValueError -> 400);
+  4) answer in OpenAI's shape, plus what RL needs: each choice's sampled `token_ids`
+     and `usage.prompt_tokens_details.cached_tokens` (prompt positions served from
+     the prefix cache).
+Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+
+The app knows the service's public interface and its tokenizer; it knows nothing of
+caches, batching or training.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from prefixgym.serving.config import ServeConfig
+from prefixgym.serving.protocol import CompletionRequest, describe_validation_error, error_body
+from prefixgym.types import SampleResponse
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def create_app(service: Any, config: ServeConfig | None = None) -> FastAPI:
+    """An app serving `service` (a LocalService, or anything with its sampling interface)."""
+    config = config or ServeConfig()
+    max_seq_len = int(service.train_model.config.max_seq_len)
+    max_request_tokens = min(config.max_request_tokens or max_seq_len, max_seq_len)
+    model_name = config.model_name
+    created = int(time.time())
+    app = FastAPI(title="prefixgym serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(error_body(e.message, e.kind, e.param, e.status), e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(e.detail), "invalid_request_error", None,
+                                       e.status_code), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"{type(e).__name__}: {e}", "internal_error", None, 500),
+                            500)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "prefixgym",
+            "max_model_len": max_seq_len,
+        }]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        # 1) bounded body
+        body = await _read_body(request, config.max_body_bytes)
+        # 2) parse and check
+        req = _parse(body)
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+                                f"{model_name!r}", "model", "not_found_error")
+        if req.n > config.max_n:
+            raise APIError(400, f"n = {req.n} exceeds this server's limit of {config.max_n}", "n")
+        try:
+            prompt = req.prompt_ids(service.tokenizer)
+            params = req.sampling_params()
+        except ValidationError as e:
+            raise APIError(400, *describe_validation_error(e)) from None
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+        if len(prompt) + req.max_tokens > max_request_tokens:
+            raise APIError(400, f"prompt has {len(prompt)} tokens and max_tokens is "
+                                f"{req.max_tokens}: {len(prompt) + req.max_tokens} exceeds this "
+                                f"server's limit of {max_request_tokens} tokens per request",
+                           "max_tokens")
+        # 3) sample without blocking the event loop
+        sampler = service.create_sampling_client(stop_at_end_of_turn=not req.ignore_eos)
+        with_prompt_logprobs = req.echo and req.wants_logprobs
+        try:
+            response = await sampler.sample(prompt, num_samples=req.n, sampling_params=params,
+                                            include_prompt_logprobs=with_prompt_logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        # 4) OpenAI's shape
+        return JSONResponse(_render(req, prompt, response, service.tokenizer, model_name))
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, f"Content-Length {declared!r} is not a number")
+        if int(declared) > limit:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(body: bytes) -> CompletionRequest:
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(payload).__name__}")
+    try:
+        return CompletionRequest.model_validate(payload)
+    except ValidationError as e:
+        message, param = describe_validation_error(e)
+        if param == "prompt":
+            message = ("prompt must be a string, a list of token ids, or a list holding one "
+                       "of those")
+        raise APIError(400, message, param) from None
+
+
+def _render(req: CompletionRequest, prompt: list[int], response: SampleResponse,
+            tokenizer: Any, model_name: str) -> dict[str, Any]:
+    def decode(ids: list[int], skip_special: bool) -> str:
+        if tokenizer is None or not ids:
+            return ""
+        return str(tokenizer.decode(ids, skip_special_tokens=skip_special))
+
+    prompt_text = decode(prompt, req.skip_special_tokens) if req.echo else ""
+    choices = []
+    for i, seq in enumerate(response.sequences):
+        text = decode(seq.tokens, req.skip_special_tokens)
+        if seq.stop_reason == "stop" and req.stop_strings and not req.include_stop_str_in_output:
+            text = _cut_at_stop(text, req.stop_strings)
+        choice: dict[str, Any] = {
+            "index": i, "text": prompt_text + text, "finish_reason": seq.stop_reason,
+            "logprobs": None, "token_ids": list(seq.tokens),
+        }
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = list(prompt)
+        if req.wants_logprobs:
+            ids, values = list(seq.tokens), list[float | None](seq.logprobs)
+            if req.echo:
+                ids, values = prompt + ids, list(response.prompt_logprobs or []) + values
+            pieces = [decode([t], False) for t in ids]
+            offsets, at = [], 0
+            for piece in pieces:
+                offsets.append(at)
+                at += len(piece)
+            choice["logprobs"] = {"tokens": pieces, "token_logprobs": values,
+                                  "top_logprobs": None, "text_offset": offsets}
+        choices.append(choice)
+    completion_tokens = sum(len(s.tokens) for s in response.sequences)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+        "created": int(time.time()), "model": model_name, "choices": choices,
+        "usage": {
+            "prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt) + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": response.usage.prefill_cached_tokens},
+        },
+    }
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> str:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(hits)] if hits else text

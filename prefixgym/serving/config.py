@@ -1,0 +1,43 @@
+"""The one config of `prefixgym serve`; each field's docstring is its `--help` text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServeConfig:
+    model: str = "tiny"
+    """A built-in preset (tiny, small) or a local Hugging Face checkpoint directory."""
+    host: str = "127.0.0.1"
+    """Address to bind. The default answers this machine only; 0.0.0.0 exposes the engine."""
+    port: int = 8000
+    """TCP port (0 picks a free one)."""
+    seed: int = 0
+    """Seed of the model init and of requests that give no seed."""
+    served_model_name: str = ""
+    """The model id clients send and /v1/models lists (default: --model)."""
+    max_request_tokens: int = 0
+    """Prompt tokens + max_tokens allowed per request (0 = the model's context length)."""
+    max_n: int = 64
+    """Samples per request at most."""
+    max_body_bytes: int = 4 * 2**20
+    """Largest request body accepted, in bytes."""
+    prefix_cache: bool = True
+    """Keep the prefix KV cache (off: every prompt is prefilled in full)."""
+    log_level: str = "warning"
+    """uvicorn's log level."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_request_tokens < 0:
+            raise ValueError(f"--max-request-tokens must be >= 0, got {self.max_request_tokens}")
+        if self.max_n < 1:
+            raise ValueError(f"--max-n must be at least 1, got {self.max_n}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

@@ -1,0 +1,119 @@
+"""The OpenAI completions request that `prefixgym serve` accepts, and its error shape.
+
+`CompletionRequest` checks types and ranges strictly (a string where a number belongs
+is refused, not coerced) and turns the request into engine terms: prompt token ids,
+`SamplingParams`, and how to present the answer. Checks that need the model -- token
+ids inside the vocabulary, prompt + max_tokens within the context -- are the
+engine's, and limits of this server (`max_n`, `max_request_tokens`) are the app's.
+
+Fields beyond OpenAI's are vLLM's names for the same things: `stop_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens`, `top_k`, `return_token_ids`,
+`ignore_eos` (do not stop at the end-of-turn tokens).
+Unknown fields are ignored, as vLLM does. This module knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from prefixgym.types import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str | list[int] | list[str] | list[list[int]]
+    n: int = Field(default=1, ge=1)
+    max_tokens: int = Field(default=16, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = -1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | bool | None = None
+    echo: bool = False
+    seed: int | None = None
+    stream: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    ignore_eos: bool = False
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: int | bool | None) -> int | bool | None:
+        if type(value) is int and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {value}")
+        return value
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("stream=true is not supported by prefixgym serve")
+        return value
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None and self.logprobs is not False
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def prompt_ids(self, tokenizer: Any) -> list[int]:
+        """The prompt as token ids: ids as given, text through `tokenizer` (no special tokens)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]  # a batch of one prompt
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ValueError("prompt is text but this server has no tokenizer; send token ids")
+            ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        elif prompt and isinstance(prompt[0], (list, str)):
+            raise ValueError(
+                f"prompt holds {len(prompt)} prompts; prefixgym serve takes one prompt per "
+                "request (use n for several samples)"
+            )
+        else:
+            ids = list(prompt)  # type: ignore[arg-type]
+        if not ids:
+            raise ValueError("prompt is empty; a prompt needs at least one token")
+        return ids
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's SamplingParams (raises pydantic's ValidationError, a ValueError)."""
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+            top_p=self.top_p, stop=self.stop_strings, stop_token_ids=self.stop_token_ids or [],
+            seed=self.seed,
+        )
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: int | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
+    """A one-line message naming the first bad field, and that field's name."""
+    first = error.errors()[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    # a union reports each branch (`prompt.str`, `prompt.list[int]`); the field is enough
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "request"
+    count = len(error.errors())
+    more = f" (and {count - 1} more problem{'s' if count > 2 else ''})" if count > 1 else ""
+    value = first.get("input")
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return f"{where}: {first.get('msg', 'invalid value')} (got {shown}){more}", param

@@ -1,0 +1,127 @@
+"""DistributedTrainingClient: two gloo ranks under torchrun train like one process.
+
+Run as a script (`python -m torch.distributed.run ... test_distributed.py OUT`) this
+file is the per-rank worker; under pytest it launches that worker and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from prefixgym.engine.distributed import DistributedTrainingClient, init_distributed
+from prefixgym.engine.model import load_model
+from prefixgym.engine.training import TrainingClient
+from prefixgym.types import AdamParams, Datum, ModelInput
+
+# Adam's first step is about lr * sign(g): with eps=1e-8 a gradient near 1e-9 turns an
+# fp32 summation-order difference into a full-lr difference. eps=1e-3 bounds the update's
+# sensitivity to lr/eps = 1, so equal gradients (to fp32 rounding) give equal weights.
+ADAM = AdamParams(learning_rate=1e-3, eps=1e-3)
+LENGTHS = (12, 7, 20, 9, 15)  # five datums: ranks get 3 and 2
+
+
+def make_datums() -> list[Datum]:
+    gen = torch.Generator().manual_seed(7)
+    datums = []
+    for n in LENGTHS:
+        ids = torch.randint(0, 4096, (n + 1,), generator=gen).tolist()
+        weights = [0.0] * (n // 2) + [1.0] * (n - n // 2)
+        datums.append(Datum(model_input=ModelInput.from_ints(ids[:-1]),
+                            loss_fn_inputs={"target_tokens": ids[1:], "weights": weights}))
+    return datums
+
+
+def worker(out: Path) -> None:
+    rank, world = init_distributed("gloo")
+    # rank 1 starts from other weights: the client must broadcast rank 0's
+    model = load_model("tiny", seed=0 if rank == 0 else 123)
+    trainer = DistributedTrainingClient(TrainingClient(model))
+    result = trainer.forward_backward(make_datums(), "cross_entropy").result()
+    torch.save({n: p.grad.clone() for n, p in model.named_parameters()},
+               out / f"grads_rank{rank}.pt")
+    trainer.optim_step(ADAM).result()
+    trainer.save_state(out / f"ckpt_rank{rank}")
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+               out / f"weights_rank{rank}.pt")
+    if trainer.is_main:
+        (out / "result.json").write_text(json.dumps({
+            "world": world, "loss": result.metrics["loss"],
+            "logprobs": [o["logprobs"] for o in result.loss_fn_outputs],
+            "train_loss_tokens": result.usage.train_loss_tokens,
+            "ledger_computed": trainer.client.ledger.total().train_computed_tokens,
+        }))
+    dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "MASTER_ADDR": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--standalone", __file__, str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    model = load_model("tiny", seed=0)
+    single = TrainingClient(model)
+    expected = single.forward_backward(make_datums(), "cross_entropy").result()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    single.optim_step(ADAM).result()
+    single.close()
+
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world"] == 2
+    assert result["loss"] == pytest.approx(expected.metrics["loss"], rel=1e-5)
+    assert result["train_loss_tokens"] == expected.usage.train_loss_tokens
+    assert result["ledger_computed"] == sum(LENGTHS)  # rank 0's ledger counts both ranks
+    for got, want in zip(result["logprobs"], expected.loss_fn_outputs):
+        assert got == pytest.approx(want["logprobs"], abs=1e-5)  # in the caller's order
+    reference = model.state_dict()
+    for rank in (0, 1):
+        summed = torch.load(tmp_path / f"grads_rank{rank}.pt")
+        for name, value in grads.items():
+            scale = float(value.abs().max())
+            torch.testing.assert_close(summed[name], value, rtol=0, atol=1e-5 * scale, msg=name)
+        weights = torch.load(tmp_path / f"weights_rank{rank}.pt")
+        for name, value in reference.items():
+            torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-5, msg=name)
+    assert (tmp_path / "ckpt_rank0").is_dir()
+    assert not (tmp_path / "ckpt_rank1").exists()  # only rank 0 writes checkpoints
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_bad_datum_raises_and_keeps_accumulated_gradients(one_rank_group: None) -> None:
+    trainer = DistributedTrainingClient(TrainingClient(load_model("tiny", seed=0)))
+    datums = make_datums()
+    trainer.forward_backward(datums[:2], "cross_entropy").result()
+    before = [p.grad.clone() for p in trainer.model.parameters()]
+    bad = Datum(model_input=ModelInput.from_ints([1, 2, 3]),
+                loss_fn_inputs={"target_tokens": [1, 2, 99999]})
+    with pytest.raises(ValueError, match="99999"):
+        trainer.forward_backward([datums[2], bad], "cross_entropy")
+    for p, g in zip(trainer.model.parameters(), before):
+        assert torch.equal(p.grad, g)
+    trainer.client.close()
+
+
+def test_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        DistributedTrainingClient(TrainingClient(load_model("tiny", seed=0)))
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))

@@ -1,0 +1,68 @@
+"""A real `prefixgym serve` app on a free loopback port, in a thread, shared by the session."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from prefixgym.engine.service import LocalService
+from prefixgym.serving.app import create_app
+from prefixgym.serving.config import ServeConfig
+
+
+class RunningServer:
+    def __init__(self, service: LocalService, config: ServeConfig) -> None:
+        self.service = service
+        self.server = uvicorn.Server(uvicorn.Config(
+            create_app(service, config), host="127.0.0.1", port=0, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("prefixgym serve did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        wait_healthy(self.url)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def wait_healthy(url: str, attempts: int = 300) -> None:
+    """Poll /health until it answers 200 (bounded: at most `attempts` tries)."""
+    for _ in range(attempts):
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url}/health never answered")
+
+
+SERVE_CONFIG = ServeConfig(model="tiny", max_n=8, max_request_tokens=1000,
+                           max_body_bytes=64 * 1024)
+
+
+@pytest.fixture(name="wait_healthy")
+def wait_healthy_fixture():
+    return wait_healthy
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RunningServer]:
+    service = LocalService(model="tiny", seed=0)
+    running = RunningServer(service, SERVE_CONFIG)
+    yield running
+    running.stop()
+    service.close()

@@ -1,0 +1,128 @@
+"""OpenAISamplingClient against `prefixgym serve` (and a fake vLLM-like server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import gymnasium as gym
+import httpx
+import pytest
+
+import prefixgym.envs  # noqa: F401  (registers the env ids)
+from prefixgym.engine.usage import UsageLedger
+from prefixgym.rollouts.rollout import RolloutConfig, Rollouts
+from prefixgym.serving.openai_client import OpenAISamplingClient
+from prefixgym.types import ModelInput, SamplingParams
+
+PROMPT = [(11 * i + 5) % 4000 + 50 for i in range(36)]
+
+
+@pytest.fixture
+def remote(server):
+    client = OpenAISamplingClient(server.url, ledger=UsageLedger())
+    yield client
+    client.close()
+
+
+def test_sample_matches_the_in_process_engine(server, remote) -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    got = remote.sample(ModelInput.from_ints(PROMPT), 2, params).result()
+    want = server.service.create_sampling_client().sample(PROMPT, 2, params).result()
+    assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
+    for g, w in zip(got.sequences, want.sequences):
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+        assert g.stop_reason == w.stop_reason
+    assert got.usage.prefill_tokens == len(PROMPT)
+    assert got.usage.sampled_tokens == 10
+
+
+def test_usage_maps_cached_tokens_into_the_ledger(remote) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first = asyncio.run(_await(remote.sample(PROMPT, 1, params)))  # await works too
+    extended = PROMPT + first.sequences[0].tokens + [70, 71]
+    second = remote.sample(extended, 1, params).result()
+    assert second.usage.prefill_cached_tokens > 0
+    assert second.usage.prefill_computed_tokens + second.usage.prefill_cached_tokens == len(extended)
+    total = remote.ledger.total()
+    assert total.prefill_tokens == len(PROMPT) + len(extended)
+    assert total.sampled_tokens == 8
+
+
+async def _await(future):
+    return await future
+
+
+def test_compute_logprobs_and_prompt_logprobs(server, remote) -> None:
+    want = server.service.create_sampling_client().compute_logprobs(PROMPT[:12]).result()
+    got = remote.compute_logprobs(PROMPT[:12]).result()
+    assert got[0] is None and got[1:] == pytest.approx(want[1:], abs=1e-4)
+    resp = remote.sample(PROMPT[:12], 1, SamplingParams(max_tokens=3, temperature=0.0),
+                         include_prompt_logprobs=True).result()
+    assert resp.prompt_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
+    assert len(resp.sequences[0].tokens) == len(resp.sequences[0].logprobs) == 3
+
+
+def test_server_errors_become_value_errors(remote) -> None:
+    with pytest.raises(ValueError, match="HTTP 400.*vocabulary"):
+        remote.sample([1, 2, 99_999], 1, SamplingParams(max_tokens=1)).result()
+    with pytest.raises(ValueError, match="negative"):
+        remote.sample([-1], 1)
+    with pytest.raises(ValueError, match="num_samples"):
+        remote.sample([1], 0)
+
+
+def test_greedy_rollout_over_http_equals_in_process(server, remote) -> None:
+    config = RolloutConfig(temperature=0.0, max_tokens=8, max_turns=3)
+    tokenizer = server.service.tokenizer
+
+    def run(sampler):
+        rollouts = Rollouts(sampler, tokenizer, config)
+        envs = [gym.make("prefixgym/GuessNumber-v0") for _ in range(2)]
+        return asyncio.run(rollouts.run_group(envs, 3, "g"))
+
+    over_http = run(remote)
+    in_process = run(server.service.create_sampling_client())
+    assert [t.tokens for t in over_http.trajectories] == [t.tokens for t in in_process.trajectories]
+    assert all(len(t.turns) >= 2 for t in over_http.trajectories)  # later turns hit the cache
+    assert all(t.extension_ok for t in over_http.trajectories)
+
+
+def _fake_vllm(token_field: bool, tokens_as_ids: bool):
+    """A server answering like a vLLM without return_token_ids and without cache details."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        body = json.loads(request.content)
+        assert body["prompt"] == [1, 2, 3] and body["model"] == "m"
+        choice = {"index": 0, "text": "hi", "finish_reason": "stop",
+                  "logprobs": {"tokens": ["token_id:10", "token_id:11"] if tokens_as_ids
+                               else ["h", "i"], "token_logprobs": [-0.5, -0.25]}}
+        if token_field:
+            choice["token_ids"] = [10, 11]
+        return httpx.Response(200, json={"choices": [choice],
+                                         "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize(("token_field", "tokens_as_ids"), [(True, False), (False, True)])
+def test_token_ids_from_a_vllm_like_server(token_field: bool, tokens_as_ids: bool) -> None:
+    with OpenAISamplingClient("http://fake", transport=_fake_vllm(token_field, tokens_as_ids)) as c:
+        resp = c.sample([1, 2, 3]).result()
+    seq = resp.sequences[0]
+    assert seq.tokens == [10, 11] and seq.logprobs == [-0.5, -0.25] and seq.stop_reason == "stop"
+    assert resp.usage.prefill_computed_tokens == 3 and resp.usage.prefill_cached_tokens == 0
+
+
+def test_no_token_ids_needs_a_tokenizer_and_warns(server) -> None:
+    transport = _fake_vllm(token_field=False, tokens_as_ids=False)
+    with (OpenAISamplingClient("http://fake/v1", transport=transport) as c,
+          pytest.raises(ValueError, match="no token ids")):
+        c.sample([1, 2, 3]).result()
+    tokenizer = server.service.tokenizer
+    with (OpenAISamplingClient("http://fake/v1", transport=transport, tokenizer=tokenizer) as c,
+          pytest.warns(UserWarning, match="re-tokenizing")):
+        seq = c.sample([1, 2, 3]).result().sequences[0]
+    assert seq.tokens == tokenizer.encode("hi", add_special_tokens=False)
