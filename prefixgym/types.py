@@ -13,6 +13,7 @@ message names the field and the value.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -159,6 +160,16 @@ class Usage(_Wire):
 
     def __add__(self, other: Usage) -> Usage:
         return Usage(**{k: getattr(self, k) + getattr(other, k) for k in Usage.model_fields})
+
+    def __sub__(self, other: Usage) -> Usage:
+        return Usage(**{k: getattr(self, k) - getattr(other, k) for k in Usage.model_fields})
+
+    @classmethod
+    def total(cls, usages: Iterable[Usage]) -> Usage:
+        out = cls()
+        for u in usages:
+            out = out + u
+        return out
 
     @property
     def prefill_tokens(self) -> int:

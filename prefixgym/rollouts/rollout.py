@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from prefixgym.prompting import Conversation
+from prefixgym.protocols import SamplingClient
 from prefixgym.rollouts.types import Trajectory, TrajectoryGroup, Turn
 from prefixgym.types import ModelInput, SampledSequence, SampleResponse, SamplingParams
 
@@ -91,7 +92,7 @@ class Rollouts:
     """Runs groups of episodes of one env id against a sampling client."""
 
     def __init__(
-        self, sampler: Any, tokenizer: Any, config: RolloutConfig,
+        self, sampler: SamplingClient, tokenizer: Any, config: RolloutConfig,
         trace: TraceWriter | None = None,
     ) -> None:
         self.sampler = sampler

@@ -59,10 +59,7 @@ class Trajectory:
 
     @property
     def usage(self) -> Usage:
-        total = Usage()
-        for t in self.turns:
-            total = total + t.usage
-        return total
+        return Usage.total(t.usage for t in self.turns)
 
 
 @dataclass
@@ -79,7 +76,4 @@ class TrajectoryGroup:
 
     @property
     def usage(self) -> Usage:
-        total = Usage()
-        for t in self.trajectories:
-            total = total + t.usage
-        return total
+        return Usage.total(t.usage for t in self.trajectories)

@@ -10,8 +10,8 @@ import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from prefixgym.protocols import SamplingClient
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts
 from prefixgym.rollouts.types import Trajectory
 from prefixgym.types import Usage
@@ -45,15 +45,13 @@ def summarize(trajectories: Sequence[Trajectory]) -> EvalResult:
     n = len(trajectories)
     successes = sum(t.is_success for t in trajectories)
     p = successes / n if n else 0.0
-    usage = Usage()
-    for t in trajectories:
-        usage = usage + t.usage
+    usage = Usage.total(t.usage for t in trajectories)
     reward = sum(t.total_reward for t in trajectories) / n if n else 0.0
     return EvalResult(p, success_stderr(p, n), reward, n, usage)
 
 
 def evaluate(
-    sampler: Any, tokenizer: Any, envs: Sequence[Any], episodes: int, config: RolloutConfig,
+    sampler: SamplingClient, tokenizer: object, envs: Sequence[object], episodes: int, config: RolloutConfig,
     concurrency: int | None = None,
 ) -> EvalResult:
     """Greedy episodes on seeds EVAL_SEED_BASE + i, `len(envs)` at a time."""
