@@ -80,33 +80,53 @@ class SlotKV:
         """A new (n_layers, 2, n_kv_heads, end-start, head_dim) tensor of one slot's KV."""
         return torch.stack((self.k[:, slot, :, start:end], self.v[:, slot, :, start:end]), dim=1)
 
-    def prefill_view(self, slot: int, start: int, num_tokens: int) -> PrefillView:
-        return PrefillView(self, slot, start, num_tokens)
+    def prefill_view(self, first_slot: int, starts: list[int], lengths: list[int]) -> PrefillView:
+        return PrefillView(self, first_slot, starts, lengths)
 
     def decode_view(self, positions_B: torch.Tensor) -> DecodeView:
         return DecodeView(self, positions_B)
 
 
 class PrefillView:
-    """New tokens at positions [start, start+T) of one slot; keys [0, start) are cached."""
+    """The new tokens of R rows, right-padded to T = max(lengths): row r lives in slot
+    `first_slot + r` and computes positions [starts[r], starts[r] + lengths[r]); keys
+    [0, starts[r]) are already in its slot. Padding queries are neither stored nor seen
+    by real queries (they attend real keys only, so they stay finite)."""
 
-    def __init__(self, kv: SlotKV, slot: int, start: int, num_tokens: int) -> None:
-        self.kv, self.slot, self.start, self.end = kv, slot, start, start + num_tokens
-        query_pos_T_1 = torch.arange(start, self.end).unsqueeze(1)
-        key_pos_1_Tk = torch.arange(self.end).unsqueeze(0)
-        self.mask = (key_pos_1_Tk <= query_pos_T_1)[None, None]  # (1, 1, T, Tk)
+    def __init__(self, kv: SlotKV, first_slot: int, starts: list[int], lengths: list[int]) -> None:
+        R, T = len(starts), max(lengths)
+        self.kv = kv
+        self.rows = slice(first_slot, first_slot + R)
+        self.num_keys = max(s + n for s, n in zip(starts, lengths))
+        query_pos_R_T = torch.tensor(starts).unsqueeze(1) + torch.arange(T)
+        self.positions_R_T = query_pos_R_T.clamp(max=kv.max_seq_len - 1)
+        key_pos_Tk = torch.arange(self.num_keys)
+        self.mask = (key_pos_Tk <= query_pos_R_T.unsqueeze(2)).unsqueeze(1)  # (R, 1, T, Tk)
+        # rows that start and end together are stored with one slice assignment
+        self.span = (starts[0], starts[0] + T) if len(set(starts)) == len(set(lengths)) == 1 else None
+        self.last_index_R = None if self.span else torch.tensor(lengths) - 1
+        if self.span is None:
+            valid_R_T = torch.arange(T) < torch.tensor(lengths).unsqueeze(1)
+            self.src_N = valid_R_T.flatten().nonzero().squeeze(1)  # into the flattened (R*T)
+            self.slot_N = first_slot + self.src_N // T
+            self.pos_N = query_pos_R_T.flatten()[self.src_N]
 
     def update(
         self, layer_idx: int, k_B_Hkv_T_D: torch.Tensor, v_B_Hkv_T_D: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        s = self.slot
-        self.kv.k[layer_idx, s, :, self.start : self.end] = k_B_Hkv_T_D[0]
-        self.kv.v[layer_idx, s, :, self.start : self.end] = v_B_Hkv_T_D[0]
-        return (
-            self.kv.k[layer_idx, s : s + 1, :, : self.end],
-            self.kv.v[layer_idx, s : s + 1, :, : self.end],
-            self.mask,
-        )
+        k_layer, v_layer = self.kv.k[layer_idx], self.kv.v[layer_idx]  # (S, Hkv, Tcap, D)
+        if self.span is not None:
+            start, end = self.span
+            k_layer[self.rows, :, start:end] = k_B_Hkv_T_D
+            v_layer[self.rows, :, start:end] = v_B_Hkv_T_D
+        else:
+            R, H, T, D = k_B_Hkv_T_D.shape
+            k_N = k_B_Hkv_T_D.transpose(1, 2).reshape(R * T, H, D)[self.src_N]  # (N, Hkv, D)
+            v_N = v_B_Hkv_T_D.transpose(1, 2).reshape(R * T, H, D)[self.src_N]
+            k_layer[self.slot_N, :, self.pos_N] = k_N
+            v_layer[self.slot_N, :, self.pos_N] = v_N
+        Tk = self.num_keys
+        return k_layer[self.rows, :, :Tk], v_layer[self.rows, :, :Tk], self.mask
 
 
 class DecodeView:

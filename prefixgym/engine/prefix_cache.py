@@ -13,7 +13,10 @@ Contract -- which methods read and which change the cache:
   `match_prefix`, `can_insert`, `stats`, `check_integrity`, `block_bytes`, `len()`.
 - changes: `acquire` / `release` (refcounts; a referenced block is never evicted),
   `insert` (adds blocks, evicting LRU unreferenced blocks to make room; check first
-  with `can_insert`), `evict`, `record_lookup` (statistics only), `clear`.
+  with `can_insert`), `evict`, `record_lookup` (statistics only), `clear`,
+  `demote_version` (a stale version's unreferenced blocks go first when room is
+  needed, now and whenever they are released later), `drop_version` (evict every
+  unreferenced block of a version that no client can ask for any more).
 
 Eviction takes the least recently used unreferenced block that has no cached child,
 so every cached block's parent is cached too. Callers acquire whole chains from the
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 _ROOT_KEY = 0
+ROOT_KEY = _ROOT_KEY  # the parent key of a chain's first block
 
 
 @dataclass(eq=False)
@@ -92,6 +96,7 @@ class PrefixCache:
         self.hit_tokens = 0
         self.evicted_blocks = 0
         self.inserted_blocks = 0
+        self._stale_versions: set[int] = set()
 
     # ---- reads -------------------------------------------------------------------
 
@@ -209,6 +214,8 @@ class PrefixCache:
             block.ref_count -= 1
             if block.ref_count == 0 and self._blocks.get(block.key) is block:
                 self._lru[block.key] = block
+                if block.version in self._stale_versions:
+                    self._lru.move_to_end(block.key, last=False)
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         self.query_tokens += query_tokens
@@ -284,6 +291,27 @@ class PrefixCache:
             freed += self._block_bytes
             evicted += 1
         return evicted
+
+    def demote_version(self, version: int) -> None:
+        """Make `version`'s unreferenced blocks the first to be evicted (keeping their
+        relative LRU order), and those released later too. They still serve hits."""
+        self._stale_versions.add(version)
+        stale = [key for key, block in self._lru.items() if block.version == version]
+        for key in reversed(stale):
+            self._lru.move_to_end(key, last=False)
+
+    def drop_version(self, version: int) -> int:
+        """Evict every unreferenced block of `version` whose descendants go too (deepest
+        first); referenced blocks stay, demoted. Returns the number evicted."""
+        self.demote_version(version)
+        stale = sorted((b for b in self._lru.values() if b.version == version),
+                       key=lambda b: -b.depth)
+        removed = 0
+        for block in stale:
+            if block.num_children == 0:
+                self._remove(block)
+                removed += 1
+        return removed
 
     def clear(self) -> None:
         """Drop every unreferenced block."""

@@ -55,6 +55,23 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
 
+    @property
+    def is_greedy(self) -> bool:
+        return self.request.params.temperature == 0
+
+
+def new_sequences(req: Request) -> list[Sequence]:
+    """The request's `num_samples` sequences, each at the end of the prompt; sample i
+    draws from its own generator, derived from the request's seed."""
+    p = req.params
+    window = 4 * max((len(s) for s in p.stop), default=0) + 4
+    stop_ids = frozenset(p.stop_token_ids)
+    return [
+        Sequence(req, random.Random(f"{req.seed}/{i}"), p.max_tokens, stop_ids, list(p.stop),
+                 window, kv_len=len(req.prompt))
+        for i in range(req.num_samples)
+    ]
+
 
 def build_response(req: Request) -> SampleResponse:
     """The wire response of a finished request (fields built here, so not re-validated)."""

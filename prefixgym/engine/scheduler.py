@@ -4,16 +4,22 @@ Callers (any thread, or asyncio through `await future`) `submit` a request and g
 `APIFuture[SampleResponse]`. The engine thread runs this loop:
 
 1. collect new requests (blocking only when nothing runs);
-2. admit each waiting request (`_admit`):
-   1) match the longest cached prefix -- at most len(prompt)-1 tokens, since the last
-      prompt token must be computed for its logits -- and copy it into the slot;
-      requests that want prompt logprobs read nothing from the cache;
-   2) prefill the rest of the prompt in one forward;
-   3) write the prompt's new full blocks into the prefix cache, pin its chain;
-   4) replicate the slot's KV for the other samples and sample their first tokens;
+2. admit the waiting requests in waves (`_next_wave`, `_prefill`):
+   1) match each one's longest cached prefix -- at most len(prompt)-1 tokens, since
+      the last prompt token must be computed for its logits -- and pin it; requests
+      that want prompt logprobs read nothing from the cache; a request whose next
+      block another request of the wave computes waits one wave and hits the cache;
+   2) prefill the uncached suffixes of many requests in one right-padded forward
+      (chunks of similar length; prompt-logprob requests run alone), after copying
+      each cached prefix into its slot;
+   3) write each prompt's new full blocks into the prefix cache, pin its chain;
+   4) replicate a slot's KV for the request's other samples, sample first tokens;
 3. one decode step per weights version: a single forward over every running
    sequence, vectorised sampling, then stop checks; finished sequences write their
-   full blocks to the cache and free their slot (the last slot moves into it).
+   full blocks to the cache and free their slot (the last slot moves into it);
+4. versions: a newer weights version demotes older versions' cache blocks (evicted
+   first), an older version's slot buffer is freed once it runs nothing, and its
+   blocks are dropped once nothing holds its model (no client, no request).
 
 A bad request is refused at `submit` with a ValueError; an error inside the engine
 fails only the requests it touches, and the thread keeps serving.
@@ -27,6 +33,7 @@ from __future__ import annotations
 import queue
 import random
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -35,8 +42,14 @@ import torch
 
 from prefixgym.engine.kv_slots import SlotKV
 from prefixgym.engine.model import Transformer
-from prefixgym.engine.prefix_cache import PrefixCache
-from prefixgym.engine.requests import Request, Sequence, build_response, validate_request
+from prefixgym.engine.prefix_cache import ROOT_KEY, PrefixCache, chain_key
+from prefixgym.engine.requests import (
+    Request,
+    Sequence,
+    build_response,
+    new_sequences,
+    validate_request,
+)
 from prefixgym.engine.token_sampler import RowParams, sample_tokens
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.futures import APIFuture
@@ -64,6 +77,7 @@ class Scheduler:
         ledger: UsageLedger | None = None,
         seed: int = 0,
         max_running: int = 256,
+        max_prefill_tokens: int = 16384,
     ) -> None:
         self.cache = cache
         self.cache_lock = threading.Lock()
@@ -72,6 +86,8 @@ class Scheduler:
         self._seed_rng = random.Random(seed)
         self._submit_lock = threading.Lock()  # guards the seed generator and closing
         self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens  # padded positions per prefill forward
+        self._version_models: dict[int, weakref.ref[Transformer]] = {}
         self._queue: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self._waiting: deque[Request] = deque()
         self._batches: dict[int, _Batch] = {}
@@ -151,6 +167,7 @@ class Scheduler:
                         if batch.seqs:
                             self._decode_step(batch)
                     self._drop_idle_batches()
+                    self._drop_dead_versions()
                 except Exception as error:  # noqa: BLE001 - last resort: the thread survives
                     for request in {s.request for b in self._batches.values() for s in b.seqs}:
                         self._fail(request, error)
@@ -168,71 +185,156 @@ class Scheduler:
 
     def _admit_waiting(self) -> None:
         while self._waiting:
-            running = sum(len(b.seqs) for b in self._batches.values())
-            if running and running + self._waiting[0].num_samples > self.max_running:
+            wave = self._next_wave()
+            if not wave:
                 return
-            request = self._waiting.popleft()
-            try:
-                self._admit(request)
-            except Exception as error:  # noqa: BLE001 - fail this request, keep serving
-                self._fail(request, error)
+            self._prefill_wave(wave)
 
-    def _admit(self, req: Request) -> None:
-        batch = self._batches.get(req.version)
-        if batch is None:
-            batch = self._batches[req.version] = _Batch(req.model, req.version)
-        self._latest_version = max(self._latest_version, req.version)
-        kv, P, G, slot = batch.kv, len(req.prompt), req.num_samples, len(batch.seqs)
-        kv.reserve(slot + G, P + req.params.max_tokens)
-        # 1) the longest cached prefix
-        cached = 0
-        if self.cache is not None and not req.include_prompt_logprobs:
-            with self.cache_lock:
-                match = self.cache.match_prefix(req.prompt, req.version, max_tokens=P - 1)
-                self.cache.record_lookup(P, match.num_tokens)
-                self.cache.acquire(match.blocks)
-                req.pinned = match.blocks
-            if match.blocks:
-                kv.write(slot, torch.cat([b.kv for b in match.blocks], dim=3))
-                cached = match.num_tokens
-        req.num_cached_tokens = cached
-        # 2) prefill the rest
-        tokens_1_T = torch.tensor(req.prompt[cached:]).unsqueeze(0)
-        positions_1_T = torch.arange(cached, P).unsqueeze(0)
-        logits = batch.model(tokens_1_T, positions_1_T, kv=kv.prefill_view(slot, cached, P - cached),
-                             last_only=not req.include_prompt_logprobs)  # (1, T or 1, V)
+    def _next_wave(self) -> list[Request]:
+        """Pop the waiting requests that fit under `max_running` and match their cached
+        prefixes. A request whose first uncached block an earlier request of this wave
+        will compute waits for the next wave, where it hits the cache instead."""
+        wave: list[Request] = []
+        deferred: list[Request] = []
+        claimed: set[int] = set()
+        running = sum(len(b.seqs) for b in self._batches.values())
+        while self._waiting:
+            req = self._waiting[0]
+            if running and running + req.num_samples > self.max_running:
+                break
+            self._waiting.popleft()
+            try:
+                if not self._match(req, claimed):
+                    deferred.append(req)
+                    continue
+            except Exception as error:  # noqa: BLE001 - fail this request, keep serving
+                self._fail(req, error)
+                continue
+            wave.append(req)
+            running += req.num_samples
+        self._waiting.extendleft(reversed(deferred))
+        return wave
+
+    def _match(self, req: Request, claimed: set[int]) -> bool:
+        """1) pin the longest cached prefix (at most len(prompt)-1 tokens, since the
+        last prompt token must be computed for its logits); False = wait a wave."""
+        req.num_cached_tokens = 0
+        if self.cache is None or req.include_prompt_logprobs:
+            return True
+        P, bs = len(req.prompt), self.cache.block_size
+        with self.cache_lock:
+            match = self.cache.match_prefix(req.prompt, req.version, max_tokens=P - 1)
+            key = match.blocks[-1].key if match.blocks else ROOT_KEY
+            computed_keys = []  # the full blocks this request will compute and cache
+            for start in range(match.num_tokens, P - bs + 1, bs):
+                key = chain_key(req.version, key, tuple(req.prompt[start : start + bs]))
+                computed_keys.append(key)
+            if computed_keys and match.num_tokens + bs <= P - 1 and computed_keys[0] in claimed:
+                return False
+            claimed.update(computed_keys)
+            self.cache.record_lookup(P, match.num_tokens)
+            self.cache.acquire(match.blocks)
+            req.pinned = match.blocks
+        req.num_cached_tokens = match.num_tokens
+        return True
+
+    def _prefill_wave(self, wave: list[Request]) -> None:
+        """Prefill a wave: one forward per chunk of similar-length suffixes; requests that
+        want prompt logprobs (full logits) or no tokens run alone."""
+        by_version: dict[int, list[Request]] = {}
+        for req in wave:
+            by_version.setdefault(req.version, []).append(req)
+        for version, reqs in by_version.items():
+            batch = self._batches.get(version)
+            if batch is None:
+                batch = self._batches[version] = _Batch(reqs[0].model, version)
+            self._note_version(reqs[0])
+            alone = [[r] for r in reqs if r.include_prompt_logprobs or r.params.max_tokens == 0]
+            together = sorted((r for r in reqs if not (r.include_prompt_logprobs
+                                                       or r.params.max_tokens == 0)),
+                              key=lambda r: len(r.prompt) - r.num_cached_tokens)
+            for chunk in alone + _chunks(together, self.max_prefill_tokens):
+                try:
+                    self._prefill(batch, chunk)
+                except Exception as error:  # noqa: BLE001 - fail these requests, keep serving
+                    for req in chunk:
+                        self._fail(req, error)
+
+    def _prefill(self, batch: _Batch, reqs: list[Request]) -> None:
+        kv, first, R = batch.kv, len(batch.seqs), len(reqs)
+        num_new = sum(r.num_samples for r in reqs)
+        kv.reserve(first + max(R, num_new), max(len(r.prompt) + r.params.max_tokens for r in reqs))
+        # 1) copy each request's cached prefix into its prefill slot (first + r)
+        for r, req in enumerate(reqs):
+            if req.num_cached_tokens:
+                kv.write(first + r, torch.cat([b.kv for b in req.pinned], dim=3))
+        # 2) one forward over every request's uncached suffix, right-padded
+        starts = [r.num_cached_tokens for r in reqs]
+        lengths = [len(r.prompt) - s for r, s in zip(reqs, starts)]
+        T = max(lengths)
+        tokens_R_T = torch.tensor([r.prompt[s:] + [0] * (T - n)
+                                   for r, s, n in zip(reqs, starts, lengths)])
+        view = kv.prefill_view(first, starts, lengths)
+        full_logits = reqs[0].include_prompt_logprobs
+        logits = batch.model(tokens_R_T, view.positions_R_T, kv=view, last_only=not full_logits,
+                             last_index_B=view.last_index_R)  # (R, 1, V) or (1, T, V)
         self.counters["prefill_calls"] += 1
-        self.counters["prefill_positions"] += P - cached
-        if req.include_prompt_logprobs:
+        self.counters["prefill_positions"] += sum(lengths)
+        if full_logits:
+            req = reqs[0]
             logp_T_V = torch.log_softmax(logits[0, :-1].float(), dim=-1)
             targets = torch.tensor(req.prompt[1:]).unsqueeze(1)
             req.prompt_logprobs = [None, *logp_T_V.gather(1, targets).squeeze(1).tolist()]
-        # 3) cache the prompt's full blocks
-        self._cache_blocks(req, kv, slot, req.prompt, P, pin=True)
-        # 4) replicate the KV for every sample and sample the first tokens
-        p = req.params
-        window = 4 * max((len(s) for s in p.stop), default=0) + 4
-        stop_ids = frozenset(p.stop_token_ids)
-        req.sequences = [
-            Sequence(req, random.Random(f"{req.seed}/{i}"), p.max_tokens, stop_ids, list(p.stop),
-                     window, kv_len=P)
-            for i in range(G)
-        ]  # sample i draws from its own generator, derived from the request's seed
-        req.unfinished = G
-        if p.max_tokens == 0:
-            for seq in req.sequences:
+        last_R_V = logits[:, -1]
+        # 3) cache each prompt's full blocks and pin them
+        for r, req in enumerate(reqs):
+            self._cache_blocks(req, kv, first + r, req.prompt, len(req.prompt), pin=True)
+        # 4) sample 0 stays in the prefill slot, the other samples get copies after them
+        for req in reqs:
+            req.sequences = new_sequences(req)
+            req.unfinished = req.num_samples
+        if reqs[0].params.max_tokens == 0:  # such a request runs alone
+            for seq in reqs[0].sequences:
                 seq.stop_reason = "length"
-            self._complete(req)
+            self._complete(reqs[0])
             return
-        for i in range(1, G):
-            kv.copy_slot(slot, slot + i, P)
-        batch.seqs.extend(req.sequences)
+        seqs = [req.sequences[0] for req in reqs]
+        source_rows = list(range(R))
+        for r, req in enumerate(reqs):
+            for seq in req.sequences[1:]:
+                kv.copy_slot(first + r, first + len(seqs), len(req.prompt))
+                seqs.append(seq)
+                source_rows.append(r)
+        batch.seqs.extend(seqs)
         batch.params = None
-        rows = range(slot, slot + G)
-        params = RowParams.build([p.temperature] * G, [p.top_k] * G, [p.top_p] * G)
-        uniforms = [s.rng.random() if p.temperature > 0 else 0.0 for s in req.sequences]
-        tokens_G, logprobs_G = sample_tokens(logits[0, -1:].expand(G, -1), params, uniforms)
-        self._advance(batch, rows, tokens_G.tolist(), logprobs_G.tolist())
+        params = RowParams.build([s.request.params.temperature for s in seqs],
+                                 [s.request.params.top_k for s in seqs],
+                                 [s.request.params.top_p for s in seqs])
+        uniforms = [0.0 if s.is_greedy else s.rng.random() for s in seqs]
+        tokens, logprobs = sample_tokens(last_R_V[source_rows], params, uniforms)
+        self._advance(batch, range(first, first + len(seqs)), tokens.tolist(), logprobs.tolist())
+
+    def _note_version(self, req: Request) -> None:
+        """Track versions: a newer one demotes older versions' cache blocks."""
+        if req.version not in self._version_models:
+            self._version_models[req.version] = weakref.ref(req.model)
+        if req.version > self._latest_version:
+            self._latest_version = req.version
+            if self.cache is not None:
+                with self.cache_lock:
+                    for version in self._version_models:
+                        if version < req.version:
+                            self.cache.demote_version(version)
+
+    def _drop_dead_versions(self) -> None:
+        """A version whose model nobody holds (no client, no request) loses its blocks."""
+        dead = [v for v, ref in self._version_models.items()
+                if v != self._latest_version and v not in self._batches and ref() is None]
+        for version in dead:
+            del self._version_models[version]
+            if self.cache is not None:
+                with self.cache_lock:
+                    self.cache.drop_version(version)
 
     def _decode_step(self, batch: _Batch) -> None:
         seqs = batch.seqs
@@ -260,7 +362,9 @@ class Scheduler:
         self.counters["max_batch_size"] = max(self.counters["max_batch_size"], len(seqs))
         self._advance(batch, range(len(seqs)), tokens_B.tolist(), logprobs_B.tolist())
 
-    def _advance(self, batch: _Batch, rows: range, tokens: list[int], logprobs: list[float]) -> None:
+    def _advance(
+        self, batch: _Batch, rows: range, tokens: list[int], logprobs: list[float]
+    ) -> None:
         """Append one token to each row, then retire the rows that stopped."""
         finished: list[int] = []
         for row, token, logprob in zip(rows, tokens, logprobs):
@@ -274,7 +378,7 @@ class Scheduler:
             else:
                 continue
             finished.append(row)
-        for row in reversed(finished):
+        for row in reversed(finished):  # descending: compaction only moves rows from above
             self._retire(batch, row)
 
     def _hits_stop(self, seq: Sequence) -> bool:
@@ -358,6 +462,10 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         return dict(self.counters)
 
+    def slot_buffer_bytes(self) -> dict[int, int]:
+        """Bytes of the running-sequence KV buffer held per weights version."""
+        return {version: batch.kv.nbytes for version, batch in list(self._batches.items())}
+
 
 def _free_row(batch: _Batch, row: int) -> None:
     """Drop a sequence from the batch; the last row moves into its slot (compaction)."""
@@ -368,3 +476,26 @@ def _free_row(batch: _Batch, row: int) -> None:
         seqs[row] = seqs[last]
     seqs.pop()
     batch.params = None
+
+
+_CALL_COST_TOKENS = 64  # a forward call's fixed cost, in padded positions
+
+
+def _chunks(reqs: list[Request], max_tokens: int) -> list[list[Request]]:
+    """Split requests sorted by uncached length into prefill batches: a new batch starts
+    when padding the batch to the newcomer's length would cost more than a call, or
+    the batch would pass `max_tokens` padded positions."""
+    chunks: list[list[Request]] = []
+    current: list[Request] = []
+    width = 0
+    for req in reqs:
+        n = len(req.prompt) - req.num_cached_tokens
+        if current and (len(current) * (n - width) > _CALL_COST_TOKENS
+                        or (len(current) + 1) * n > max_tokens):
+            chunks.append(current)
+            current = []
+        current.append(req)
+        width = n
+    if current:
+        chunks.append(current)
+    return chunks

@@ -29,6 +29,8 @@ class RowParams:
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    any_greedy: bool = True
+    all_unit_temperature: bool = False
 
     @classmethod
     def build(cls, temperatures: list[float], top_ks: list[int], top_ps: list[float]) -> RowParams:
@@ -39,6 +41,8 @@ class RowParams:
             all_greedy=all(t == 0 for t in temperatures),
             any_top_k=any(k > 0 for k in top_ks),
             any_top_p=any(p < 1.0 for p in top_ps),
+            any_greedy=any(t == 0 for t in temperatures),
+            all_unit_temperature=all(t == 1.0 for t in temperatures),
         )
 
 
@@ -50,21 +54,24 @@ def sample_tokens(
     `uniforms[b]` in [0, 1) is row b's random draw (ignored for greedy rows).
     """
     logits_B_V = logits_B_V.float()
-    greedy_B = logits_B_V.argmax(dim=-1)
     if params.all_greedy:
-        tokens_B = greedy_B
+        tokens_B = logits_B_V.argmax(dim=-1)
     else:
-        tokens_B = _sample_filtered(logits_B_V, params, greedy_B, uniforms)
+        tokens_B = _sample_filtered(logits_B_V, params, uniforms)
     picked_B = logits_B_V.gather(1, tokens_B.unsqueeze(1)).squeeze(1)
     logprobs_B = picked_B - torch.logsumexp(logits_B_V, dim=-1)
     return tokens_B, logprobs_B
 
 
 def _sample_filtered(
-    logits_B_V: torch.Tensor, params: RowParams, greedy_B: torch.Tensor, uniforms: list[float]
+    logits_B_V: torch.Tensor, params: RowParams, uniforms: list[float]
 ) -> torch.Tensor:
+    # the work each step skips when no row needs it: scaling, filters, fallbacks
     temperature_B = params.temperature_B
-    scaled_B_V = logits_B_V / temperature_B.clamp_min(1e-6).unsqueeze(1)
+    if params.all_unit_temperature:
+        scaled_B_V = logits_B_V
+    else:
+        scaled_B_V = logits_B_V / temperature_B.clamp_min(1e-6).unsqueeze(1)
     V = scaled_B_V.shape[1]
     if params.any_top_k:
         k_B = torch.where(params.top_k_B > 0, params.top_k_B.clamp(max=V), V)
@@ -87,5 +94,8 @@ def _sample_filtered(
     drawn_B = torch.searchsorted(cdf_B_V, u_B.unsqueeze(1), right=True).squeeze(1).clamp(max=V - 1)
     # rounding at the top of the CDF can land on a filtered token: fall back to the best kept
     kept = probs_B_V.gather(1, drawn_B.unsqueeze(1)).squeeze(1) > 0
-    drawn_B = torch.where(kept, drawn_B, scaled_B_V.argmax(dim=-1))
-    return torch.where(temperature_B == 0, greedy_B, drawn_B)
+    if not bool(kept.all()):
+        drawn_B = torch.where(kept, drawn_B, scaled_B_V.argmax(dim=-1))
+    if params.any_greedy:
+        drawn_B = torch.where(temperature_B == 0, logits_B_V.argmax(dim=-1), drawn_B)
+    return drawn_B

@@ -1,0 +1,114 @@
+"""Decode throughput: prefixgym's engine vs HF `generate`, 1, 8 and 64 sequences at once.
+
+Both peers get the same weights, the same B random prompts (equal lengths, so HF needs
+no padding) and sample exactly N new tokens each (temperature 1, no stop). Decode
+tokens/s = B*(N-1) / (time for N tokens - time for 1 token), which takes the prefill
+and the first token out of both. Repetitions are interleaved. `--profile` runs
+cProfile on one 64-sequence engine decode and prints the top functions.
+
+    .venv/bin/python bench/bench_decode.py                 # tiny, N=64, 3 repeats
+    .venv/bin/python bench/bench_decode.py --quick         # N=32, 1 repeat
+    .venv/bin/python bench/bench_decode.py --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+
+import common
+import torch
+
+from prefixgym.engine.service import LocalService
+from prefixgym.types import SamplingParams
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(batch)
+    return torch.randint(1, vocab, (batch, length), generator=gen).tolist()
+
+
+def engine_time(svc: LocalService, rows: list[list[int]], new_tokens: int) -> float:
+    sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+    params = SamplingParams(max_tokens=new_tokens, temperature=1.0)
+
+    def go() -> None:
+        futures = [sampler.sample(r, sampling_params=params) for r in rows]
+        for f in futures:
+            f.result()
+
+    return common.timed(go)[0]
+
+
+def hf_time(hf, rows: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(rows)
+
+    def go() -> None:
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                        temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                        pad_token_id=0)
+
+    return common.timed(go)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quick", action="store_true", help="N=32, 1 repeat")
+    parser.add_argument("--profile", action="store_true", help="cProfile a 64-sequence decode")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if args.quick:
+        args.new_tokens, args.repeats = 32, 1
+    common.setup_threads(args.threads)
+    print(common.machine_facts())
+    # no prefix cache: every repeat decodes from scratch, nothing is reused
+    svc = LocalService(args.preset, seed=0, prefix_cache=False, dtype=args.dtype)
+    vocab = svc.train_model.config.vocab_size
+    if args.profile:
+        rows = prompts(64, args.prompt_len, vocab)
+        engine_time(svc, rows, 4)
+        profiler = cProfile.Profile()
+        step = svc.scheduler._decode_step
+
+        def profiled_step(batch):  # cProfile is per thread: enable it in the engine thread
+            profiler.enable()
+            try:
+                step(batch)
+            finally:
+                profiler.disable()
+
+        svc.scheduler._decode_step = profiled_step  # type: ignore[method-assign]
+        seconds = engine_time(svc, rows, args.new_tokens)
+        print(f"64 x {args.new_tokens} tokens in {seconds:.3f} s (profiled)")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+        svc.close()
+        return
+    hf = common.hf_llama_from(svc.train_model)
+    hf.generation_config.eos_token_id = None
+    N = args.new_tokens
+    print(f"preset={args.preset} dtype={args.dtype} prompt={args.prompt_len} new_tokens={N}")
+    for batch in args.batches:
+        rows = prompts(batch, args.prompt_len, vocab)
+        engine_time(svc, rows, 2)  # warm-up
+        hf_time(hf, rows, 2)
+        ours, theirs = [], []
+        for _ in range(args.repeats):
+            ours.append(batch * (N - 1) / (engine_time(svc, rows, N) - engine_time(svc, rows, 1)))
+            theirs.append(batch * (N - 1) / (hf_time(hf, rows, N) - hf_time(hf, rows, 1)))
+        ratios = [a / b for a, b in zip(ours, theirs)]
+        print(f"B={batch:3d}  prefixgym {common.spread(ours, '{:.0f}')} tok/s   "
+              f"HF {common.spread(theirs, '{:.0f}')} tok/s   ratio {common.spread(ratios, '{:.2f}')}",
+              flush=True)
+    svc.close()
+
+
+if __name__ == "__main__":
+    main()
