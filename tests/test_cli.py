@@ -28,3 +28,10 @@ def test_demo_prints_a_ledger_with_cache_hits(capsys):
     for _, prompt, comp, cach, _ in rows:
         assert int(comp) + int(cach) == int(prompt)
     assert "extension property held: True" in out
+
+
+def test_bench_lists_and_refuses_unknown(capsys):
+    assert main(["bench"]) == 2
+    assert "multiturn" in capsys.readouterr().out
+    assert main(["bench", "nope"]) == 2
+    assert "no benchmark 'nope'" in capsys.readouterr().err
