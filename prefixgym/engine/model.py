@@ -1,10 +1,11 @@
-"""The built-in LLaMA-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""The built-in LLaMA-style decoder: embeddings, RoPE tables, a stack of blocks, the head.
 
 One `Transformer` serves three callers: the trainer (a plain causal forward with
 gradients), the sampler's prefill and its decode steps (a forward that hands each
 layer's new keys/values to a `KVView` and attends to whatever the view returns).
 The numerics match Hugging Face Llama/Qwen2 (rotate-half RoPE, fp32 RMSNorm), so a
-local checkpoint of either loads 1:1 (see `hf_checkpoint.py`).
+local checkpoint of either loads 1:1 (see `hf_checkpoint.py`). The layers live in
+`layers.py`, the config and presets in `model_config.py`; both are re-exported here.
 
 This module does not know where keys and values are stored, how requests are
 batched, what a token means, or how the weights were trained: cache layout belongs
@@ -17,12 +18,15 @@ import copy
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from prefixgym.engine.layers import Attention as Attention  # re-exported
+from prefixgym.engine.layers import Block, KVView, RMSNorm
+from prefixgym.engine.layers import SwiGLU as SwiGLU  # re-exported
+from prefixgym.engine.model_config import PRESETS, ModelConfig
 
 __all__ = [
     "PRESETS",
@@ -33,198 +37,6 @@ __all__ = [
     "init_weights",
     "load_model",
 ]
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape and numerics of a `Transformer`; validated on construction."""
-
-    vocab_size: int
-    """Number of token ids the embedding and output head cover."""
-    dim: int
-    """Width of the residual stream (HF `hidden_size`)."""
-    n_layers: int
-    """Number of decoder blocks."""
-    n_heads: int
-    """Query heads per attention layer."""
-    n_kv_heads: int
-    """Key/value heads per layer; `n_heads` must be a multiple of it (GQA)."""
-    hidden_dim: int
-    """Width of the SwiGLU MLP (HF `intermediate_size`)."""
-    max_seq_len: int = 2048
-    """Longest position the RoPE tables cover; positions must be below it."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    norm_eps: float = 1e-5
-    """Epsilon of every RMSNorm."""
-    tie_embeddings: bool = False
-    """Whether the output head reuses the token embedding matrix."""
-    qkv_bias: bool = False
-    """Whether the q/k/v projections have a bias (Qwen2; Llama `attention_bias`)."""
-    out_bias: bool = False
-    """Whether the attention output projection has a bias (Llama `attention_bias`)."""
-    head_dim_override: int | None = None
-    """Per-head width when it is not `dim // n_heads` (HF `head_dim`)."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "dim",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "hidden_dim",
-            "max_seq_len",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"ModelConfig.n_heads={self.n_heads} must be a multiple of "
-                f"n_kv_heads={self.n_kv_heads}"
-            )
-        if self.head_dim_override is None and self.dim % self.n_heads != 0:
-            raise ValueError(
-                f"ModelConfig.dim={self.dim} is not divisible by n_heads={self.n_heads}; "
-                "set head_dim_override"
-            )
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"ModelConfig head_dim={self.head_dim} must be even for RoPE")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ValueError(f"ModelConfig.rope_theta must be positive, got {self.rope_theta!r}")
-        if not (self.norm_eps > 0):
-            raise ValueError(f"ModelConfig.norm_eps must be positive, got {self.norm_eps!r}")
-
-    @property
-    def head_dim(self) -> int:
-        """Width of one attention head."""
-        if self.head_dim_override is not None:
-            return self.head_dim_override
-        return self.dim // self.n_heads
-
-
-PRESETS: dict[str, ModelConfig] = {
-    # ~5.3M parameters; few layers because per-layer Python overhead dominates decode.
-    "tiny": ModelConfig(
-        vocab_size=4096,
-        dim=256,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        hidden_dim=768,
-        max_seq_len=2048,
-    ),
-    # ~29M parameters.
-    "small": ModelConfig(
-        vocab_size=4096,
-        dim=512,
-        n_layers=8,
-        n_heads=8,
-        n_kv_heads=2,
-        hidden_dim=1536,
-        max_seq_len=2048,
-    ),
-}
-
-
-class KVView(Protocol):
-    """Where one forward's keys and values go, owned by the caller (the scheduler).
-
-    `update` is called once per attention layer, in layer order, with the new keys
-    (already rotated by RoPE) and values of the tokens in this forward. It stores them
-    and returns every key/value the queries may look at plus a bool mask, True where
-    query t of row b may attend key j, broadcastable to (B, 1, T, Tk). The mask must
-    let every query row see at least one key (e.g. a padding query its own key):
-    a fully masked row yields NaN, which would then be stored as a key/value.
-    """
-
-    def update(
-        self, layer_idx: int, k_B_Hkv_T_D: torch.Tensor, v_B_Hkv_T_D: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store the new keys/values; return (k_B_Hkv_Tk_D, v_B_Hkv_Tk_D, mask)."""
-        ...
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF-exact RMSNorm: normalise in fp32, cast back, then scale."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF convention): x (B, H, T, D), cos/sin (B, 1, T, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads = config.n_heads
-        self.n_kv_heads = config.n_kv_heads
-        self.head_dim = config.head_dim
-        qkv_out = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
-        # q, k and v in one matmul; rows ordered [q | k | v] like HF's three projections.
-        self.wqkv = nn.Linear(config.dim, qkv_out, bias=config.qkv_bias)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.out_bias)
-
-    def forward(
-        self, x_B_T_C: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | None
-    ) -> torch.Tensor:
-        B, T, _ = x_B_T_C.shape
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x_B_T_C).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H+2Hkv, T, D)
-        qk = _apply_rope(qkv[:, : H + Hkv], cos, sin)  # rotate q and k in one op
-        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
-        if kv is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
-        else:
-            k_all, v_all, mask = kv.update(self.layer_idx, k, v)
-            y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=Hkv != H)
-        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        # gate and up in one matmul; rows ordered [gate | up].
-        self.w_gate_up = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)
-        self.w_down = nn.Linear(config.hidden_dim, config.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)
-
-
-class Block(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attn = Attention(config, layer_idx)
-        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = SwiGLU(config)
-
-    def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | None
-    ) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), cos, sin, kv)
-        return h + self.mlp(self.mlp_norm(h))
 
 
 class Transformer(nn.Module):
