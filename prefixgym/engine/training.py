@@ -1,11 +1,11 @@
 """TrainingClient: forward_backward, optim_step, save/load of the train phase.
 
-1) Validate the whole request before any compute (loss name and config, required
-   keys, lengths, target ids inside the vocabulary, finite values): a bad request
-   raises ValueError naming the datum and key, and changes nothing.
+1) Validate the whole request before any compute (loss name and config, then every
+   datum via `train_batch.prepare_datum`): a bad request raises ValueError naming the
+   datum and key, and changes nothing.
 2) Right-pad datums of different lengths into (B, T) chunks of at most
-   `max_tokens_per_forward` tokens; padded positions get weight 0. Causal attention
-   makes the results equal to running datums one by one.
+   `max_tokens_per_forward` tokens (`train_batch.make_chunks`); padded positions get
+   weight 0. Causal attention makes the results equal to running datums one by one.
 3) Per chunk: forward, per-token target logprobs, the loss (a **sum** of weight x
    per-token loss, see `losses.py`), gradients. Gradients are staged and added to
    the parameters' `.grad` only when the whole call succeeded with finite values,
@@ -24,7 +24,6 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -37,145 +36,13 @@ from prefixgym.engine.checkpoint_io import (
     save_checkpoint,
 )
 from prefixgym.engine.model import Transformer
+from prefixgym.engine.train_batch import PreparedDatum, make_chunks, prepare_datum
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.futures import APIFuture
 from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput, Usage
 
 T = TypeVar("T")
 Tensor = torch.Tensor
-
-
-@dataclass
-class _Prepared:
-    """One validated datum as 1-D CPU tensors of length n."""
-
-    tokens_T: Tensor  # int64
-    inputs: dict[str, Tensor]  # target_tokens (int64), weights/logprobs/advantages (float64)
-    num_loss_tokens: int
-
-    @property
-    def length(self) -> int:
-        return int(self.tokens_T.shape[0])
-
-
-def _as_1d(where: str, values: object) -> Tensor:
-    try:
-        if isinstance(values, Tensor):
-            out = values.detach().to("cpu", torch.float64)
-        else:
-            out = torch.as_tensor(values, dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{where} is not a list of numbers: {e}") from None
-    if out.dim() != 1:
-        raise ValueError(f"{where} must be a flat list of numbers, got shape {tuple(out.shape)}")
-    return out
-
-
-def _token_ids(where: str, values: object, vocab_size: int) -> Tensor:
-    ids = _as_1d(where, values)
-    bad = (~torch.isfinite(ids)) | (ids != ids.round()) | (ids < 0) | (ids >= vocab_size)
-    if bad.any():
-        j = int(bad.nonzero()[0])
-        raise ValueError(
-            f"{where}[{j}] = {ids[j].item():g} is not a token id of this model "
-            f"(integers in [0, {vocab_size}))"
-        )
-    return ids.long()
-
-
-def prepare_datum(
-    i: int, datum: Datum, spec: losses.LossSpec, loss_fn: str, vocab_size: int, max_seq_len: int
-) -> _Prepared:
-    """Validate datum `i` for `loss_fn` and turn it into tensors; ValueError names the problem."""
-    tokens = getattr(getattr(datum, "model_input", None), "tokens", None)
-    if tokens is None:
-        raise ValueError(f"datums[{i}] has no model_input.tokens (got {type(datum).__name__})")
-    tokens_T = _token_ids(f"datums[{i}].model_input.tokens", tokens, vocab_size)
-    n = int(tokens_T.shape[0])
-    if n == 0:
-        raise ValueError(f"datums[{i}].model_input.tokens is empty")
-    if n > max_seq_len:
-        raise ValueError(
-            f"datums[{i}] has {n} tokens, more than the model's max_seq_len {max_seq_len}"
-        )
-    loss_fn_inputs = getattr(datum, "loss_fn_inputs", None)
-    if not isinstance(loss_fn_inputs, Mapping):
-        raise ValueError(  # noqa: TRY004 - bad input is a ValueError throughout prefixgym
-            f"datums[{i}].loss_fn_inputs must be a dict, got {type(loss_fn_inputs).__name__}"
-        )
-    unknown = sorted(set(loss_fn_inputs) - losses.KNOWN_INPUT_KEYS)
-    if unknown:
-        raise ValueError(
-            f"datums[{i}].loss_fn_inputs has unknown key(s) {unknown}; known keys are "
-            f"{sorted(losses.KNOWN_INPUT_KEYS)}"
-        )
-    for key in spec.required:
-        if key not in loss_fn_inputs:
-            raise ValueError(
-                f"datums[{i}].loss_fn_inputs is missing {key!r}, which loss_fn "
-                f"{loss_fn!r} needs (it needs {list(spec.required)})"
-            )
-    inputs: dict[str, Tensor] = {}
-    for key in (*spec.required, *spec.optional):
-        if key not in loss_fn_inputs:
-            continue
-        where = f"datums[{i}].loss_fn_inputs[{key!r}]"
-        if key == "target_tokens":
-            values = _token_ids(where, loss_fn_inputs[key], vocab_size)
-        else:
-            values = _as_1d(where, loss_fn_inputs[key])
-            finite = torch.isfinite(values)
-            if not finite.all():
-                j = int((~finite).nonzero()[0])
-                raise ValueError(f"{where}[{j}] = {values[j].item()}; values must be finite")
-        if values.shape[0] != n:
-            raise ValueError(
-                f"{where} has {values.shape[0]} values but model_input has {n} tokens; "
-                "every loss input needs one value per position"
-            )
-        inputs[key] = values
-    inputs.setdefault("weights", torch.ones(n, dtype=torch.float64))
-    return _Prepared(tokens_T, inputs, int((inputs["weights"] != 0).sum()))
-
-
-@dataclass
-class _Chunk:
-    indices: list[int]
-    tokens_B_T: Tensor
-    inputs: dict[str, Tensor]  # each (B, T), zero-padded on the right
-
-
-def make_chunks(
-    prepared: Sequence[_Prepared], max_tokens: int, device: torch.device
-) -> list[_Chunk]:
-    """Consecutive datums, right-padded, B x T_max <= max_tokens per chunk (>= 1 datum)."""
-    groups: list[list[int]] = []
-    for i, p in enumerate(prepared):
-        if groups:
-            t_max = max(p.length, *(prepared[j].length for j in groups[-1]))
-            if t_max * (len(groups[-1]) + 1) <= max_tokens:
-                groups[-1].append(i)
-                continue
-        groups.append([i])
-    chunks = []
-    for group in groups:
-        T = max(prepared[j].length for j in group)
-        tokens_B_T = torch.zeros(len(group), T, dtype=torch.long)
-        keys = prepared[group[0]].inputs.keys()
-        inputs = {
-            k: torch.zeros(len(group), T, dtype=prepared[group[0]].inputs[k].dtype) for k in keys
-        }
-        for b, j in enumerate(group):
-            n = prepared[j].length
-            tokens_B_T[b, :n] = prepared[j].tokens_T
-            for k in keys:
-                inputs[k][b, :n] = prepared[j].inputs[k]
-        on_device = {
-            k: v.to(device) if k == "target_tokens" else v.to(device, torch.float32)
-            for k, v in inputs.items()
-        }
-        chunks.append(_Chunk(group, tokens_B_T.to(device), on_device))
-    return chunks
 
 
 class TrainingClient:
@@ -278,7 +145,7 @@ class TrainingClient:
 
     def _validate(
         self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None
-    ) -> tuple[list[_Prepared], losses.LossSpec, dict[str, float]]:
+    ) -> tuple[list[PreparedDatum], losses.LossSpec, dict[str, float]]:
         spec = losses.get_loss(loss_fn)
         config = losses.validate_config(loss_fn, loss_fn_config)
         if isinstance(datums, (str, bytes)) or not isinstance(datums, Sequence):
@@ -302,7 +169,7 @@ class TrainingClient:
 
     def _run(
         self,
-        prepared: list[_Prepared],
+        prepared: list[PreparedDatum],
         spec: losses.LossSpec,
         config: dict[str, float],
         backward: bool,

@@ -1,0 +1,160 @@
+"""Turn a forward_backward request's datums into padded (B, T) tensor chunks.
+
+1) `prepare_datum` checks one `Datum` against a loss's needs (model_input tokens and
+   target ids inside the vocabulary, no longer than max_seq_len, known and required
+   `loss_fn_inputs` keys, one finite value per position) and returns it as 1-D CPU
+   tensors, with weights defaulting to 1. A problem raises ValueError naming the datum
+   index and key.
+2) `make_chunks` groups consecutive datums so that B x T_max <= max_tokens, right-pads
+   each group with zeros (padded positions thus get weight 0) and moves it to a device.
+
+This module knows nothing of models, gradients or optimizers; of losses it knows only
+which input keys they read (`losses.LossSpec`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from prefixgym.engine import losses
+from prefixgym.types import Datum
+
+__all__ = ["Chunk", "PreparedDatum", "make_chunks", "prepare_datum"]
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class PreparedDatum:
+    """One validated datum as 1-D CPU tensors of length n."""
+
+    tokens_T: Tensor  # int64
+    inputs: dict[str, Tensor]  # target_tokens (int64), weights/logprobs/advantages (float64)
+    num_loss_tokens: int
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens_T.shape[0])
+
+
+def _as_1d(where: str, values: object) -> Tensor:
+    try:
+        if isinstance(values, Tensor):
+            out = values.detach().to("cpu", torch.float64)
+        else:
+            out = torch.as_tensor(values, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{where} is not a list of numbers: {e}") from None
+    if out.dim() != 1:
+        raise ValueError(f"{where} must be a flat list of numbers, got shape {tuple(out.shape)}")
+    return out
+
+
+def _token_ids(where: str, values: object, vocab_size: int) -> Tensor:
+    ids = _as_1d(where, values)
+    bad = (~torch.isfinite(ids)) | (ids != ids.round()) | (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        j = int(bad.nonzero()[0])
+        raise ValueError(
+            f"{where}[{j}] = {ids[j].item():g} is not a token id of this model "
+            f"(integers in [0, {vocab_size}))"
+        )
+    return ids.long()
+
+
+def prepare_datum(
+    i: int, datum: Datum, spec: losses.LossSpec, loss_fn: str, vocab_size: int, max_seq_len: int
+) -> PreparedDatum:
+    """Validate datum `i` for `loss_fn` and turn it into tensors; ValueError names the problem."""
+    tokens = getattr(getattr(datum, "model_input", None), "tokens", None)
+    if tokens is None:
+        raise ValueError(f"datums[{i}] has no model_input.tokens (got {type(datum).__name__})")
+    tokens_T = _token_ids(f"datums[{i}].model_input.tokens", tokens, vocab_size)
+    n = int(tokens_T.shape[0])
+    if n == 0:
+        raise ValueError(f"datums[{i}].model_input.tokens is empty")
+    if n > max_seq_len:
+        raise ValueError(
+            f"datums[{i}] has {n} tokens, more than the model's max_seq_len {max_seq_len}"
+        )
+    loss_fn_inputs = getattr(datum, "loss_fn_inputs", None)
+    if not isinstance(loss_fn_inputs, Mapping):
+        raise ValueError(  # noqa: TRY004 - bad input is a ValueError throughout prefixgym
+            f"datums[{i}].loss_fn_inputs must be a dict, got {type(loss_fn_inputs).__name__}"
+        )
+    unknown = sorted(set(loss_fn_inputs) - losses.KNOWN_INPUT_KEYS)
+    if unknown:
+        raise ValueError(
+            f"datums[{i}].loss_fn_inputs has unknown key(s) {unknown}; known keys are "
+            f"{sorted(losses.KNOWN_INPUT_KEYS)}"
+        )
+    for key in spec.required:
+        if key not in loss_fn_inputs:
+            raise ValueError(
+                f"datums[{i}].loss_fn_inputs is missing {key!r}, which loss_fn "
+                f"{loss_fn!r} needs (it needs {list(spec.required)})"
+            )
+    inputs: dict[str, Tensor] = {}
+    for key in (*spec.required, *spec.optional):
+        if key not in loss_fn_inputs:
+            continue
+        where = f"datums[{i}].loss_fn_inputs[{key!r}]"
+        if key == "target_tokens":
+            values = _token_ids(where, loss_fn_inputs[key], vocab_size)
+        else:
+            values = _as_1d(where, loss_fn_inputs[key])
+            finite = torch.isfinite(values)
+            if not finite.all():
+                j = int((~finite).nonzero()[0])
+                raise ValueError(f"{where}[{j}] = {values[j].item()}; values must be finite")
+        if values.shape[0] != n:
+            raise ValueError(
+                f"{where} has {values.shape[0]} values but model_input has {n} tokens; "
+                "every loss input needs one value per position"
+            )
+        inputs[key] = values
+    inputs.setdefault("weights", torch.ones(n, dtype=torch.float64))
+    return PreparedDatum(tokens_T, inputs, int((inputs["weights"] != 0).sum()))
+
+
+@dataclass
+class Chunk:
+    indices: list[int]
+    tokens_B_T: Tensor
+    inputs: dict[str, Tensor]  # each (B, T), zero-padded on the right
+
+
+def make_chunks(
+    prepared: Sequence[PreparedDatum], max_tokens: int, device: torch.device
+) -> list[Chunk]:
+    """Consecutive datums, right-padded, B x T_max <= max_tokens per chunk (>= 1 datum)."""
+    groups: list[list[int]] = []
+    for i, p in enumerate(prepared):
+        if groups:
+            t_max = max(p.length, *(prepared[j].length for j in groups[-1]))
+            if t_max * (len(groups[-1]) + 1) <= max_tokens:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    chunks = []
+    for group in groups:
+        T = max(prepared[j].length for j in group)
+        tokens_B_T = torch.zeros(len(group), T, dtype=torch.long)
+        keys = prepared[group[0]].inputs.keys()
+        inputs = {
+            k: torch.zeros(len(group), T, dtype=prepared[group[0]].inputs[k].dtype) for k in keys
+        }
+        for b, j in enumerate(group):
+            n = prepared[j].length
+            tokens_B_T[b, :n] = prepared[j].tokens_T
+            for k in keys:
+                inputs[k][b, :n] = prepared[j].inputs[k]
+        on_device = {
+            k: v.to(device) if k == "target_tokens" else v.to(device, torch.float32)
+            for k, v in inputs.items()
+        }
+        chunks.append(Chunk(group, tokens_B_T.to(device), on_device))
+    return chunks
