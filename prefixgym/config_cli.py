@@ -49,7 +49,7 @@ def build_parser(
             default = f.default
         else:
             default = f.default_factory()  # type: ignore[misc,operator]
-        help_text = f"{docs.get(f.name, '')} (default: {default!r})"
+        help_text = f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%")
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=default, help=help_text)

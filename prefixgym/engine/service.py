@@ -101,10 +101,13 @@ class LocalService:
             self._inference_model = snapshot
         return self.create_sampling_client()
 
-    def create_training_client(self) -> TrainingClient:
+    def create_training_client(self, compute_dtype: torch.dtype = torch.float32) -> TrainingClient:
+        """A trainer on `train_model`; `compute_dtype=torch.bfloat16` runs its matmuls in
+        bf16 under autocast (fp32 master weights and optimizer state)."""
         from prefixgym.engine.training import TrainingClient
 
-        client = TrainingClient(self.train_model, publish=self.publish_weights, ledger=self.ledger)
+        client = TrainingClient(self.train_model, publish=self.publish_weights, ledger=self.ledger,
+                                compute_dtype=compute_dtype)
         self._training_clients.append(client)
         return client
 

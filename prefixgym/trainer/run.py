@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
+import torch
 
 from prefixgym.rollouts.rollout import RolloutConfig
 from prefixgym.trainer.checkpoint import (
@@ -43,7 +44,7 @@ def make_envs(config: TrainConfig, n: int) -> list[Any]:
     import prefixgym.envs  # noqa: F401  (registers the built-in ids)
 
     try:
-        return [gym.make(config.env, **config.env_kwargs) for _ in range(n)]
+        return [gym.make(config.env, **(config.env_kwargs or {})) for _ in range(n)]
     except gym.error.Error as e:
         raise ValueError(f"cannot make env {config.env!r}: {e}") from e
 
@@ -59,7 +60,8 @@ class Run:
             model=config.model, seed=config.seed, num_threads=config.num_threads or None
         )
         self.tokenizer = self.service.tokenizer
-        self.training: Any = self.service.create_training_client()
+        self.training: Any = self.service.create_training_client(
+            compute_dtype=getattr(torch, config.resolved_compute_dtype()))
         if config.sampler_url:  # rollouts and evaluation on a remote server (docs/scaling.md)
             from prefixgym.serving.openai_client import OpenAISamplingClient, RemoteSampling
 

@@ -9,6 +9,7 @@ conversations and the training protocol; not how sampling works.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +57,15 @@ def expert_datums(envs: Sequence[Any], tokenizer: Any, seeds: Sequence[int]) -> 
     return datums
 
 
+def sft_lr_at(step: int, steps: int, lr: float) -> float:
+    """Linear warm-up over the first 10% of `steps`, then cosine decay to lr / 10."""
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
 def warm_start(
     training: Any, envs: Sequence[Any], tokenizer: Any, steps: int, episodes_per_step: int,
     lr: float, on_step: Callable[[int, dict[str, float], Usage], None] | None = None,
@@ -63,7 +73,9 @@ def warm_start(
     """`steps` AdamW steps of cross-entropy, each on fresh expert episodes.
 
     The loss is a sum over tokens; dividing the weights by the step's loss tokens
-    makes the learning rate independent of episode lengths.
+    makes the learning rate independent of episode lengths. The learning rate warms
+    up linearly over the first 10% of steps, then decays (cosine) to lr/10: without
+    the warm-up, some random inits stall on a policy that ignores the env's hints.
     """
     total = Usage()
     for step in range(steps):
@@ -73,7 +85,9 @@ def warm_start(
         for d in datums:
             d.loss_fn_inputs["weights"] = [w / n_loss for w in d.loss_fn_inputs["weights"]]
         out = training.forward_backward(datums, loss_fn="cross_entropy").result()
-        opt = training.optim_step(AdamParams(learning_rate=lr, grad_clip_norm=1.0)).result()
+        opt = training.optim_step(
+            AdamParams(learning_rate=sft_lr_at(step, steps, lr), grad_clip_norm=1.0)
+        ).result()
         total = total + out.usage
         if on_step is not None:
             on_step(step, {"sft/loss": out.metrics["loss"],

@@ -1,0 +1,99 @@
+"""The default multi-turn GRPO loop with the prefix cache on and off, in one run.
+
+Usage: `OMP_NUM_THREADS=2 python bench/bench_grpo.py [--steps 6] [--sft-steps 65]`.
+
+One warm start (the default SFT) is computed once and loaded into two services,
+`LocalService(prefix_cache=True)` and `LocalService(prefix_cache=False)`. Then the
+two run the same GRPO steps (the default TrainConfig: 16 groups x 8 episodes of
+GuessNumber, 4 turns), interleaved step by step so machine load hits both alike.
+Printed per mode: wall seconds per step (sampling and whole step), prefill tokens
+computed and served from the cache. Knows the trainer's functions; no engine internals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torch
+from common import machine_facts, setup_threads
+
+from prefixgym.engine.service import LocalService
+from prefixgym.rollouts.rollout import RolloutConfig
+from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.grpo import collect, grpo_step
+from prefixgym.trainer.run import make_envs
+from prefixgym.trainer.sft import warm_start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--sft-steps", type=int, default=TrainConfig.sft_steps)
+    args = parser.parse_args()
+    setup_threads(2)
+    config = TrainConfig(steps=args.steps, sft_steps=args.sft_steps, progress=False)
+    dtype = getattr(torch, config.compute_dtype)
+    rollout_config = RolloutConfig(max_tokens=config.max_tokens,
+                                   temperature=config.temperature)
+    state_dir = Path(tempfile.mkdtemp(prefix="bench_grpo_")) / "warm"
+
+    # 1) one warm start, saved
+    with LocalService(seed=config.seed) as service:
+        training = service.create_training_client()
+        training.compute_dtype = dtype
+        envs = make_envs(config, config.sft_episodes_per_step)
+        t0 = time.perf_counter()
+        warm_start(training, envs, service.tokenizer, config.sft_steps,
+                   config.sft_episodes_per_step, config.sft_lr)
+        training.save_state(state_dir).result()
+        print(f"warm start: {config.sft_steps} steps in {time.perf_counter() - t0:.1f} s")
+
+    # 2) two services from the same state, the same steps, interleaved
+    modes = {"cache on": True, "cache off": False}
+    runs = {}
+    for name, cache in modes.items():
+        service = LocalService(seed=config.seed, prefix_cache=cache)
+        training = service.create_training_client()
+        training.compute_dtype = dtype
+        training.load_state(state_dir).result()
+        runs[name] = {
+            "service": service, "training": training,
+            "sampler": training.save_weights_and_get_sampling_client(),
+            "envs": make_envs(config, config.groups_per_step * config.group_size),
+            "step_s": [], "sample_s": [], "computed": 0, "cached": 0, "train": 0,
+        }
+    for step in range(config.steps):
+        for r in runs.values():
+            t0 = time.perf_counter()
+            groups, sample_s = collect(r["sampler"], r["service"].tokenizer, r["envs"], config,
+                                       step, rollout_config)
+            _, usage = grpo_step(r["training"], groups, config, None)
+            r["sampler"] = r["training"].save_weights_and_get_sampling_client()
+            r["step_s"].append(time.perf_counter() - t0)
+            r["sample_s"].append(sample_s)
+            r["computed"] += usage.prefill_computed_tokens
+            r["cached"] += usage.prefill_cached_tokens
+            r["train"] += usage.train_computed_tokens
+
+    print(machine_facts())
+    print(f"{config.steps} GRPO steps, {config.groups_per_step} groups x {config.group_size}, "
+          f"GuessNumber {config.env_kwargs}, compute {config.compute_dtype}")
+    print("| mode | step s (median) | sampling s (median) | prefill computed | "
+          "prefill cached | train computed |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in runs.items():
+        print(f"| {name} | {statistics.median(r['step_s']):.2f} | "
+              f"{statistics.median(r['sample_s']):.2f} | {r['computed']:,} | {r['cached']:,} | "
+              f"{r['train']:,} |")
+        r["service"].close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The warm-start learning-rate schedule and the compute dtype option."""
+
+import itertools
+import math
+
+import pytest
+
+from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.sft import sft_lr_at
+
+
+def test_sft_schedule_warms_up_then_decays_to_a_tenth():
+    lrs = [sft_lr_at(i, 100, 1e-3) for i in range(100)]
+    assert lrs[0] == pytest.approx(1e-4)  # warm-up: 1/10 of the way after step 0
+    assert lrs[9] == pytest.approx(1e-3)  # peak at the end of the 10% warm-up
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:]))  # then never increases
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
+    assert sft_lr_at(0, 1, 1e-3) == pytest.approx(1e-3)
+    assert all(math.isfinite(x) and x > 0 for x in lrs)
+
+
+def test_compute_dtype_is_validated():
+    assert TrainConfig().compute_dtype == "auto"
+    assert TrainConfig().resolved_compute_dtype() in ("float32", "bfloat16")
+    assert TrainConfig(compute_dtype="bfloat16").resolved_compute_dtype() == "bfloat16"
+    assert TrainConfig(compute_dtype="float32").compute_dtype == "float32"
+    with pytest.raises(ValueError, match="--compute-dtype"):
+        TrainConfig(compute_dtype="float16")
+
+
+def test_default_env_kwargs_apply_to_the_default_env_only():
+    assert TrainConfig().env_kwargs == {"max_turns": 4}
+    assert TrainConfig(env="prefixgym/Arithmetic-v0").env_kwargs == {}
+    assert TrainConfig(env_kwargs={"high": 8}).env_kwargs == {"high": 8}
