@@ -90,6 +90,20 @@ def eval_table(evals: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def improvement_lines(evals: Sequence[dict[str, Any]]) -> list[str]:
+    """GRPO's gain over the warm start, with the standard error of the difference."""
+    warm = [e for e in evals if e["when"] == "after warm start"]
+    grpo = [e for e in evals if e["when"] == "GRPO"]
+    if not warm or not grpo:
+        return []
+    a, b = warm[-1], grpo[-1]
+    diff = b["eval/success"] - a["eval/success"]
+    se = (a["eval/success_stderr"] ** 2 + b["eval/success_stderr"] ** 2) ** 0.5
+    ratio = f" = {diff / se:+.1f} SE" if se else ""
+    return [f"GRPO vs the warm start: {diff:+.1%} success ± {se:.1%} (SE of the "
+            f"difference{ratio}).", ""]
+
+
 def write_report(
     out: Path, title: str, config: dict[str, Any], total: Usage, sft_usage: Usage,
     evals: Sequence[dict[str, Any]], wall_s: float,
@@ -104,6 +118,7 @@ def write_report(
         "",
         eval_table(evals) if evals else "No evaluation ran.",
         "",
+        *improvement_lines(evals),
         "## Tokens per phase, whole run",
         "",
         phase_table(total),

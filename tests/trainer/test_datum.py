@@ -34,3 +34,4 @@ def test_edited_history_splits_the_datum_and_counts_it():
     assert out.num_splits == 1 and len(out.datums) == 2
     assert out.datums[1].model_input.tokens == [1, 9, 3, 10, 4]
     assert sum(d.num_loss_tokens for d in out.datums) == 2
+
