@@ -155,3 +155,17 @@ def test_failing_env_is_left_out_and_counted():
         datums, counts = assemble(groups, config)
     assert counts["episodes/failed"] == 3.0
     assert all(d.model_input.length > 0 for d in datums)
+
+
+@pytest.mark.parametrize("extra", [{"async_mode": True}, {"kl_coef": 0.1}])
+def test_async_mode_and_kl_penalty_run(tmp_path, extra):
+    result = train(TrainConfig(**SMALL, steps=3, out=str(tmp_path), **extra))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if r["phase"] == "grpo"]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    if "kl_coef" in extra:
+        trained = [r for r in steps if r["datums/count"]]
+        assert trained and all("kl/sampled_vs_ref" in r for r in trained)
+        if steps[0]["datums/count"]:  # step 0 samples from the reference weights themselves
+            assert abs(steps[0]["kl/sampled_vs_ref"]) < 1e-4
+    assert result.usage.train_computed_tokens > 0
