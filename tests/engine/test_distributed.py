@@ -21,10 +21,7 @@ from prefixgym.engine.model import load_model
 from prefixgym.engine.training import TrainingClient
 from prefixgym.types import AdamParams, Datum, ModelInput
 
-# Adam's first step is about lr * sign(g): with eps=1e-8 a gradient near 1e-9 turns an
-# fp32 summation-order difference into a full-lr difference. eps=1e-3 bounds the update's
-# sensitivity to lr/eps = 1, so equal gradients (to fp32 rounding) give equal weights.
-ADAM = AdamParams(learning_rate=1e-3, eps=1e-3)
+ADAM = AdamParams(learning_rate=1e-3)  # default eps=1e-8
 LENGTHS = (12, 7, 20, 9, 15)  # five datums: ranks get 3 and 2
 
 
@@ -74,6 +71,16 @@ def test_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
     single = TrainingClient(model)
     expected = single.forward_backward(make_datums(), "cross_entropy").result()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    single.close()
+    # One process accumulating the same two shards: its gradient is g0 + g1, the sum the
+    # all-reduce forms, to the bit. (The whole batch in one call sums in another order:
+    # equal to fp32 rounding, which Adam's first step, about lr * sign(g), can blow up
+    # to a full learning rate on a gradient near zero.)
+    model = load_model("tiny", seed=0)
+    single = TrainingClient(model)
+    datums = make_datums()
+    for shard in (datums[0::2], datums[1::2]):
+        single.forward_backward(shard, "cross_entropy").result()
     single.optim_step(ADAM).result()
     single.close()
 
