@@ -6,9 +6,13 @@ tokens/s = B*(N-1) / (time for N tokens - time for 1 token), which takes the pre
 and the first token out of both. Repetitions are interleaved. `--profile` runs
 cProfile on one 64-sequence engine decode and prints the top functions.
 
+`--dtype bfloat16` runs the engine in bf16 against HF in every `--hf-dtypes` (default:
+float32 and bfloat16), all on the same (bf16-rounded) weights.
+
     .venv/bin/python bench/bench_decode.py                 # tiny, N=64, 3 repeats
     .venv/bin/python bench/bench_decode.py --quick         # N=32, 1 repeat
-    .venv/bin/python bench/bench_decode.py --profile
+    .venv/bin/python bench/bench_decode.py --dtype bfloat16
+    .venv/bin/python bench/bench_decode.py --profile [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -60,7 +64,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--hf-dtypes", nargs="+", choices=["float32", "bfloat16"], default=None,
+                        help="HF peers (default: the engine's dtype, plus float32 for bf16)")
     parser.add_argument("--quick", action="store_true", help="N=32, 1 repeat")
     parser.add_argument("--profile", action="store_true", help="cProfile a 64-sequence decode")
     parser.add_argument("--threads", type=int, default=2)
@@ -91,22 +97,31 @@ def main() -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
         svc.close()
         return
-    hf = common.hf_llama_from(svc.train_model)
-    hf.generation_config.eos_token_id = None
+    hf_dtypes = args.hf_dtypes or sorted({args.dtype, "float32"}, reverse=True)
+    hfs = {}
+    for name in hf_dtypes:  # same weights, cast: bf16-rounded values when the engine is bf16
+        hfs[name] = common.hf_llama_from(svc.train_model).to(getattr(torch, name))
+        hfs[name].generation_config.eos_token_id = None
     N = args.new_tokens
-    print(f"preset={args.preset} dtype={args.dtype} prompt={args.prompt_len} new_tokens={N}")
+    print(f"preset={args.preset} dtype={args.dtype} hf={hf_dtypes} prompt={args.prompt_len} "
+          f"new_tokens={N}")
     for batch in args.batches:
         rows = prompts(batch, args.prompt_len, vocab)
         engine_time(svc, rows, 2)  # warm-up
-        hf_time(hf, rows, 2)
-        ours, theirs = [], []
+        for hf in hfs.values():
+            hf_time(hf, rows, 2)
+        ours: list[float] = []
+        theirs: dict[str, list[float]] = {name: [] for name in hfs}
         for _ in range(args.repeats):
             ours.append(batch * (N - 1) / (engine_time(svc, rows, N) - engine_time(svc, rows, 1)))
-            theirs.append(batch * (N - 1) / (hf_time(hf, rows, N) - hf_time(hf, rows, 1)))
-        ratios = [a / b for a, b in zip(ours, theirs)]
-        print(f"B={batch:3d}  prefixgym {common.spread(ours, '{:.0f}')} tok/s   "
-              f"HF {common.spread(theirs, '{:.0f}')} tok/s   ratio {common.spread(ratios, '{:.2f}')}",
-              flush=True)
+            for name, hf in hfs.items():
+                theirs[name].append(batch * (N - 1) / (hf_time(hf, rows, N) - hf_time(hf, rows, 1)))
+        line = f"B={batch:3d}  prefixgym[{args.dtype}] {common.spread(ours, '{:.0f}')} tok/s"
+        for name, values in theirs.items():
+            ratios = [a / b for a, b in zip(ours, values)]
+            line += (f" | HF[{name}] {common.spread(values, '{:.0f}')} tok/s, "
+                     f"ratio {common.spread(ratios, '{:.2f}')}")
+        print(line, flush=True)
     svc.close()
 
 

@@ -15,10 +15,13 @@ re-prefilling every prompt.
 
 It reports prefill tokens computed / the theoretical minimum (every distinct prompt
 position computed once; positions whose KV a decode step already produced are free),
-and wall times with ratios. Run by hand:
+and wall times with ratios. `--dtype bfloat16` runs both engine peers in bf16 and HF
+in every `--hf-dtypes` (default float32 and bfloat16) on the same bf16-rounded weights.
+Run by hand:
 
     .venv/bin/python bench/bench_multiturn.py --presets tiny           # full spec
     .venv/bin/python bench/bench_multiturn.py --quick --presets tiny small
+    .venv/bin/python bench/bench_multiturn.py --presets tiny --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -198,19 +201,24 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--no-uncached", action="store_true", help="skip the prefix_cache=False peer")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--hf-dtypes", nargs="+", choices=["float32", "bfloat16"], default=None,
+                        help="HF peers (default: the engine's dtype, plus float32 for bf16)")
     args = parser.parse_args()
+    hf_dtypes = args.hf_dtypes or sorted({args.dtype, "float32"}, reverse=True)
     if args.quick:
         args.groups, args.turns, args.repeats = 4, 4, 1
     common.setup_threads(args.threads)
     print(common.machine_facts())
     w = Workload(args.groups, args.group_size, args.turns, args.reply_tokens)
     print(f"workload: {w.groups} groups x {w.group_size} episodes x {w.turns} turns, "
-          f"replies {w.reply_tokens} tokens")
+          f"replies {w.reply_tokens} tokens; engine dtype {args.dtype}, HF {hf_dtypes}")
     for preset in args.presets:
-        walls: dict[str, list[float]] = {"cached": [], "uncached": [], "hf": []}
-        hf = None
+        walls: dict[str, list[float]] = {"cached": [], "uncached": []}
+        walls.update({f"hf[{name}]": [] for name in hf_dtypes})
+        hfs: dict[str, object] = {}
         for rep in range(args.repeats):
-            cached = run_engine(preset, w, prefix_cache=True)
+            cached = run_engine(preset, w, prefix_cache=True, dtype=args.dtype)
             walls["cached"].append(cached.wall_s)
             if rep == 0:
                 minimum = theoretical_min_prefill(cached.prompts, cached.decoded)
@@ -222,22 +230,25 @@ def main() -> None:
                       f"min={minimum} ratio={cached.prefill_computed / minimum:.3f} "
                       f"excess/request={excess:.1f} tokens")
             if not args.no_uncached:
-                walls["uncached"].append(run_engine(preset, w, prefix_cache=False).wall_s)
+                walls["uncached"].append(
+                    run_engine(preset, w, prefix_cache=False, dtype=args.dtype).wall_s)
             if not args.no_hf:
-                if hf is None:
-                    svc = LocalService(preset, seed=0)
-                    hf = common.hf_llama_from(svc.train_model)
-                    print(f"[{preset}] HF vs ours max |logit diff| = "
-                          f"{common.check_same_logits(svc.train_model, hf):.2e}")
+                if not hfs:
+                    svc = LocalService(preset, seed=0, dtype=args.dtype)
+                    for name in hf_dtypes:
+                        hfs[name] = common.hf_llama_from(svc.train_model).to(getattr(torch, name))
+                        print(f"[{preset}] HF[{name}] vs ours[{args.dtype}] max |logit diff| = "
+                              f"{common.check_same_logits(svc.train_model, hfs[name]):.2e}")
                     tokenizer = svc.tokenizer
                     svc.close()
-                walls["hf"].append(run_hf(hf, tokenizer, w).wall_s)
+                for name, hf in hfs.items():
+                    walls[f"hf[{name}]"].append(run_hf(hf, tokenizer, w).wall_s)
             print(f"[{preset}] rep {rep}: " + ", ".join(
                 f"{k} {v[-1]:.2f}s" for k, v in walls.items() if v), flush=True)
         base = min(walls["cached"])
         line = f"[{preset}] wall: cached {common.spread(walls['cached'])} s"
-        for peer in ("uncached", "hf"):
-            if walls[peer]:
+        for peer in walls:
+            if peer != "cached" and walls[peer]:
                 line += (f"; {peer} {common.spread(walls[peer])} s "
                          f"= {min(walls[peer]) / base:.2f}x slower (best vs best)")
         print(line)

@@ -130,22 +130,29 @@ class PrefillView:
 
 
 class DecodeView:
-    """One new token per row: row b (slot b) at position positions_B[b]."""
+    """One new token per row: row b (slot b) at position positions_B[b]. The mask and
+    the flat write indices are built once per step and shared by every layer."""
 
     def __init__(self, kv: SlotKV, positions_B: torch.Tensor) -> None:
         self.kv = kv
-        self.batch = positions_B.shape[0]
-        self.rows_B = torch.arange(self.batch)
+        self.batch = B = positions_B.shape[0]
         self.positions_B = positions_B
         self.num_keys = int(positions_B.max()) + 1
         key_pos = torch.arange(self.num_keys)
         self.mask = (key_pos.unsqueeze(0) <= positions_B.unsqueeze(1))[:, None, None]  # (B,1,1,Tk)
+        # (slot b, head h, position p) of one layer's (S, Hkv, Tcap, D) buffer, flattened
+        _, _, Hkv, Tcap, _ = kv.k.shape
+        rows_B_Hkv = torch.arange(B).unsqueeze(1) * Hkv + torch.arange(Hkv)
+        self.flat_index_N = (rows_B_Hkv * Tcap + positions_B.unsqueeze(1)).flatten()
 
     def update(
         self, layer_idx: int, k_B_Hkv_T_D: torch.Tensor, v_B_Hkv_T_D: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k_layer, v_layer = self.kv.k[layer_idx], self.kv.v[layer_idx]  # (S, Hkv, Tcap, D)
-        k_layer[self.rows_B, :, self.positions_B] = k_B_Hkv_T_D[:, :, 0]
-        v_layer[self.rows_B, :, self.positions_B] = v_B_Hkv_T_D[:, :, 0]
-        B, Tk = self.batch, self.num_keys
+        B, Hkv, _, D = k_B_Hkv_T_D.shape
+        new_k = k_B_Hkv_T_D.reshape(B * Hkv, D).to(k_layer.dtype)
+        new_v = v_B_Hkv_T_D.reshape(B * Hkv, D).to(v_layer.dtype)
+        k_layer.view(-1, D).index_copy_(0, self.flat_index_N, new_k)  # one write per step
+        v_layer.view(-1, D).index_copy_(0, self.flat_index_N, new_v)
+        Tk = self.num_keys
         return k_layer[:B, :, :Tk], v_layer[:B, :, :Tk], self.mask

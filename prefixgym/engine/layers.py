@@ -3,6 +3,8 @@
 `Block` is one pre-norm decoder layer; its `Attention` rotates queries and keys with
 the caller's cos/sin tables and either attends causally over the forward's own tokens
 or hands the new keys/values to a `KVView` and attends to whatever the view returns.
+A one-query step in bf16/fp16 (a decode step) attends by hand in fp32, which on CPU
+is several times faster than SDPA's bf16 kernel at that shape.
 Numerics follow Hugging Face Llama/Qwen2 (rotate-half RoPE, fp32 RMSNorm).
 
 This module does not know where keys and values are stored (the `KVView` owner's
@@ -45,9 +47,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     """HF-exact RMSNorm: normalise in fp32, cast back, then scale."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    # fused fp32 norm: bit-identical to HF's x * rsqrt(mean(x^2) + eps) (checked), fewer ops
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -65,6 +66,28 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def _one_query_attention(
+    q_B_H_1_D: torch.Tensor, k_B_Hkv_Tk_D: torch.Tensor, v_B_Hkv_Tk_D: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of one query per row (a bf16/fp16 decode step), in fp32, returned in
+    q's dtype.
+
+    The query heads sharing a key/value head become the rows of one small matmul, so
+    keys are never repeated for GQA. On CPU, SDPA's flash kernel runs bf16 decode 2-5x
+    slower than this (measured at 8-64 rows); in fp32 SDPA is as fast or faster, so
+    fp32 keeps it. Computing in fp32 also keeps scores and softmax at full precision.
+    """
+    B, H, _, D = q_B_H_1_D.shape
+    Hkv = k_B_Hkv_Tk_D.shape[1]
+    q = (q_B_H_1_D.float() * D**-0.5).reshape(B, Hkv, H // Hkv, D)  # head h uses kv head h // G
+    k, v = k_B_Hkv_Tk_D.float(), v_B_Hkv_Tk_D.float()
+    scores_B_Hkv_G_Tk = torch.matmul(q, k.transpose(-1, -2))
+    scores_B_Hkv_G_Tk.masked_fill_(mask.logical_not(), float("-inf"))  # mask (B, 1, 1, Tk)
+    probs = torch.softmax(scores_B_Hkv_G_Tk, dim=-1)
+    return torch.matmul(probs, v).to(q_B_H_1_D.dtype).reshape(B, H, 1, D)
 
 
 class Attention(nn.Module):
@@ -91,7 +114,12 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
         else:
             k_all, v_all, mask = kv.update(self.layer_idx, k, v)
-            y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=Hkv != H)
+            if T == 1 and q.dtype != torch.float32:
+                y = _one_query_attention(q, k_all, v_all, mask)
+            else:
+                y = F.scaled_dot_product_attention(
+                    q, k_all, v_all, attn_mask=mask, enable_gqa=Hkv != H
+                )
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
 
