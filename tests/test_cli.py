@@ -35,3 +35,10 @@ def test_bench_lists_and_refuses_unknown(capsys):
     assert "multiturn" in capsys.readouterr().out
     assert main(["bench", "nope"]) == 2
     assert "no benchmark 'nope'" in capsys.readouterr().err
+
+
+def test_train_bad_env_or_model_exits_2_with_a_message(tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path), "--env-kwargs", '{"bogus": 1}']) == 2
+    assert "cannot make env 'prefixgym/GuessNumber-v0'" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path), "--model", str(tmp_path / "none")]) == 2
+    assert "unknown model" in capsys.readouterr().err

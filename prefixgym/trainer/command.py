@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from prefixgym.config_cli import parse_config
 from prefixgym.trainer.config import TrainConfig
 
@@ -20,7 +22,7 @@ def main(argv: list[str]) -> int:
     try:
         result = train(config)
     except ValueError as e:
-        print(f"prefixgym train: {e}")
+        print(f"prefixgym train: {e}", file=sys.stderr)
         return 2
     print(f"report: {result.out / 'report.md'}")
     return 0

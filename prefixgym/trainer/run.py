@@ -45,8 +45,8 @@ def make_envs(config: TrainConfig, n: int) -> list[Any]:
 
     try:
         return [gym.make(config.env, **(config.env_kwargs or {})) for _ in range(n)]
-    except gym.error.Error as e:
-        raise ValueError(f"cannot make env {config.env!r}: {e}") from e
+    except (gym.error.Error, TypeError, ValueError) as e:  # unknown id, bad kwargs
+        raise ValueError(f"cannot make env {config.env!r} with {config.env_kwargs}: {e}") from e
 
 
 class Run:
