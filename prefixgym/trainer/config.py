@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 LOSSES = ("importance_sampling", "ppo")
+LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_ENV = "prefixgym/GuessNumber-v0"
 DEFAULT_ENV_KWARGS: dict[str, Any] = {"max_turns": 4}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -45,6 +46,9 @@ class TrainConfig:
     """Episodes per group, all reset with one seed: G."""
     lr: float = 3e-4
     """GRPO learning rate."""
+    lr_schedule: str = "cosine"
+    """GRPO learning-rate schedule: constant, or cosine (decay from --lr to --lr/10 over
+    the steps, so the final weights are not a snapshot of a noisy large step)."""
     loss: str = "ppo"
     """GRPO loss: importance_sampling or ppo."""
     kl_coef: float = 0.0
@@ -85,6 +89,9 @@ class TrainConfig:
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, "
+                             f"got {self.lr_schedule!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")

@@ -164,7 +164,7 @@ class StepPipeline:
 
 def grpo_step(
     training: Any, groups: Sequence[TrajectoryGroup], config: TrainConfig,
-    ref_sampler: Any | None,
+    ref_sampler: Any | None, lr: float | None = None,
 ) -> tuple[dict[str, float], Usage]:
     """Steps 2-4 on one step's groups. Returns metrics and the step's usage."""
     metrics, usage = rollout_metrics(groups)
@@ -181,7 +181,7 @@ def grpo_step(
     if datums:
         out = training.forward_backward(datums, loss_fn=config.loss).result()
         opt = training.optim_step(
-            AdamParams(learning_rate=config.lr, grad_clip_norm=1.0)
+            AdamParams(learning_rate=config.lr if lr is None else lr, grad_clip_norm=1.0)
         ).result()
         usage = usage + out.usage
         metrics["loss"] = out.metrics.get("loss", 0.0)

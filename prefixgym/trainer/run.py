@@ -29,6 +29,7 @@ from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.evaluate import evaluate
 from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step, phase_metrics
 from prefixgym.trainer.report import MetricsLog, write_plots, write_report
+from prefixgym.trainer.schedule import warmup_cosine_lr
 from prefixgym.trainer.sft import warm_start
 from prefixgym.types import Usage
 
@@ -134,7 +135,9 @@ class Run:
             for step in range(state.next_step, c.steps):
                 t0 = time.perf_counter()
                 groups, sample_s = pipeline.take(sampler, step, c.steps)
-                metrics, usage = grpo_step(self.training, groups, c, ref_sampler)
+                lr = (warmup_cosine_lr(step, c.steps, c.lr, warmup_frac=0.0)
+                      if c.lr_schedule == "cosine" else c.lr)
+                metrics, usage = grpo_step(self.training, groups, c, ref_sampler, lr)
                 sampler = self.training.save_weights_and_get_sampling_client()
                 pipeline.after_update(sampler, step, c.steps)
                 self.log.write({"step": step, "phase": "grpo", **metrics, **phase_metrics(usage),

@@ -9,13 +9,13 @@ conversations and the training protocol; not how sampling works.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefixgym.prompting import Conversation
 from prefixgym.rollouts.types import Trajectory, Turn
 from prefixgym.trainer.datum import trajectory_to_datums
+from prefixgym.trainer.schedule import warmup_cosine_lr
 from prefixgym.types import AdamParams, Datum, Usage
 
 SFT_SEED_BASE = 2_000_000
@@ -57,15 +57,6 @@ def expert_datums(envs: Sequence[Any], tokenizer: Any, seeds: Sequence[int]) -> 
     return datums
 
 
-def sft_lr_at(step: int, steps: int, lr: float) -> float:
-    """Linear warm-up over the first 10% of `steps`, then cosine decay to lr / 10."""
-    warmup = max(1, steps // 10)
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
 def warm_start(
     training: Any, envs: Sequence[Any], tokenizer: Any, steps: int, episodes_per_step: int,
     lr: float, on_step: Callable[[int, dict[str, float], Usage], None] | None = None,
@@ -86,7 +77,7 @@ def warm_start(
             d.loss_fn_inputs["weights"] = [w / n_loss for w in d.loss_fn_inputs["weights"]]
         out = training.forward_backward(datums, loss_fn="cross_entropy").result()
         opt = training.optim_step(
-            AdamParams(learning_rate=sft_lr_at(step, steps, lr), grad_clip_norm=1.0)
+            AdamParams(learning_rate=warmup_cosine_lr(step, steps, lr), grad_clip_norm=1.0)
         ).result()
         total = total + out.usage
         if on_step is not None:

@@ -6,17 +6,25 @@ import math
 import pytest
 
 from prefixgym.trainer.config import TrainConfig
-from prefixgym.trainer.sft import sft_lr_at
+from prefixgym.trainer.schedule import warmup_cosine_lr
 
 
 def test_sft_schedule_warms_up_then_decays_to_a_tenth():
-    lrs = [sft_lr_at(i, 100, 1e-3) for i in range(100)]
+    lrs = [warmup_cosine_lr(i, 100, 1e-3) for i in range(100)]
     assert lrs[0] == pytest.approx(1e-4)  # warm-up: 1/10 of the way after step 0
     assert lrs[9] == pytest.approx(1e-3)  # peak at the end of the 10% warm-up
     assert all(a >= b for a, b in itertools.pairwise(lrs[9:]))  # then never increases
     assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
-    assert sft_lr_at(0, 1, 1e-3) == pytest.approx(1e-3)
+    assert warmup_cosine_lr(0, 1, 1e-3) == pytest.approx(1e-3)
     assert all(math.isfinite(x) and x > 0 for x in lrs)
+
+
+def test_cosine_without_warm_up_starts_at_the_peak_and_ends_at_the_floor():
+    lrs = [warmup_cosine_lr(i, 60, 3e-4, warmup_frac=0.0) for i in range(60)]
+    assert lrs[0] == pytest.approx(3e-4) and lrs[-1] == pytest.approx(3e-5, rel=0.01)
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
+    with pytest.raises(ValueError, match="--lr-schedule"):
+        TrainConfig(lr_schedule="linear")
 
 
 def test_compute_dtype_is_validated():
