@@ -108,13 +108,20 @@ class Rollouts:
 
     async def run_group(self, envs: Sequence[Any], seed: int, group_id: str) -> TrajectoryGroup:
         """1) reset G envs with one seed; 2) one G-sample first turn; 3) the rest concurrently."""
-        episodes = []
+        episodes, trajectories = [], []
         for i, env in enumerate(envs):
             traj = Trajectory(episode_id=f"{group_id}/{i}", group_id=group_id, seed=seed)
+            trajectories.append(traj)
             ep = _Episode(env, self.tokenizer, traj)
-            obs, _ = env.reset(seed=seed)
+            try:
+                obs, _ = env.reset(seed=seed)
+            except Exception as e:  # an env that raises ends its episode, never the run
+                ep.finish("env_error", error=f"{type(e).__name__}: {e}")
+                continue
             ep.observe(obs)
             episodes.append(ep)
+        if not episodes:
+            return TrajectoryGroup(group_id, seed, trajectories)
         # 1) the G prompts are equal when the env is deterministic under its seed
         prompts = [ep.conv.generation_prompt() for ep in episodes]
         # 2) one request, one prefill, G samples
@@ -127,10 +134,9 @@ class Rollouts:
             ]
         # 3) each episode goes on by itself; the engine batches them
         await asyncio.gather(
-            *(self._continue(ep, prompts[i], firsts[i], _mix(seed, i))
-              for i, ep in enumerate(episodes))
+            *(self._continue(ep, firsts[i], _mix(seed, i)) for i, ep in enumerate(episodes))
         )
-        return TrajectoryGroup(group_id, seed, [ep.traj for ep in episodes])
+        return TrajectoryGroup(group_id, seed, trajectories)
 
     async def _sample(
         self, episodes: Sequence[_Episode], prompt: ModelInput, turn: int, seed: int
@@ -154,7 +160,7 @@ class Rollouts:
         return out
 
     async def _continue(
-        self, ep: _Episode, prompt: ModelInput, first: tuple[SampledSequence, Turn], seed: int
+        self, ep: _Episode, first: tuple[SampledSequence, Turn], seed: int
     ) -> None:
         seq, turn = first
         n = 0
@@ -189,9 +195,9 @@ class Rollouts:
             [(seq, turn)] = await self._sample([ep], prompt, n, _mix(seed, 1000 + n))
 
     async def _step(self, ep: _Episode, text: str) -> tuple[Any, float, bool, bool, dict]:
-        agent = ep.agent
-        if type(agent).astep is not _base_astep():
-            return await agent.astep(text)  # an env that waits on I/O
+        astep = getattr(type(ep.agent), "astep", None)
+        if astep is not None and astep is not _base_astep():
+            return await ep.agent.astep(text)  # an env that waits on I/O
         return ep.env.step(text)
 
 

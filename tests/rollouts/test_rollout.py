@@ -61,3 +61,16 @@ def test_env_that_raises_ends_its_episode_as_failed(service):
         assert traj.stop_reason == "env_error"
     ok = _run(service, [gym.make("tests/Lengthy-v0", raise_on_seed=3)], seed=4)
     assert not ok.trajectories[0].failed
+
+
+class _BrokenReset(gym.Wrapper):
+    def reset(self, **kwargs):
+        raise OSError("no connection")
+
+
+def test_env_that_raises_in_reset_fails_alone(service):
+    envs = [_BrokenReset(gym.make("tests/Lengthy-v0")), gym.make("tests/Lengthy-v0")]
+    group = _run(service, envs)
+    broken, ok = group.trajectories
+    assert broken.failed and "no connection" in broken.error and not broken.turns
+    assert not ok.failed and len(ok.turns) == 2
