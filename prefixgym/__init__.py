@@ -25,6 +25,12 @@ from prefixgym.types import (  # noqa: E402
     Usage,
 )
 
+from prefixgym.envs.registration import register_envs  # noqa: E402
+
+# `gym.make("prefixgym/<Name>-v0")` works after `import prefixgym`; the envs themselves
+# load on first use.
+register_envs()
+
 if TYPE_CHECKING:
     from prefixgym.engine.service import LocalService
 

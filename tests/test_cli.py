@@ -42,3 +42,14 @@ def test_train_bad_env_or_model_exits_2_with_a_message(tmp_path, capsys):
     assert "cannot make env 'prefixgym/GuessNumber-v0'" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path), "--model", str(tmp_path / "none")]) == 2
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_import_prefixgym_registers_the_envs_without_loading_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, gymnasium as gym, prefixgym; "
+            "gym.make('prefixgym/GuessNumber-v0'); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
