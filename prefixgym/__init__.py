@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 # this only takes effect when set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from prefixgym.envs.registration import register_envs  # noqa: E402
 from prefixgym.types import (  # noqa: E402
     AdamParams,
     Datum,
@@ -25,10 +26,8 @@ from prefixgym.types import (  # noqa: E402
     Usage,
 )
 
-from prefixgym.envs.registration import register_envs  # noqa: E402
-
-# `gym.make("prefixgym/<Name>-v0")` works after `import prefixgym`; the envs themselves
-# load on first use.
+# `gym.make("prefixgym/<Name>-v0")` works after `import prefixgym` (the env modules are
+# text only: no torch is loaded).
 register_envs()
 
 if TYPE_CHECKING:
