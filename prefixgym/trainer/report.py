@@ -100,8 +100,8 @@ def improvement_lines(evals: Sequence[dict[str, Any]]) -> list[str]:
     diff = b["eval/success"] - a["eval/success"]
     se = (a["eval/success_stderr"] ** 2 + b["eval/success_stderr"] ** 2) ** 0.5
     ratio = f" = {diff / se:+.1f} SE" if se else ""
-    return [f"GRPO vs the warm start: {diff:+.1%} success ± {se:.1%} (SE of the "
-            f"difference{ratio}).", ""]
+    return [f"GRPO vs the warm start: {100 * diff:+.1f} points of success ± {100 * se:.1f} "
+            f"(SE of the difference{ratio}).", ""]
 
 
 def write_report(

@@ -8,5 +8,5 @@ def test_report_states_the_gain_over_the_warm_start_with_its_error():
         {"when": "GRPO", "eval/success": 0.7, "eval/success_stderr": 0.04},
     ]
     [line, _] = improvement_lines(evals)
-    assert "+20.0% success ± 5.0%" in line and "+4.0 SE" in line
+    assert "+20.0 points of success ± 5.0" in line and "+4.0 SE" in line
     assert improvement_lines(evals[:1]) == []
