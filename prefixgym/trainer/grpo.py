@@ -108,9 +108,7 @@ def apply_kl_penalty(datums: list[Datum], ref_sampler: Any, kl_coef: float) -> d
 
 def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> tuple[dict[str, float], Usage]:
     trajs = [t for g in groups for t in g.trajectories]
-    usage = Usage()
-    for g in groups:
-        usage = usage + g.usage
+    usage = Usage.total(g.usage for g in groups)
     n = len(trajs)
     return {
         "reward/mean": sum(t.total_reward for t in trajs) / n,

@@ -108,7 +108,7 @@ def write_report(
     out: Path, title: str, config: dict[str, Any], total: Usage, sft_usage: Usage,
     evals: Sequence[dict[str, Any]], wall_s: float,
 ) -> Path:
-    grpo_usage = Usage(**{k: getattr(total, k) - getattr(sft_usage, k) for k in Usage.model_fields})
+    grpo_usage = total - sft_usage
     parts = [
         f"# {title}",
         "",

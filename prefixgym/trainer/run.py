@@ -146,7 +146,7 @@ class Run:
                 if state.next_step % c.eval_every == 0 or state.next_step == c.steps:
                     self.evaluate(sampler, state.next_step, "GRPO", state)
                 if state.next_step % c.checkpoint_every == 0 or state.next_step == c.steps:
-                    state.usage = prior_usage + _minus(self.service.usage(), base_usage)
+                    state.usage = prior_usage + (self.service.usage() - base_usage)
                     state.wall_s = prior_wall + time.perf_counter() - t_start
                     save_checkpoint(self.out, self.training, state)
                 progress.update(metrics, usage)
@@ -154,16 +154,12 @@ class Run:
             pipeline.close()
             progress.close()
         # 4) report
-        state.usage = prior_usage + _minus(self.service.usage(), base_usage)
+        state.usage = prior_usage + (self.service.usage() - base_usage)
         wall = prior_wall + time.perf_counter() - t_start
         write_report(self.out, f"prefixgym train: {c.env}", asdict(c), state.usage,
                      state.sft_usage, state.evals, wall)
         write_plots(self.out, self.log.read())
         return RunResult(self.out, state.evals, state.usage)
-
-
-def _minus(a: Usage, b: Usage) -> Usage:
-    return Usage(**{k: getattr(a, k) - getattr(b, k) for k in Usage.model_fields})
 
 
 class _progress:
