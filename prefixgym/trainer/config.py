@@ -40,11 +40,10 @@ class TrainConfig:
     """Learning rate of the warm start."""
     steps: int = 60
     """GRPO steps."""
-    groups_per_step: int = 8
+    groups_per_step: int = 16
     """Groups (distinct env seeds) per GRPO step: B."""
-    group_size: int = 16
-    """Episodes per group, all reset with one seed: G (larger groups skip fewer
-    equal-reward groups)."""
+    group_size: int = 8
+    """Episodes per group, all reset with one seed: G."""
     lr: float = 3e-4
     """GRPO learning rate."""
     lr_schedule: str = "cosine"
