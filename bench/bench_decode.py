@@ -9,6 +9,11 @@ cProfile on one 64-sequence engine decode and prints the top functions.
 `--dtype bfloat16` runs the engine in bf16 against HF in every `--hf-dtypes` (default:
 float32 and bfloat16), all on the same (bf16-rounded) weights.
 
+The engine picks its own thread count per step (up to `--threads`, see
+`prefixgym/engine/threads.py`). To be fair to HF, which does not, HF runs at every
+count in `--hf-threads` (default: 1 and `--threads`) and each ratio is against HF's
+best count for that dtype and batch; the per-count figures are printed too.
+
     .venv/bin/python bench/bench_decode.py                 # tiny, N=64, 3 repeats
     .venv/bin/python bench/bench_decode.py --quick         # N=32, 1 repeat
     .venv/bin/python bench/bench_decode.py --dtype bfloat16
@@ -45,9 +50,17 @@ def engine_time(svc: LocalService, rows: list[list[int]], new_tokens: int) -> fl
     return common.timed(go)[0]
 
 
-def hf_time(hf, rows: list[list[int]], new_tokens: int) -> float:
+def hf_time(hf, rows: list[list[int]], new_tokens: int, threads: int) -> float:
     ids = torch.tensor(rows)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _hf_time(hf, ids, new_tokens)
+    finally:
+        torch.set_num_threads(before)
 
+
+def _hf_time(hf, ids: torch.Tensor, new_tokens: int) -> float:
     def go() -> None:
         with torch.inference_mode():
             hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
@@ -70,6 +83,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N=32, 1 repeat")
     parser.add_argument("--profile", action="store_true", help="cProfile a 64-sequence decode")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hf-threads", type=int, nargs="+", default=None,
+                        help="thread counts HF runs at (default: 1 and --threads)")
     args = parser.parse_args()
     if args.quick:
         args.new_tokens, args.repeats = 32, 1
@@ -98,30 +113,38 @@ def main() -> None:
         svc.close()
         return
     hf_dtypes = args.hf_dtypes or sorted({args.dtype, "float32"}, reverse=True)
+    hf_threads = args.hf_threads or sorted({1, args.threads})
     hfs = {}
     for name in hf_dtypes:  # same weights, cast: bf16-rounded values when the engine is bf16
         hfs[name] = common.hf_llama_from(svc.train_model).to(getattr(torch, name))
         hfs[name].generation_config.eos_token_id = None
     N = args.new_tokens
-    print(f"preset={args.preset} dtype={args.dtype} hf={hf_dtypes} prompt={args.prompt_len} "
-          f"new_tokens={N}")
+    print(f"preset={args.preset} dtype={args.dtype} hf={hf_dtypes} hf_threads={hf_threads} "
+          f"prompt={args.prompt_len} new_tokens={N}")
     for batch in args.batches:
         rows = prompts(batch, args.prompt_len, vocab)
-        engine_time(svc, rows, 2)  # warm-up
+        engine_time(svc, rows, N)  # warm-up (the engine also settles its thread counts)
         for hf in hfs.values():
-            hf_time(hf, rows, 2)
+            for threads in hf_threads:
+                hf_time(hf, rows, 2, threads)
         ours: list[float] = []
-        theirs: dict[str, list[float]] = {name: [] for name in hfs}
+        theirs = {(name, t): [] for name in hfs for t in hf_threads}
         for _ in range(args.repeats):
             ours.append(batch * (N - 1) / (engine_time(svc, rows, N) - engine_time(svc, rows, 1)))
-            for name, hf in hfs.items():
-                theirs[name].append(batch * (N - 1) / (hf_time(hf, rows, N) - hf_time(hf, rows, 1)))
+            for (name, threads), values in theirs.items():
+                hf = hfs[name]
+                values.append(batch * (N - 1) / (hf_time(hf, rows, N, threads)
+                                                 - hf_time(hf, rows, 1, threads)))
         line = f"B={batch:3d}  prefixgym[{args.dtype}] {common.spread(ours, '{:.0f}')} tok/s"
-        for name, values in theirs.items():
-            ratios = [a / b for a, b in zip(ours, values)]
-            line += (f" | HF[{name}] {common.spread(values, '{:.0f}')} tok/s, "
-                     f"ratio {common.spread(ratios, '{:.2f}')}")
+        for name in hfs:
+            per_count = {t: theirs[(name, t)] for t in hf_threads}
+            best = max(per_count, key=lambda t: sorted(per_count[t])[len(per_count[t]) // 2])
+            ratios = [a / b for a, b in zip(ours, per_count[best])]
+            counts = ", ".join(f"{t}t {common.spread(v, '{:.0f}')}" for t, v in per_count.items())
+            line += (f" | HF[{name}] ({counts}) tok/s, ratio vs {best}t "
+                     f"{common.spread(ratios, '{:.2f}')}")
         print(line, flush=True)
+    print(f"engine thread choices: {svc.scheduler.threads.best()}")
     svc.close()
 
 

@@ -31,6 +31,7 @@ from prefixgym.engine.kv_slots import SlotKV
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.prefix_cache import ROOT_KEY, PrefixCache, chain_key
 from prefixgym.engine.requests import Request, Sequence, new_sequences
+from prefixgym.engine.threads import ThreadTuner, size_bucket
 from prefixgym.engine.token_sampler import RowParams, sample_tokens
 
 _CALL_COST_TOKENS = 64  # a forward call's fixed cost, in padded positions
@@ -43,8 +44,11 @@ class Batch:
         cfg = model.config
         self.model = model
         self.version = version
-        dtype = next(model.parameters()).dtype
-        self.kv = SlotKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, dtype)
+        # Running sequences keep their KV in fp32 whatever the model dtype: a bf16
+        # model's keys/values are bf16 values, so this is exact, and its attention then
+        # reads them without an upcast per step (the prefix cache stores the model dtype).
+        self.kv = SlotKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len,
+                         torch.float32)
         self.seqs: list[Sequence] = []
         self.params: RowParams | None = None  # rebuilt whenever seqs change
 
@@ -59,6 +63,7 @@ class Admission:
         waiting: deque[Request],
         batches: dict[int, Batch],
         counters: dict[str, int],
+        threads: ThreadTuner,
         *,
         note_version: Callable[[Request], None],
         advance: Callable[[Batch, range, list[int], list[float]], None],
@@ -70,6 +75,7 @@ class Admission:
         self._waiting = waiting
         self._batches = batches
         self._counters = counters
+        self._threads = threads
         self._note_version = note_version
         self._advance = advance  # appends first tokens, retires rows that stopped
         self._complete = complete
@@ -169,8 +175,10 @@ class Admission:
                                    for r, s, n in zip(reqs, starts, lengths)])
         view = kv.prefill_view(first, starts, lengths)
         full_logits = reqs[0].include_prompt_logprobs
-        logits = batch.model(tokens_R_T, view.positions_R_T, kv=view, last_only=not full_logits,
-                             last_index_B=view.last_index_R)  # (R, 1, V) or (1, T, V)
+        with self._threads.run(("prefill", size_bucket(tokens_R_T.numel()))):
+            logits = batch.model(tokens_R_T, view.positions_R_T, kv=view,
+                                 last_only=not full_logits,
+                                 last_index_B=view.last_index_R)  # (R, 1, V) or (1, T, V)
         self._counters["prefill_calls"] += 1
         self._counters["prefill_positions"] += sum(lengths)
         if full_logits:

@@ -91,7 +91,8 @@ class PrefillView:
     """The new tokens of R rows, right-padded to T = max(lengths): row r lives in slot
     `first_slot + r` and computes positions [starts[r], starts[r] + lengths[r]); keys
     [0, starts[r]) are already in its slot. Padding queries are neither stored nor seen
-    by real queries (they attend real keys only, so they stay finite)."""
+    by real queries (they attend real keys only, so they stay finite). When every row
+starts at 0 the mask is None (plain causal: padding keys come after every real query)."""
 
     def __init__(self, kv: SlotKV, first_slot: int, starts: list[int], lengths: list[int]) -> None:
         R, T = len(starts), max(lengths)
@@ -101,7 +102,9 @@ class PrefillView:
         query_pos_R_T = torch.tensor(starts).unsqueeze(1) + torch.arange(T)
         self.positions_R_T = query_pos_R_T.clamp(max=kv.max_seq_len - 1)
         key_pos_Tk = torch.arange(self.num_keys)
-        self.mask = (key_pos_Tk <= query_pos_R_T.unsqueeze(2)).unsqueeze(1)  # (R, 1, T, Tk)
+        self.mask: torch.Tensor | None = None  # plain causal: every row starts at 0
+        if any(starts):
+            self.mask = (key_pos_Tk <= query_pos_R_T.unsqueeze(2)).unsqueeze(1)  # (R,1,T,Tk)
         # rows that start and end together are stored with one slice assignment
         self.span = (starts[0], starts[0] + T) if len(set(starts)) == len(set(lengths)) == 1 else None
         self.last_index_R = None if self.span else torch.tensor(lengths) - 1
@@ -113,7 +116,7 @@ class PrefillView:
 
     def update(
         self, layer_idx: int, k_B_Hkv_T_D: torch.Tensor, v_B_Hkv_T_D: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         k_layer, v_layer = self.kv.k[layer_idx], self.kv.v[layer_idx]  # (S, Hkv, Tcap, D)
         if self.span is not None:
             start, end = self.span
@@ -123,8 +126,8 @@ class PrefillView:
             R, H, T, D = k_B_Hkv_T_D.shape
             k_N = k_B_Hkv_T_D.transpose(1, 2).reshape(R * T, H, D)[self.src_N]  # (N, Hkv, D)
             v_N = v_B_Hkv_T_D.transpose(1, 2).reshape(R * T, H, D)[self.src_N]
-            k_layer[self.slot_N, :, self.pos_N] = k_N
-            v_layer[self.slot_N, :, self.pos_N] = v_N
+            k_layer[self.slot_N, :, self.pos_N] = k_N.to(k_layer.dtype)
+            v_layer[self.slot_N, :, self.pos_N] = v_N.to(v_layer.dtype)
         Tk = self.num_keys
         return k_layer[self.rows, :, :Tk], v_layer[self.rows, :, :Tk], self.mask
 

@@ -41,6 +41,7 @@ from prefixgym.engine.requests import (
     build_response,
     validate_request,
 )
+from prefixgym.engine.threads import ThreadTuner, size_bucket
 from prefixgym.engine.token_sampler import RowParams, sample_tokens
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.futures import APIFuture
@@ -56,6 +57,7 @@ class Scheduler:
         seed: int = 0,
         max_running: int = 256,
         max_prefill_tokens: int = 16384,
+        thread_tuning: bool = True,
     ) -> None:
         self.cache = cache
         self.cache_lock = threading.Lock()
@@ -76,8 +78,10 @@ class Scheduler:
         self.counters = dict.fromkeys(
             ("prefill_calls", "prefill_positions", "decode_steps", "decoded_tokens",
              "max_batch_size", "requests_completed", "requests_failed"), 0)
+        # the engine thread's forwards pick their torch thread count by timing (threads.py)
+        self.threads = ThreadTuner(enabled=thread_tuning)
         self._admission = Admission(
-            cache, self.cache_lock, self._waiting, self._batches, self.counters,
+            cache, self.cache_lock, self._waiting, self._batches, self.counters, self.threads,
             note_version=self._note_version, advance=self._advance,
             complete=self._complete, fail=self._fail,
         )
@@ -203,12 +207,15 @@ class Scheduler:
                 )
             tokens_B_1 = torch.tensor([[s.tokens[-1]] for s in seqs])
             positions_B = torch.tensor([s.kv_len for s in seqs])
-            logits_B_1_V = batch.model(tokens_B_1, positions_B.unsqueeze(1),
-                                       kv=batch.kv.decode_view(positions_B), last_only=True)
+            view = batch.kv.decode_view(positions_B)
+            uniforms = [s.rng.random() if s.request.params.temperature > 0 else 0.0 for s in seqs]
+            key = ("decode", size_bucket(len(seqs)), size_bucket(max(128, view.num_keys)))
+            with self.threads.run(key):
+                logits_B_1_V = batch.model(tokens_B_1, positions_B.unsqueeze(1), kv=view,
+                                           last_only=True)
+                tokens_B, logprobs_B = sample_tokens(logits_B_1_V[:, 0], batch.params, uniforms)
             for s in seqs:
                 s.kv_len += 1
-            uniforms = [s.rng.random() if s.request.params.temperature > 0 else 0.0 for s in seqs]
-            tokens_B, logprobs_B = sample_tokens(logits_B_1_V[:, 0], batch.params, uniforms)
         except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
             for request in {s.request for s in seqs}:
                 self._fail(request, error)

@@ -38,6 +38,8 @@ class LocalService:
     the built-in one otherwise; a directory name or a tokenizer object also works.
     `prefix_cache=False` runs the same engine without cache reads or writes.
     `num_threads` sets torch's intra-op threads (process-wide) only when given.
+    `thread_tuning` lets the engine run each kind of step on the thread count (up to
+    torch's count at construction) that it measured fastest (`engine/threads.py`).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class LocalService:
         tokenizer: Any = None,
         num_threads: int | None = None,
         max_running: int = 256,
+        thread_tuning: bool = True,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -74,7 +77,7 @@ class LocalService:
                 return str(tok.decode(ids, skip_special_tokens=False))
 
         self.scheduler = Scheduler(self._cache, decode=decode, ledger=self.ledger, seed=seed,
-                                   max_running=max_running)
+                                   max_running=max_running, thread_tuning=thread_tuning)
         self._default_stop_ids = _end_of_turn_ids(self.tokenizer, cfg.vocab_size)
         self._lock = threading.Lock()
         self._version = 0

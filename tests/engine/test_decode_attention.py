@@ -1,42 +1,36 @@
-"""The decode-step fast paths: one-query fp32 attention for bf16, flat KV writes."""
+"""Decode steps over slot KV: fp32 slots for a bf16 model, rows at their own positions."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from prefixgym.engine.kv_slots import SlotKV
-from prefixgym.engine.layers import _one_query_attention
 from prefixgym.engine.model import load_model
 
 
-def test_one_query_attention_matches_sdpa_with_gqa_and_mask() -> None:
-    gen = torch.Generator().manual_seed(0)
-    B, H, Hkv, Tk, D = 5, 8, 2, 13, 16
-    q = torch.randn(B, H, 1, D, generator=gen)
-    k = torch.randn(B, Hkv, Tk, D, generator=gen)
-    v = torch.randn(B, Hkv, Tk, D, generator=gen)
-    positions = torch.tensor([0, 3, 12, 7, 12])
-    mask = (torch.arange(Tk)[None] <= positions[:, None])[:, None, None]
-    expected = F.scaled_dot_product_attention(
-        q.double(), k.double().repeat_interleave(H // Hkv, 1),
-        v.double().repeat_interleave(H // Hkv, 1), attn_mask=mask,
-    )
-    got = _one_query_attention(q, k, v, mask)
-    assert got.shape == (B, H, 1, D) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
-    got_bf16 = _one_query_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
-    assert got_bf16.dtype == torch.bfloat16
-    torch.testing.assert_close(got_bf16.double(), expected, atol=0.05, rtol=0.05)
+def test_bf16_model_keeps_exact_bf16_values_in_fp32_slots() -> None:
+    model = load_model("tiny", dtype=torch.bfloat16, seed=1).clone_for_inference()
+    cfg = model.config
+    kv = SlotKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, torch.float32, slots=2)
+    tokens = torch.randint(0, 4096, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        view = kv.prefill_view(0, [0, 0], [9, 6])
+        model(tokens, view.positions_R_T, kv=view, last_only=True, last_index_B=view.last_index_R)
+        model(tokens[:, :1], torch.tensor([[9], [6]]), kv=kv.decode_view(torch.tensor([9, 6])))
+    stored = kv.k[:, 0, :, :10]
+    assert stored.abs().sum() > 0
+    assert torch.equal(stored, stored.bfloat16().float())  # storing in fp32 loses nothing
+    assert torch.equal(kv.v[:, 1, :, :7], kv.v[:, 1, :, :7].bfloat16().float())
 
 
-def _decode_logits(dtype: torch.dtype, tokens_B_T: torch.Tensor, prompt_lens: list[int]) -> torch.Tensor:
+def _decode_logits(dtype: torch.dtype, tokens_B_T: torch.Tensor, prompt_lens: list[int],
+                   kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Prefill each row's prompt, then decode the rest one token per step (rows at
     different positions); returns the logits of every decoded position, (B, steps, V)."""
     model = load_model("tiny", dtype=dtype, seed=1).clone_for_inference()
     cfg = model.config
     B, T = tokens_B_T.shape
-    kv = SlotKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, dtype, slots=B)
+    kv = SlotKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, kv_dtype, slots=B)
     out = []
     with torch.inference_mode():
         view = kv.prefill_view(0, [0] * B, prompt_lens)
@@ -57,8 +51,9 @@ def test_bf16_decode_with_cache_matches_uncached_bf16_and_fp32() -> None:
     gen = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, 4096, (3, 20), generator=gen)
     prompt_lens = [20 - 6, 20 - 6, 20 - 6]  # equal prompts: every row decodes 6 positions
-    for dtype in (torch.float32, torch.bfloat16):
-        cached = _decode_logits(dtype, tokens, prompt_lens)
+    for dtype, kv_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                            (torch.bfloat16, torch.bfloat16)):
+        cached = _decode_logits(dtype, tokens, prompt_lens, kv_dtype)
         model = load_model("tiny", dtype=dtype, seed=1).clone_for_inference()
         with torch.inference_mode():
             full = model(tokens)[:, 14:]

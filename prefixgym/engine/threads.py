@@ -1,0 +1,118 @@
+"""How many intra-op threads each engine forward gets, chosen by timing it.
+
+On CPU, a forward of a few rows is hundreds of small ops. With sleeping OpenMP workers
+(`OMP_WAIT_POLICY=PASSIVE`, which `run.sh` sets because spinning workers stall badly
+on a shared machine), each parallel op first wakes them: tens of microseconds per op.
+A decode step of 1-8 rows then runs 1.5-3x faster on one thread, while a long prefill
+wants every core; where the line falls depends on the machine, its load, the dtype
+and the wait policy. So `ThreadTuner` measures instead of guessing: per kind of step
+(a key such as ("decode", rows bucket)), it times each candidate thread count a few
+times, interleaved, then runs the fastest median, and measures again every
+`explore_every` uses, because load changes.
+
+torch's thread count is process-wide: while the engine runs a step on fewer threads,
+a forward in another Python thread (e.g. training in async GRPO) gets fewer too. The
+count is restored after each step. `LocalService(thread_tuning=False)` turns it off.
+
+This module knows nothing of models or requests: it maps keys to thread counts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["ThreadTuner", "size_bucket"]
+
+
+def size_bucket(n: int) -> int:
+    """The power of two at or above `n` (n >= 1): sizes that cost alike share a key."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _candidates(max_threads: int) -> list[int]:
+    counts = {max_threads}
+    n = 1
+    while n < max_threads:
+        counts.add(n)
+        n *= 2
+    return sorted(counts)
+
+
+class ThreadTuner:
+    """Chooses a thread count per key by timing; see the module docstring."""
+
+    def __init__(
+        self,
+        max_threads: int | None = None,
+        trials: int = 3,
+        explore_every: int = 500,
+        *,
+        enabled: bool = True,
+        get_threads: Callable[[], int] = torch.get_num_threads,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        max_threads = get_threads() if max_threads is None else max_threads
+        if max_threads < 1 or trials < 1 or explore_every < 1:
+            raise ValueError(
+                f"max_threads, trials and explore_every must be >= 1, got "
+                f"{max_threads}, {trials}, {explore_every}"
+            )
+        self.enabled = enabled
+        self.candidates = _candidates(max_threads)
+        self.trials = trials
+        self.explore_every = explore_every
+        self._get, self._set, self._clock = get_threads, set_threads, clock
+        self._samples: dict[Hashable, dict[int, list[float]]] = {}
+        self._best: dict[Hashable, int] = {}
+        self._uses: dict[Hashable, int] = {}
+
+    def choose(self, key: Hashable) -> int:
+        """The thread count the next step of this kind runs with."""
+        samples = self._samples.setdefault(key, {n: [] for n in self.candidates})
+        pending = [n for n in self.candidates if len(samples[n]) < self.trials]
+        if pending:  # still measuring: the candidate with the fewest samples goes next
+            return min(pending, key=lambda n: len(samples[n]))
+        if key not in self._best:
+            self._best[key] = min(self.candidates, key=lambda n: statistics.median(samples[n]))
+        return self._best[key]
+
+    def record(self, key: Hashable, threads: int, seconds: float) -> None:
+        """Note how long a step of this kind took on `threads` threads."""
+        samples = self._samples.setdefault(key, {n: [] for n in self.candidates})
+        if threads in samples and len(samples[threads]) < self.trials:
+            samples[threads].append(seconds)
+        self._uses[key] = self._uses.get(key, 0) + 1
+        if self._uses[key] >= self.explore_every:  # measure again: the load may have changed
+            self._uses[key] = 0
+            self._best.pop(key, None)
+            self._samples[key] = {n: [] for n in self.candidates}
+
+    def best(self) -> dict[Hashable, int]:
+        """The settled choices so far, by key (for stats and tests)."""
+        return dict(self._best)
+
+    @contextmanager
+    def run(self, key: Hashable) -> Iterator[int]:
+        """Run the block on the chosen thread count, time it, restore the count.
+        Disabled, or with one candidate, it leaves the count as it is."""
+        previous = self._get()
+        if not self.enabled or len(self.candidates) == 1:
+            yield previous
+            return
+        threads = self.choose(key)
+        if threads != previous:
+            self._set(threads)
+        start = self._clock()
+        try:
+            yield threads
+        finally:
+            elapsed = self._clock() - start
+            if threads != previous:
+                self._set(previous)
+        self.record(key, threads, elapsed)

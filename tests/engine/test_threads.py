@@ -1,0 +1,123 @@
+"""ThreadTuner: measures each candidate, settles on the fastest, restores the count,
+measures again after `explore_every` uses. A fake clock makes the timings exact."""
+
+import pytest
+import torch
+
+from prefixgym.engine.service import LocalService
+from prefixgym.engine.threads import ThreadTuner, size_bucket
+from prefixgym.types import SamplingParams
+
+
+class FakeMachine:
+    """torch's thread setting and a clock where a step takes cost[threads] seconds."""
+
+    def __init__(self, threads: int, cost: dict[int, float]) -> None:
+        self.threads = threads
+        self.cost = cost
+        self.now = 0.0
+        self.sets: list[int] = []
+
+    def get(self) -> int:
+        return self.threads
+
+    def set(self, n: int) -> None:
+        self.sets.append(n)
+        self.threads = n
+
+    def clock(self) -> float:
+        return self.now
+
+    def tuner(self, **kwargs: int) -> ThreadTuner:
+        return ThreadTuner(get_threads=self.get, set_threads=self.set, clock=self.clock,
+                           **kwargs)
+
+    def step(self, tuner: ThreadTuner, key: object) -> int:
+        with tuner.run(key) as threads:
+            assert self.threads == threads
+            self.now += self.cost[threads]
+        return threads
+
+
+def test_size_bucket() -> None:
+    assert [size_bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+
+
+def test_candidates_are_powers_of_two_up_to_the_maximum() -> None:
+    assert ThreadTuner(max_threads=1).candidates == [1]
+    assert ThreadTuner(max_threads=2).candidates == [1, 2]
+    assert ThreadTuner(max_threads=6).candidates == [1, 2, 4, 6]
+
+
+def test_settles_on_the_fastest_and_restores_the_count() -> None:
+    machine = FakeMachine(threads=4, cost={1: 3.0, 2: 1.0, 4: 2.0})
+    tuner = machine.tuner(trials=2)
+    used = [machine.step(tuner, "decode") for _ in range(10)]
+    assert sorted(used[:6]) == [1, 1, 2, 2, 4, 4]  # every candidate measured `trials` times
+    assert used[6:] == [2, 2, 2, 2]
+    assert tuner.best() == {"decode": 2}
+    assert machine.threads == 4  # restored after every step
+
+
+def test_keys_are_tuned_separately() -> None:
+    machine = FakeMachine(threads=2, cost={1: 1.0, 2: 2.0})
+    tuner = machine.tuner(trials=1)
+    for _ in range(3):
+        machine.step(tuner, "small")
+    machine.cost = {1: 2.0, 2: 1.0}
+    for _ in range(3):
+        machine.step(tuner, "big")
+    assert tuner.best() == {"small": 1, "big": 2}
+
+
+def test_measures_again_after_explore_every_uses() -> None:
+    machine = FakeMachine(threads=2, cost={1: 1.0, 2: 2.0})
+    tuner = machine.tuner(trials=1, explore_every=5)
+    assert [machine.step(tuner, "k") for _ in range(5)][2:] == [1, 1, 1]
+    machine.cost = {1: 5.0, 2: 1.0}  # the machine got busy
+    used = [machine.step(tuner, "k") for _ in range(5)]
+    assert used[2:] == [2, 2, 2]
+
+
+def test_a_failing_step_restores_the_count_and_records_nothing() -> None:
+    machine = FakeMachine(threads=2, cost={1: 1.0, 2: 1.0})
+    tuner = machine.tuner(trials=1)
+    with pytest.raises(RuntimeError), tuner.run("k"):
+        raise RuntimeError("boom")
+    assert machine.threads == 2
+    assert tuner.choose("k") == 1  # still unmeasured
+
+
+def test_disabled_or_single_candidate_never_touches_the_count() -> None:
+    machine = FakeMachine(threads=2, cost={1: 1.0, 2: 1.0})
+    for tuner in (machine.tuner(enabled=False), machine.tuner(max_threads=1)):
+        for _ in range(4):
+            with tuner.run("k") as threads:
+                assert threads == 2
+        assert machine.sets == [] and tuner.best() == {}
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="trials"):
+        ThreadTuner(max_threads=2, trials=0)
+
+
+def test_engine_with_two_threads_gives_the_same_greedy_tokens_with_tuning_on_and_off() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        prompts = [[1 + i, 2, 3, 4 + i] for i in range(6)]
+        results = []
+        for tuning in (True, False):
+            with LocalService("tiny", seed=0, thread_tuning=tuning) as svc:
+                client = svc.create_sampling_client(stop_at_end_of_turn=False)
+                for _ in range(3):  # enough steps for the tuner to try both counts
+                    futures = [client.sample(p, sampling_params=params) for p in prompts]
+                    results.append([f.result().sequences[0].tokens for f in futures])
+                if tuning:
+                    assert svc.scheduler.threads.candidates == [1, 2]
+                assert torch.get_num_threads() == 2
+        assert all(r == results[0] for r in results)
+    finally:
+        torch.set_num_threads(before)
