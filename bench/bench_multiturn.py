@@ -204,7 +204,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--hf-dtypes", nargs="+", choices=["float32", "bfloat16"], default=None,
                         help="HF peers (default: the engine's dtype, plus float32 for bf16)")
+    parser.add_argument("--hf-threads", type=int, nargs="+", default=None,
+                        help="thread counts HF runs at (default: 1 and --threads); the engine "
+                             "picks its own per step, up to --threads")
     args = parser.parse_args()
+    hf_threads = args.hf_threads or sorted({1, args.threads})
     hf_dtypes = args.hf_dtypes or sorted({args.dtype, "float32"}, reverse=True)
     if args.quick:
         args.groups, args.turns, args.repeats = 4, 4, 1
@@ -215,7 +219,7 @@ def main() -> None:
           f"replies {w.reply_tokens} tokens; engine dtype {args.dtype}, HF {hf_dtypes}")
     for preset in args.presets:
         walls: dict[str, list[float]] = {"cached": [], "uncached": []}
-        walls.update({f"hf[{name}]": [] for name in hf_dtypes})
+        walls.update({f"hf[{name},{t}t]": [] for name in hf_dtypes for t in hf_threads})
         hfs: dict[str, object] = {}
         for rep in range(args.repeats):
             cached = run_engine(preset, w, prefix_cache=True, dtype=args.dtype)
@@ -242,7 +246,12 @@ def main() -> None:
                     tokenizer = svc.tokenizer
                     svc.close()
                 for name, hf in hfs.items():
-                    walls[f"hf[{name}]"].append(run_hf(hf, tokenizer, w).wall_s)
+                    for threads in hf_threads:
+                        torch.set_num_threads(threads)
+                        try:
+                            walls[f"hf[{name},{threads}t]"].append(run_hf(hf, tokenizer, w).wall_s)
+                        finally:
+                            torch.set_num_threads(args.threads)
             print(f"[{preset}] rep {rep}: " + ", ".join(
                 f"{k} {v[-1]:.2f}s" for k, v in walls.items() if v), flush=True)
         base = min(walls["cached"])

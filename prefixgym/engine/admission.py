@@ -175,7 +175,8 @@ class Admission:
                                    for r, s, n in zip(reqs, starts, lengths)])
         view = kv.prefill_view(first, starts, lengths)
         full_logits = reqs[0].include_prompt_logprobs
-        with self._threads.run(("prefill", size_bucket(tokens_R_T.numel()))):
+        with self._threads.run(("prefill", size_bucket(tokens_R_T.numel())),
+                               work=tokens_R_T.numel()):
             logits = batch.model(tokens_R_T, view.positions_R_T, kv=view,
                                  last_only=not full_logits,
                                  last_index_B=view.last_index_R)  # (R, 1, V) or (1, T, V)

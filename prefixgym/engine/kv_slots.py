@@ -3,8 +3,9 @@
 `SlotKV` holds keys and values of one weights version as two tensors shaped
 (n_layers, slots, n_kv_heads, length, head_dim). Running sequences live compacted in
 slots 0..B-1, so one decode step attends to the view `k[layer, :B, :, :Tk]` under a
-bool mask (key position <= the row's query position); stale values past a row's
-position are masked out. `prefill_view` and `decode_view` are the `KVView`s handed to
+mask (key position <= the row's query position; additive, 0 or -inf, built once per
+forward so SDPA does not convert a bool mask in every layer); stale values past a
+row's position are masked out. `prefill_view` and `decode_view` are the `KVView`s handed to
 `Transformer.forward`: they store the new keys/values and return what to attend to.
 
 This module knows nothing of requests, sampling, tokens or the prefix cache: it moves
@@ -104,7 +105,8 @@ starts at 0 the mask is None (plain causal: padding keys come after every real q
         key_pos_Tk = torch.arange(self.num_keys)
         self.mask: torch.Tensor | None = None  # plain causal: every row starts at 0
         if any(starts):
-            self.mask = (key_pos_Tk <= query_pos_R_T.unsqueeze(2)).unsqueeze(1)  # (R,1,T,Tk)
+            allowed = (key_pos_Tk <= query_pos_R_T.unsqueeze(2)).unsqueeze(1)  # (R, 1, T, Tk)
+            self.mask = _additive(allowed, kv.dtype)
         # rows that start and end together are stored with one slice assignment
         self.span = (starts[0], starts[0] + T) if len(set(starts)) == len(set(lengths)) == 1 else None
         self.last_index_R = None if self.span else torch.tensor(lengths) - 1
@@ -142,7 +144,8 @@ class DecodeView:
         self.positions_B = positions_B
         self.num_keys = int(positions_B.max()) + 1
         key_pos = torch.arange(self.num_keys)
-        self.mask = (key_pos.unsqueeze(0) <= positions_B.unsqueeze(1))[:, None, None]  # (B,1,1,Tk)
+        allowed = (key_pos.unsqueeze(0) <= positions_B.unsqueeze(1))[:, None, None]  # (B,1,1,Tk)
+        self.mask = _additive(allowed, kv.dtype)
         # (slot b, head h, position p) of one layer's (S, Hkv, Tcap, D) buffer, flattened
         _, _, Hkv, Tcap, _ = kv.k.shape
         rows_B_Hkv = torch.arange(B).unsqueeze(1) * Hkv + torch.arange(Hkv)
@@ -159,3 +162,8 @@ class DecodeView:
         v_layer.view(-1, D).index_copy_(0, self.flat_index_N, new_v)
         Tk = self.num_keys
         return k_layer[:B, :, :Tk], v_layer[:B, :, :Tk], self.mask
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool attention mask as SDPA's additive one: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(allowed.logical_not(), float("-inf"))

@@ -31,8 +31,9 @@ class KVView(Protocol):
 
     `update` is called once per attention layer, in layer order, with the new keys
     (already rotated by RoPE) and values of the tokens in this forward. It stores them
-    and returns every key/value the queries may look at plus a bool mask, True where
-    query t of row b may attend key j, broadcastable to (B, 1, T, Tk). The mask must
+    and returns every key/value the queries may look at plus a mask, broadcastable to
+    (B, 1, T, Tk): bool (True where query t of row b may attend key j) or additive
+    (0 there, -inf elsewhere) in the keys' dtype. The mask must
     let every query row see at least one key (e.g. a padding query its own key):
     a fully masked row yields NaN, which would then be stored as a key/value.
     The mask may be None when it is plain causal (T == Tk, query t sees keys <= t),

@@ -1,6 +1,8 @@
 """ThreadTuner: measures each candidate, settles on the fastest, restores the count,
 measures again after `explore_every` uses. A fake clock makes the timings exact."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -28,7 +30,8 @@ class FakeMachine:
     def clock(self) -> float:
         return self.now
 
-    def tuner(self, **kwargs: int) -> ThreadTuner:
+    def tuner(self, **kwargs: Any) -> ThreadTuner:
+        kwargs.setdefault("explore_below", float("inf"))  # the fake steps take seconds
         return ThreadTuner(get_threads=self.get, set_threads=self.set, clock=self.clock,
                            **kwargs)
 
@@ -50,13 +53,37 @@ def test_candidates_are_powers_of_two_up_to_the_maximum() -> None:
 
 
 def test_settles_on_the_fastest_and_restores_the_count() -> None:
-    machine = FakeMachine(threads=4, cost={1: 3.0, 2: 1.0, 4: 2.0})
+    machine = FakeMachine(threads=4, cost={1: 1.2, 2: 1.0, 4: 1.1})
     tuner = machine.tuner(trials=2)
     used = [machine.step(tuner, "decode") for _ in range(10)]
     assert sorted(used[:6]) == [1, 1, 2, 2, 4, 4]  # every candidate measured `trials` times
     assert used[6:] == [2, 2, 2, 2]
     assert tuner.best() == {"decode": 2}
     assert machine.threads == 4  # restored after every step
+
+
+def test_a_clearly_slower_candidate_is_measured_once() -> None:
+    machine = FakeMachine(threads=2, cost={1: 4.0, 2: 1.0})
+    tuner = machine.tuner(trials=3)  # drop_ratio 1.5
+    used = [machine.step(tuner, "prefill") for _ in range(6)]
+    assert used.count(1) == 1 and tuner.best() == {"prefill": 2}
+
+
+def test_a_long_step_on_all_threads_is_not_tried_on_fewer() -> None:
+    machine = FakeMachine(threads=4, cost={1: 0.01, 2: 0.5, 4: 0.2})
+    tuner = machine.tuner(trials=2, explore_below=0.1)
+    used = [machine.step(tuner, "prefill") for _ in range(4)]
+    assert used == [4, 4, 4, 4] and tuner.best() == {"prefill": 4}
+
+
+def test_times_are_compared_per_unit_of_work() -> None:
+    machine = FakeMachine(threads=2, cost={1: 1.0, 2: 1.0})
+    tuner = machine.tuner(trials=1)
+    with tuner.run("k", work=1.0) as first:
+        machine.now += 1.0
+    with tuner.run("k", work=4.0):  # 4x the work in 2x the time: faster per unit
+        machine.now += 2.0
+    assert tuner.choose("k") != first
 
 
 def test_keys_are_tuned_separately() -> None:
@@ -85,7 +112,7 @@ def test_a_failing_step_restores_the_count_and_records_nothing() -> None:
     with pytest.raises(RuntimeError), tuner.run("k"):
         raise RuntimeError("boom")
     assert machine.threads == 2
-    assert tuner.choose("k") == 1  # still unmeasured
+    assert tuner.choose("k") == 2  # the failed 2-thread step left no sample: 2 again
 
 
 def test_disabled_or_single_candidate_never_touches_the_count() -> None:
@@ -100,6 +127,8 @@ def test_disabled_or_single_candidate_never_touches_the_count() -> None:
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="trials"):
         ThreadTuner(max_threads=2, trials=0)
+    with pytest.raises(ValueError, match="drop_ratio"):
+        ThreadTuner(max_threads=2, drop_ratio=0.5)
 
 
 def test_engine_with_two_threads_gives_the_same_greedy_tokens_with_tuning_on_and_off() -> None:
