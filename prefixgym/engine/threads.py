@@ -7,13 +7,14 @@ A decode step of 1-8 rows then runs 1.5-3x faster on one thread, while a long pr
 wants every core; where the line falls depends on the machine, its load, the dtype
 and the wait policy. So `ThreadTuner` measures instead of guessing: per kind of step
 (a key such as ("decode", rows bucket)), it times each candidate thread count a few
-times, interleaved, in seconds per unit of work (steps in one key vary in size), drops
-a candidate early once its best time is `drop_ratio` times the best candidate's, then
-runs the fastest median, and measures again every `explore_every` uses, because load
-changes. The largest count is tried first, and a step that takes it longer than
-`explore_below` seconds is not tried on fewer threads at all: waking workers costs a
-few milliseconds per step at most, so only short steps can win, and a 1-thread trial
-of a big prefill would cost more than tuning could ever save.
+times, in seconds per unit of work (steps in one key vary in size), then runs the one
+with the least time (noise only ever adds), and measures again every `explore_every`
+uses, because load changes. The largest count is measured first, and a step that takes
+it longer than `explore_below` seconds every time is not tried on fewer threads at all:
+waking workers costs a few milliseconds per step at most, so only short steps can win,
+and 1-thread trials of a big prefill would cost more than tuning could ever save. A
+first call of a new shape can be slow (kernel setup), which is why no decision rests
+on one sample.
 
 torch's thread count is process-wide: while the engine runs a step on fewer threads,
 a forward in another Python thread (e.g. training in async GRPO) gets fewer too. The
@@ -24,7 +25,6 @@ This module knows nothing of models or requests: it maps keys to thread counts.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
@@ -54,9 +54,8 @@ class ThreadTuner:
     def __init__(
         self,
         max_threads: int | None = None,
-        trials: int = 2,
+        trials: int = 3,
         explore_every: int = 500,
-        drop_ratio: float = 1.25,
         explore_below: float = 0.01,
         *,
         enabled: bool = True,
@@ -65,48 +64,53 @@ class ThreadTuner:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         max_threads = get_threads() if max_threads is None else max_threads
-        if max_threads < 1 or trials < 1 or explore_every < 1 or not drop_ratio >= 1:
+        if max_threads < 1 or trials < 1 or explore_every < 1 or not explore_below > 0:
             raise ValueError(
-                f"max_threads, trials, explore_every and drop_ratio must be >= 1, got "
-                f"{max_threads}, {trials}, {explore_every}, {drop_ratio}"
+                f"max_threads, trials and explore_every must be >= 1 and explore_below > 0, "
+                f"got {max_threads}, {trials}, {explore_every}, {explore_below}"
             )
         self.enabled = enabled
         self.candidates = _candidates(max_threads)
         self.trials = trials
         self.explore_every = explore_every
-        self.drop_ratio = drop_ratio
         self.explore_below = explore_below
         self._get, self._set, self._clock = get_threads, set_threads, clock
-        self._samples: dict[Hashable, dict[int, list[float]]] = {}
+        self._samples: dict[Hashable, dict[int, list[tuple[float, float]]]] = {}
         self._best: dict[Hashable, int] = {}
         self._uses: dict[Hashable, int] = {}
 
+    def _fresh(self, key: Hashable) -> dict[int, list[tuple[float, float]]]:
+        self._samples[key] = {n: [] for n in self.candidates}
+        return self._samples[key]
+
     def choose(self, key: Hashable) -> int:
         """The thread count the next step of this kind runs with."""
-        samples = self._samples.setdefault(key, {n: [] for n in self.candidates})
-        pending = [n for n in samples if len(samples[n]) < self.trials]
-        if pending:  # still measuring: the candidate with the fewest samples goes next
-            return min(pending, key=lambda n: (len(samples[n]), -n))
-        if key not in self._best:
-            self._best[key] = min(samples, key=lambda n: statistics.median(samples[n]))
+        samples = self._samples.get(key) or self._fresh(key)
+        # all threads first (the usual choice), then the others, fewest samples first
+        pending = [n for n in reversed(self.candidates)
+                   if n in samples and len(samples[n]) < self.trials]
+        if pending:
+            most = self.candidates[-1]
+            return most if most in pending else min(pending, key=lambda n: len(samples[n]))
+        if key not in self._best:  # the least time per unit of work (noise only adds)
+            self._best[key] = min(samples, key=lambda n: min(s / w for s, w in samples[n]))
         return self._best[key]
 
     def record(self, key: Hashable, threads: int, seconds: float, work: float = 1.0) -> None:
         """Note that a step of this kind with `work` units took `seconds` on `threads`."""
-        samples = self._samples.setdefault(key, {n: [] for n in self.candidates})
+        samples = self._samples.get(key) or self._fresh(key)
         if threads in samples and len(samples[threads]) < self.trials:
-            samples[threads].append(seconds / work)
-            if threads == self.candidates[-1] and seconds > self.explore_below:
+            samples[threads].append((seconds, work))
+            measured = samples[threads]
+            if (threads == self.candidates[-1] and len(measured) == self.trials
+                    and min(s for s, _ in measured) > self.explore_below):
                 for n in [n for n in samples if n != threads]:
                     del samples[n]  # a long step: fewer threads cannot win
-            fastest = min(min(v) for v in samples.values() if v)
-            for n in [n for n, v in samples.items() if v and min(v) > self.drop_ratio * fastest]:
-                del samples[n]  # clearly slower: no more trials
         self._uses[key] = self._uses.get(key, 0) + 1
         if self._uses[key] >= self.explore_every:  # measure again: the load may have changed
             self._uses[key] = 0
             self._best.pop(key, None)
-            self._samples[key] = {n: [] for n in self.candidates}
+            self._fresh(key)
 
     def best(self) -> dict[Hashable, int]:
         """The settled choices so far, by key (for stats and tests)."""
