@@ -93,7 +93,7 @@ class PrefillView:
     `first_slot + r` and computes positions [starts[r], starts[r] + lengths[r]); keys
     [0, starts[r]) are already in its slot. Padding queries are neither stored nor seen
     by real queries (they attend real keys only, so they stay finite). When every row
-starts at 0 the mask is None (plain causal: padding keys come after every real query)."""
+    starts at 0 the mask is None (plain causal: padding keys follow every real query)."""
 
     def __init__(self, kv: SlotKV, first_slot: int, starts: list[int], lengths: list[int]) -> None:
         R, T = len(starts), max(lengths)
