@@ -118,13 +118,13 @@ class ThreadTuner:
 
     @contextmanager
     def run(self, key: Hashable, work: float = 1.0) -> Iterator[int]:
-        """Run the block on the chosen thread count, time it, restore the count.
-        Disabled, or with one candidate, it leaves the count as it is."""
+        """Run the block on the chosen thread count (at most the current one), time it,
+        restore the count. Disabled, or with one candidate, it leaves the count as is."""
         previous = self._get()
         if not self.enabled or len(self.candidates) == 1:
             yield previous
             return
-        threads = self.choose(key)
+        threads = min(self.choose(key), previous)  # never more than the caller has now
         if threads != previous:
             self._set(threads)
         start = self._clock()

@@ -91,6 +91,14 @@ def test_times_are_compared_per_unit_of_work() -> None:
     assert tuner.choose("k") != first
 
 
+def test_never_runs_more_threads_than_the_caller_set_since() -> None:
+    machine = FakeMachine(threads=4, cost={1: 1.0, 2: 1.0, 4: 1.0})
+    tuner = machine.tuner(trials=1)
+    machine.threads = 2  # the user lowered torch's count after the tuner was built
+    assert max(machine.step(tuner, "k") for _ in range(6)) == 2
+    assert machine.threads == 2
+
+
 def test_keys_are_tuned_separately() -> None:
     machine = FakeMachine(threads=2, cost={1: 1.0, 2: 2.0})
     tuner = machine.tuner(trials=1)
