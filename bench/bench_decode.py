@@ -52,22 +52,15 @@ def engine_time(svc: LocalService, rows: list[list[int]], new_tokens: int) -> fl
 
 def hf_time(hf, rows: list[list[int]], new_tokens: int, threads: int) -> float:
     ids = torch.tensor(rows)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return _hf_time(hf, ids, new_tokens)
-    finally:
-        torch.set_num_threads(before)
 
-
-def _hf_time(hf, ids: torch.Tensor, new_tokens: int) -> float:
     def go() -> None:
         with torch.inference_mode():
             hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                         temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                         pad_token_id=0)
 
-    return common.timed(go)[0]
+    with common.num_threads(threads):
+        return common.timed(go)[0]
 
 
 def main() -> None:

@@ -247,11 +247,8 @@ def main() -> None:
                     svc.close()
                 for name, hf in hfs.items():
                     for threads in hf_threads:
-                        torch.set_num_threads(threads)
-                        try:
+                        with common.num_threads(threads):
                             walls[f"hf[{name},{threads}t]"].append(run_hf(hf, tokenizer, w).wall_s)
-                        finally:
-                            torch.set_num_threads(args.threads)
             print(f"[{preset}] rep {rep}: " + ", ".join(
                 f"{k} {v[-1]:.2f}s" for k, v in walls.items() if v), flush=True)
         base = min(walls["cached"])

@@ -17,7 +17,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -29,6 +30,17 @@ T = TypeVar("T")
 
 def setup_threads(threads: int = 2) -> None:
     torch.set_num_threads(threads)
+
+
+@contextmanager
+def num_threads(threads: int) -> Iterator[None]:
+    """Run the block on `threads` torch threads, then restore the count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def machine_facts() -> str:

@@ -85,6 +85,8 @@ class ThreadTuner:
 
     def choose(self, key: Hashable) -> int:
         """The thread count the next step of this kind runs with."""
+        if key in self._best:
+            return self._best[key]
         samples = self._samples.get(key) or self._fresh(key)
         # all threads first (the usual choice), then the others, fewest samples first
         pending = [n for n in reversed(self.candidates)
@@ -92,8 +94,8 @@ class ThreadTuner:
         if pending:
             most = self.candidates[-1]
             return most if most in pending else min(pending, key=lambda n: len(samples[n]))
-        if key not in self._best:  # the least time per unit of work (noise only adds)
-            self._best[key] = min(samples, key=lambda n: min(s / w for s, w in samples[n]))
+        # settled: the least time per unit of work (noise only adds)
+        self._best[key] = min(samples, key=lambda n: min(s / w for s, w in samples[n]))
         return self._best[key]
 
     def record(self, key: Hashable, threads: int, seconds: float, work: float = 1.0) -> None:
