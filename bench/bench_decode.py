@@ -29,7 +29,7 @@ import pstats
 import common
 import torch
 
-from prefixgym.engine.service import LocalService
+from prefixgym.local_service import LocalService
 from prefixgym.types import SamplingParams
 
 

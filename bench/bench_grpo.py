@@ -24,12 +24,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 from common import machine_facts, setup_threads
 
-from prefixgym.engine.service import LocalService
+from prefixgym.envs.registration import make_env
+from prefixgym.local_service import LocalService
 from prefixgym.rollouts.rollout import RolloutConfig
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.grpo import collect, grpo_step
-from prefixgym.trainer.run import make_envs
 from prefixgym.trainer.sft import warm_start
+
+
+def make_envs(config: TrainConfig, n: int) -> list:
+    return [make_env(config.env, config.env_kwargs) for _ in range(n)]
 
 
 def main() -> None:
@@ -39,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     setup_threads(2)
     config = TrainConfig(steps=args.steps, sft_steps=args.sft_steps, progress=False)
-    dtype = getattr(torch, config.compute_dtype)
+    dtype = getattr(torch, config.resolved_compute_dtype())
     rollout_config = RolloutConfig(max_tokens=config.max_tokens,
                                    temperature=config.temperature)
     state_dir = Path(tempfile.mkdtemp(prefix="bench_grpo_")) / "warm"

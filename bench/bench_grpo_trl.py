@@ -50,9 +50,9 @@ from typing import Any
 import common  # sets OMP_WAIT_POLICY=PASSIVE before torch starts its threads
 import torch
 
-from prefixgym.engine.service import LocalService
 from prefixgym.envs.base import AgentEnv, Outcome
 from prefixgym.envs.guess_number import GuessNumber
+from prefixgym.local_service import LocalService
 from prefixgym.prompting import Conversation
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts
 from prefixgym.trainer.config import TrainConfig

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import common
 import torch
 
-from prefixgym.engine.service import LocalService
+from prefixgym.local_service import LocalService
 from prefixgym.prompting import Conversation
 from prefixgym.types import SamplingParams
 

@@ -27,7 +27,7 @@ import torch
 from bench_matmul_peak import measure_matmul_peak
 
 from prefixgym.engine.model import ModelConfig, count_parameters
-from prefixgym.engine.service import LocalService
+from prefixgym.local_service import LocalService
 from prefixgym.types import SamplingParams
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0)

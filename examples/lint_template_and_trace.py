@@ -22,12 +22,12 @@ import json
 import tempfile
 from pathlib import Path
 
-from prefixgym.engine.tokenizer import load_tokenizer
+from prefixgym.cli.lint import main as lint_main
 from prefixgym.prompting import Conversation
-from prefixgym.prompting.lint.command import main as lint_main
 from prefixgym.prompting.lint.report import render_text
 from prefixgym.prompting.lint.source import load_template
 from prefixgym.prompting.lint.template import probe_template
+from prefixgym.prompting.tokenizer import load_tokenizer
 
 HERE = Path(__file__).parent / "lint"
 SYSTEM = "You play a guessing game. Reply with one integer."

@@ -31,7 +31,7 @@ from prefixgym.types import (  # noqa: E402
 register_envs()
 
 if TYPE_CHECKING:
-    from prefixgym.engine.service import LocalService
+    from prefixgym.local_service import LocalService
 
 __all__ = [
     "AdamParams",
@@ -50,7 +50,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "LocalService":
-        from prefixgym.engine.service import LocalService
+        from prefixgym.local_service import LocalService
 
         return LocalService
     raise AttributeError(f"module 'prefixgym' has no attribute {name!r}")

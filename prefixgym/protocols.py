@@ -2,13 +2,18 @@
 
 Two implementations stand behind `SamplingClient`: the built-in engine's
 (`prefixgym.engine.sampling`) and the OpenAI-compatible HTTP backend
-(`prefixgym.serving.openai_client`). Rollouts, evaluation and GRPO are typed against
-these protocols and never import `engine/` internals.
+(`prefixgym.serving.openai_client`). Behind `TrainingClient`: the engine's
+(`prefixgym.engine.training`), its DDP wrapper (`engine.distributed`), and one that
+samples on a remote server (`serving.openai_client.RemoteSamplingTrainer`).
+Rollouts, evaluation and GRPO are typed against these protocols and never import
+`engine/` internals; `UsageSink` is where an HTTP sampler reports what it used.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import os
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from prefixgym.futures import APIFuture
 from prefixgym.types import (
@@ -19,6 +24,7 @@ from prefixgym.types import (
     OptimStepOutput,
     SampleResponse,
     SamplingParams,
+    Usage,
 )
 
 
@@ -36,13 +42,20 @@ class SamplingClient(Protocol):
 
 class TrainingClient(Protocol):
     def forward_backward(
-        self, datums: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None = None
+        self, datums: Sequence[Datum], loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]: ...
 
     def optim_step(self, adam: AdamParams) -> APIFuture[OptimStepOutput]: ...
 
-    def save_weights_and_get_sampling_client(self) -> SamplingClient: ...
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient: ...
 
-    def save_state(self, path: Any) -> Any: ...
+    def save_state(self, path: str | os.PathLike[str]) -> APIFuture[str]: ...
 
-    def load_state(self, path: Any) -> Any: ...
+    def load_state(self, path: str | os.PathLike[str]) -> APIFuture[int]: ...
+
+
+class UsageSink(Protocol):
+    """Receives each response's usage (the engine's `UsageLedger` is one)."""
+
+    def add(self, usage: Usage) -> None: ...

@@ -13,12 +13,15 @@ message names the field and the value.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Literal
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 StopReason = Literal["stop", "length"]
+JSONObject = dict[str, Any]
+"""A parsed JSON object (a metrics line, a request body, env kwargs): its values may be
+any JSON type, hence `Any`."""
 LossFnName = Literal["cross_entropy", "importance_sampling", "ppo"]
 
 
@@ -107,6 +110,27 @@ class AdamParams(_Wire):
         return value
 
 
+def check_loss_fn_inputs(inputs: Mapping[str, Sequence[float]], n: int) -> None:
+    """What every datum's loss inputs satisfy, when it is built and when it is trained
+    on: one value per position (`n`), all finite, target ids non-negative integers.
+    Raises ValueError naming the key and the index."""
+    for key, values in inputs.items():
+        if len(values) != n:
+            raise ValueError(
+                f"loss_fn_inputs[{key!r}] has {len(values)} values but model_input has "
+                f"{n} tokens; every loss input needs one value per position"
+            )
+        for i, v in enumerate(values):
+            if not math.isfinite(v):
+                raise ValueError(f"loss_fn_inputs[{key!r}][{i}] = {v}; values must be finite")
+    for i, t in enumerate(inputs.get("target_tokens", ())):
+        if t != int(t) or t < 0:
+            raise ValueError(
+                f"loss_fn_inputs['target_tokens'][{i}] = {t}; target ids are non-negative "
+                "integers"
+            )
+
+
 class Datum(_Wire):
     """One training sequence: inputs, and per-position loss inputs of the same length.
 
@@ -120,24 +144,7 @@ class Datum(_Wire):
 
     @model_validator(mode="after")
     def _aligned_and_finite(self) -> Datum:
-        n = self.model_input.length
-        for key, values in self.loss_fn_inputs.items():
-            if len(values) != n:
-                raise ValueError(
-                    f"loss_fn_inputs[{key!r}] has {len(values)} values but model_input has "
-                    f"{n} tokens; every loss input needs one value per position"
-                )
-            for i, v in enumerate(values):
-                if not math.isfinite(v):
-                    raise ValueError(f"loss_fn_inputs[{key!r}][{i}] is {v}; values must be finite")
-        targets = self.loss_fn_inputs.get("target_tokens")
-        if targets is not None:
-            for i, t in enumerate(targets):
-                if t != int(t) or t < 0:
-                    raise ValueError(
-                        f"loss_fn_inputs['target_tokens'][{i}] is {t}; target ids are "
-                        "non-negative integers"
-                    )
+        check_loss_fn_inputs(self.loss_fn_inputs, self.model_input.length)
         return self
 
     @property

@@ -5,8 +5,7 @@ A checkpoint directory holds:
   state-<id>.pt             everything else: optimizer state, step, RNG states
   manifest.json             which two files make up the checkpoint, written last
 
-Every file is written to a temporary name in the same directory and moved into place
-with `os.replace`; data files get a fresh id each save, so until the new manifest
+Every file is written atomically (`prefixgym.files`); data files get a fresh id each save, so until the new manifest
 lands the old manifest still names intact old files. A crash mid-save leaves the
 previous checkpoint loadable. Stale files are removed after the manifest is replaced.
 
@@ -19,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,42 +26,26 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from prefixgym.files import write_file_atomically, write_text_atomically
+
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    """Call `write(tmp_path)`, fsync, then move tmp_path onto `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def save_checkpoint(
-    path: str | os.PathLike[str], model: torch.nn.Module, state: dict[str, Any]
+    path: str | os.PathLike[str], model: torch.nn.Module,
+    state: dict[str, Any],  # a torch.save payload: tensors, optimizer state, plain values
 ) -> None:
     """Write `model`'s parameters and `state` into directory `path` (created if needed)."""
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     ckpt_id = uuid.uuid4().hex[:12]
     weights_name, state_name = f"weights-{ckpt_id}.safetensors", f"state-{ckpt_id}.pt"
-    _atomic_write(directory / weights_name, lambda tmp: safetensors.torch.save_model(model, tmp))
-    _atomic_write(directory / state_name, lambda tmp: torch.save(state, tmp))
+    write_file_atomically(directory / weights_name,
+                          lambda tmp: safetensors.torch.save_model(model, tmp))
+    write_file_atomically(directory / state_name, lambda tmp: torch.save(state, tmp))
     manifest = {"format": FORMAT_VERSION, "weights": weights_name, "state": state_name}
-
-    def _write_manifest(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump(manifest, f)
-
-    _atomic_write(directory / MANIFEST, _write_manifest)
+    write_text_atomically(directory / MANIFEST, json.dumps(manifest))
     for stale in directory.iterdir():
         if stale.name.startswith(("weights-", "state-")) and stale.name not in manifest.values():
             stale.unlink(missing_ok=True)
@@ -96,7 +78,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module) -> dic
 
 def capture_rng_state() -> dict[str, Any]:
     """torch (CPU and CUDA), python `random` and numpy global RNG states, loadable safely."""
-    np_state: Any = np.random.get_state()
+    np_state: Any = np.random.get_state()  # a 5-tuple, though numpy's stub says a dict
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     rng: dict[str, Any] = {
         "torch": torch.get_rng_state(),

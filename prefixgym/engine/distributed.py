@@ -26,14 +26,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from prefixgym.engine.training import TrainingClient
 from prefixgym.futures import APIFuture
-from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput, Usage
+from prefixgym.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    JSONObject,
+    OptimStepOutput,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from prefixgym.engine.sampling import SamplingClient
 
 _SUMMED_METRICS = ("loss", "train_computed_tokens", "train_loss_tokens")
 
@@ -56,7 +66,7 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
 class DistributedTrainingClient:
     """Data parallelism over an initialised process group; see the module docstring."""
 
-    def __init__(self, client: TrainingClient, group: Any = None,
+    def __init__(self, client: TrainingClient, group: dist.ProcessGroup | None = None,
                  broadcast_weights: bool = True) -> None:
         if not dist.is_initialized():
             raise RuntimeError("no process group: call init_distributed() (under torchrun) first")
@@ -110,7 +120,7 @@ class DistributedTrainingClient:
         self._broadcast_parameters()
         return APIFuture.completed(step)
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> Any:
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """Publish this rank's (identical) weights to its own local sampler."""
         return self.client.save_weights_and_get_sampling_client(name)
 
@@ -127,7 +137,7 @@ class DistributedTrainingClient:
         if backward:
             for p in params:
                 p.grad = None
-        outcome: tuple[str, Any]
+        outcome: tuple[str, JSONObject | str | None]
         try:
             if indices:
                 run = self.client.forward_backward if backward else self.client.forward
@@ -139,7 +149,7 @@ class DistributedTrainingClient:
             outcome = ("error", f"{type(e).__name__}: {e}")
         has_grad = [p.grad is not None for p in params]
         # 3) everyone's outcome
-        gathered: list[Any] = [None] * self.world_size
+        gathered: list[Any] = [None] * self.world_size  # all_gather_object puts unpickled objects
         dist.all_gather_object(gathered, (outcome, has_grad), group=self.group)
         errors = [(r, o[1]) for r, (o, _) in enumerate(gathered) if o[0] == "error"]
         if errors:

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from prefixgym.engine.model import ModelConfig, Transformer
+from prefixgym.types import JSONObject
 
 __all__ = ["config_from_hf", "load_hf_checkpoint"]
 
@@ -30,13 +31,13 @@ DEFAULT_MAX_SEQ_LEN_CAP = 32768
 """Checkpoints often claim 32k-128k positions; the RoPE tables stop here unless asked."""
 
 
-def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
+def _require(cfg: JSONObject, key: str, path: Path) -> Any:  # a JSON value, not yet validated
     if key not in cfg or cfg[key] is None:
         raise ValueError(f"{path}: required field {key!r} is missing")
     return cfg[key]
 
 
-def _check_rope(cfg: dict[str, Any], path: Path) -> float:
+def _check_rope(cfg: JSONObject, path: Path) -> float:
     """Return rope_theta; refuse any RoPE scaling (transformers 4.x and 5.x layouts)."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
@@ -51,12 +52,14 @@ def _check_rope(cfg: dict[str, Any], path: Path) -> float:
             )
         if spec.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"{path}: unsupported {field}.partial_rotary_factor")
-    theta = params.get("rope_theta", scaling.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    return float(theta)
+    for source in (params, scaling, cfg):
+        if source.get("rope_theta") is not None:
+            return float(source["rope_theta"])
+    return 10000.0
 
 
 def config_from_hf(
-    cfg: dict[str, Any], path: Path | str = "config.json", max_seq_len: int | None = None
+    cfg: JSONObject, path: Path | str = "config.json", max_seq_len: int | None = None
 ) -> ModelConfig:
     """Translate an HF Llama/Qwen2 config dict into a `ModelConfig` (ValueError if unsupported)."""
     path = Path(path)

@@ -10,9 +10,9 @@ request counts its prompt once), sampled tokens are summed over the samples.
 Logprobs of sampled tokens are under the model's distribution at temperature 1,
 without top-k/top-p filtering -- what the trainer's forward pass computes.
 
-`default_stop_token_ids` (LocalService passes the tokenizer's eos and `<|im_end|>`
-ids) are added to every request's `stop_token_ids`; create the client with
-`stop_at_end_of_turn=False` on the service to turn that off.
+`default_stop_token_ids` (the end-of-turn ids the service was given; LocalService
+passes its tokenizer's) are added to every request's `stop_token_ids`; create the
+client with `stop_at_end_of_turn=False` on the service to turn that off.
 
 The client knows nothing of the cache or of batching: those are the scheduler's.
 """

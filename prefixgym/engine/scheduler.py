@@ -28,7 +28,6 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -309,7 +308,7 @@ class Scheduler:
         self._waiting.clear()
         self._batches.clear()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int]:
         return dict(self.counters)
 
     def slot_buffer_bytes(self) -> dict[int, int]:

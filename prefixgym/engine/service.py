@@ -1,4 +1,4 @@
-"""LocalService: the built-in sampling and training service on this machine.
+"""EngineService: the built-in sampling and training service, in token ids.
 
 It owns the trainable model, one frozen inference copy per published weights version,
 the prefix KV cache, the engine's scheduler thread and the usage ledger, and hands out
@@ -7,17 +7,21 @@ clients: `create_sampling_client()` (latest version), `create_training_client()`
 include the version, so KV computed under old weights never serves new ones; an old
 version stays usable for as long as a client holds it.
 
-The service knows nothing of environments, conversations or losses.
+The service knows token ids only: no tokenizer, no chat format. Its caller gives it
+the end-of-turn ids to stop at and, for stop strings, a `decode(ids) -> str`
+(`prefixgym.LocalService` does both from its tokenizer). It knows nothing of
+environments, conversations or losses.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Self
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Self
 
 import torch
 
-from prefixgym.engine.model import PRESETS, ModelConfig, Transformer, init_weights, load_model
+from prefixgym.engine.model import ModelConfig, Transformer, init_weights, load_model
 from prefixgym.engine.prefix_cache import PrefixCache
 from prefixgym.engine.sampling import SamplingClient
 from prefixgym.engine.scheduler import Scheduler
@@ -30,13 +34,13 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class LocalService:
+class EngineService:
     """The local engine. `model`: a preset name, a local HF checkpoint directory, a
     `ModelConfig` (randomly initialised with `seed`) or a `Transformer` (used as is).
 
-    `tokenizer`: None picks the checkpoint directory's tokenizer for a directory and
-    the built-in one otherwise; a directory name or a tokenizer object also works.
-    `prefix_cache=False` runs the same engine without cache reads or writes.
+    `end_of_turn_ids`: token ids every sampling client stops at by default (ids
+    outside the model's vocabulary are dropped). `decode`: ids -> text, needed only
+    for requests with stop strings. `prefix_cache=False` runs the same engine without cache reads or writes.
     `num_threads` sets torch's intra-op threads (process-wide) only when given.
     `thread_tuning` lets the engine run each kind of step on the thread count (up to
     torch's count at construction) that it measured fastest (`engine/threads.py`).
@@ -50,7 +54,8 @@ class LocalService:
         block_size: int = 16,
         cache_bytes: int = 256 * 2**20,
         dtype: str | torch.dtype = "float32",
-        tokenizer: Any = None,
+        end_of_turn_ids: Iterable[int] = (),
+        decode: Callable[[list[int]], str] | None = None,
         num_threads: int | None = None,
         max_running: int = 256,
         thread_tuning: bool = True,
@@ -61,7 +66,6 @@ class LocalService:
         if torch_dtype is None or torch_dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.train_model = _build_model(model, torch_dtype, seed)
-        self.tokenizer = _resolve_tokenizer(model, tokenizer)
         cfg = self.train_model.config
         self._cache = (
             PrefixCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size=block_size,
@@ -69,16 +73,10 @@ class LocalService:
             if prefix_cache else None
         )
         self.ledger = UsageLedger()
-        decode = None
-        if self.tokenizer is not None:
-            tok = self.tokenizer
-
-            def decode(ids: list[int]) -> str:
-                return str(tok.decode(ids, skip_special_tokens=False))
-
         self.scheduler = Scheduler(self._cache, decode=decode, ledger=self.ledger, seed=seed,
                                    max_running=max_running, thread_tuning=thread_tuning)
-        self._default_stop_ids = _end_of_turn_ids(self.tokenizer, cfg.vocab_size)
+        self._default_stop_ids = tuple(
+            dict.fromkeys(int(i) for i in end_of_turn_ids if 0 <= int(i) < cfg.vocab_size))
         self._lock = threading.Lock()
         self._version = 0
         self._inference_model = self.train_model.clone_for_inference()
@@ -88,9 +86,14 @@ class LocalService:
     def weights_version(self) -> int:
         return self._version
 
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence (prompt + sampled tokens) the model takes."""
+        return int(self.train_model.config.max_seq_len)
+
     def create_sampling_client(self, stop_at_end_of_turn: bool = True) -> SamplingClient:
         """A client for the latest published weights. With `stop_at_end_of_turn`, the
-        tokenizer's eos and `<|im_end|>` ids are added to every request's stop ids."""
+        end-of-turn ids given at construction are added to every request's stop ids."""
         with self._lock:
             model, version = self._inference_model, self._version
         stop_ids = self._default_stop_ids if stop_at_end_of_turn else ()
@@ -156,28 +159,3 @@ def _build_model(model: str | ModelConfig | Transformer, dtype: torch.dtype, see
         f"model must be a preset name, a checkpoint directory, a ModelConfig or a Transformer; "
         f"got {type(model).__name__}"
     )
-
-
-def _resolve_tokenizer(model: object, tokenizer: Any) -> Any:
-    if tokenizer is not None and not isinstance(tokenizer, str):
-        return tokenizer
-    from prefixgym.engine.tokenizer import load_tokenizer
-
-    if isinstance(tokenizer, str):
-        return load_tokenizer(tokenizer)
-    if isinstance(model, str) and model not in PRESETS:
-        return load_tokenizer(model)
-    return load_tokenizer("builtin")
-
-
-def _end_of_turn_ids(tokenizer: Any, vocab_size: int) -> tuple[int, ...]:
-    if tokenizer is None:
-        return ()
-    ids: list[int] = []
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if isinstance(im_end, int) and im_end != unk:
-        ids.append(im_end)
-    return tuple(dict.fromkeys(i for i in ids if 0 <= i < vocab_size))

@@ -1,10 +1,11 @@
 """Turn a forward_backward request's datums into padded (B, T) tensor chunks.
 
-1) `prepare_datum` checks one `Datum` against a loss's needs (model_input tokens and
-   target ids inside the vocabulary, no longer than max_seq_len, known and required
-   `loss_fn_inputs` keys, one finite value per position) and returns it as 1-D CPU
-   tensors, with weights defaulting to 1. A problem raises ValueError naming the datum
-   index and key.
+1) `prepare_datum` checks one `Datum` against the model and a loss's needs (model_input
+   tokens and target ids inside the vocabulary, no longer than max_seq_len, known and
+   required `loss_fn_inputs` keys), re-runs the datum's own checks
+   (`types.check_loss_fn_inputs`: one finite value per position), and returns it as
+   1-D CPU tensors, with weights defaulting to 1. A problem raises ValueError naming
+   the datum index and key.
 2) `make_chunks` groups consecutive datums so that B x T_max <= max_tokens, right-pads
    each group with zeros (padded positions thus get weight 0) and moves it to a device.
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixgym.engine import losses
-from prefixgym.types import Datum
+from prefixgym.types import Datum, check_loss_fn_inputs
 
 __all__ = ["Chunk", "PreparedDatum", "make_chunks", "prepare_datum"]
 
@@ -97,25 +98,17 @@ def prepare_datum(
                 f"datums[{i}].loss_fn_inputs is missing {key!r}, which loss_fn "
                 f"{loss_fn!r} needs (it needs {list(spec.required)})"
             )
-    inputs: dict[str, Tensor] = {}
-    for key in (*spec.required, *spec.optional):
-        if key not in loss_fn_inputs:
-            continue
-        where = f"datums[{i}].loss_fn_inputs[{key!r}]"
-        if key == "target_tokens":
-            values = _token_ids(where, loss_fn_inputs[key], vocab_size)
-        else:
-            values = _as_1d(where, loss_fn_inputs[key])
-            finite = torch.isfinite(values)
-            if not finite.all():
-                j = int((~finite).nonzero()[0])
-                raise ValueError(f"{where}[{j}] = {values[j].item()}; values must be finite")
-        if values.shape[0] != n:
-            raise ValueError(
-                f"{where} has {values.shape[0]} values but model_input has {n} tokens; "
-                "every loss input needs one value per position"
-            )
-        inputs[key] = values
+    inputs = {
+        key: _as_1d(f"datums[{i}].loss_fn_inputs[{key!r}]", loss_fn_inputs[key])
+        for key in (*spec.required, *spec.optional) if key in loss_fn_inputs
+    }
+    try:  # the checks of types.Datum, again: a datum may have changed since it was built
+        check_loss_fn_inputs({k: v.tolist() for k, v in inputs.items()}, n)
+    except ValueError as e:
+        raise ValueError(f"datums[{i}].{e}") from None
+    if "target_tokens" in inputs:
+        inputs["target_tokens"] = _token_ids(
+            f"datums[{i}].loss_fn_inputs['target_tokens']", inputs["target_tokens"], vocab_size)
     inputs.setdefault("weights", torch.ones(n, dtype=torch.float64))
     return PreparedDatum(tokens_T, inputs, int((inputs["weights"] != 0).sum()))
 

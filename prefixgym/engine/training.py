@@ -24,7 +24,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
 
 import torch
 
@@ -41,7 +41,11 @@ from prefixgym.engine.usage import UsageLedger
 from prefixgym.futures import APIFuture
 from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput, Usage
 
+if TYPE_CHECKING:
+    from prefixgym.engine.sampling import SamplingClient
+
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 Tensor = torch.Tensor
 
 
@@ -56,7 +60,7 @@ class TrainingClient:
     def __init__(
         self,
         model: Transformer,
-        publish: Callable[[], Any] | None = None,
+        publish: Callable[[], SamplingClient] | None = None,
         ledger: UsageLedger | None = None,
         seed: int = 0,
         compute_dtype: torch.dtype = torch.float32,
@@ -113,7 +117,7 @@ class TrainingClient:
             adam = AdamParams.model_validate(adam)
         return self._submit(self._optim_step, adam)
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> Any:
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """Publish the current weights as a new version and return a SamplingClient for them."""
         if self._publish is None:
             raise RuntimeError(
@@ -140,7 +144,7 @@ class TrainingClient:
 
     # -- worker side -----------------------------------------------------------------
 
-    def _submit(self, fn: Callable[..., T], *args: Any) -> APIFuture[T]:
+    def _submit(self, fn: Callable[[*Ts], T], *args: *Ts) -> APIFuture[T]:
         return APIFuture(self._worker.submit(fn, *args))
 
     def _validate(
@@ -161,7 +165,7 @@ class TrainingClient:
         ]
         return prepared, spec, config
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
         param = next(self.model.parameters())
         if self.compute_dtype == torch.float32 or param.dtype != torch.float32:
             return contextlib.nullcontext()

@@ -6,7 +6,7 @@ Importing this package registers the built-in envs as "prefixgym/<Name>-v0".
 from __future__ import annotations
 
 from prefixgym.envs.arithmetic import Arithmetic
-from prefixgym.envs.base import AgentEnv, Message, Observation, Outcome
+from prefixgym.envs.base import AgentEnv, Message, Observation, Outcome, agent_of
 from prefixgym.envs.check import CheckReport, check_agent_env
 from prefixgym.envs.grid_maze import GridMaze
 from prefixgym.envs.guess_number import GuessNumber
@@ -30,6 +30,7 @@ __all__ = [
     "Message",
     "Observation",
     "Outcome",
+    "agent_of",
     "check_agent_env",
     "messages_space",
     "register_envs",

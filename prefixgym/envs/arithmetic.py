@@ -9,13 +9,12 @@ import ast
 import operator
 import re
 from collections.abc import Callable
-from typing import Any
 
 from prefixgym.envs.base import AgentEnv, Outcome
 from prefixgym.prompting.tools import Tool, format_tool_call
 
 _INT_RE = re.compile(r"\s*([+-]?\d{1,30})\s*\.?\s*")
-_BINARY: dict[type, Callable[[Any, Any], Any]] = {
+_BINARY: dict[type[ast.operator], Callable[[float, float], float]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
     ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
 }

@@ -249,3 +249,16 @@ class AgentEnv(gym.Env[Observation, str]):
             "is_success": self._success,
             **self._counters,
         }
+
+
+def agent_of(env: gym.Env[Observation, str]) -> AgentEnv:
+    """The `AgentEnv` under an env's wrappers; ValueError for an env that is not one."""
+    agent = env.unwrapped
+    if not isinstance(agent, AgentEnv):
+        spec = getattr(env, "spec", None)
+        name = spec.id if spec is not None else type(agent).__name__
+        raise ValueError(
+            f"env {name} is not a prefixgym AgentEnv: rollouts need text actions, a "
+            "system_prompt and tools (subclass prefixgym.envs.AgentEnv)"
+        )
+    return agent

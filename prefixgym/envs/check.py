@@ -26,7 +26,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.utils.env_checker import check_env, data_equivalence
 
-from prefixgym.envs.base import AgentEnv
+from prefixgym.envs.base import AgentEnv, Observation
 
 INFO_KEYS = ("stop_reason", "invalid_action", "reward_components", "is_success",
              "num_invalid_actions")
@@ -54,7 +54,7 @@ class CheckReport:
 
 
 def check_agent_env(
-    env: gym.Env[Any, Any] | str,
+    env: gym.Env[Any, Any] | str,  # any env: its own spaces decide the types
     episodes: int = 3,
     seeds: Sequence[int] | None = None,
     *,
@@ -97,10 +97,10 @@ def check_agent_env(
 
 def _episode(
     env: gym.Env[Any, Any], agent: AgentEnv, seed: int, policy: Callable[[int], str]
-) -> tuple[list[Any], float, dict[str, Any]]:
+) -> tuple[list[object], float, dict[str, Any]]:  # gymnasium's info dict
     """One episode: (trace of every step, return, last info). Checks infos and leaks."""
     obs, info = env.reset(seed=seed)
-    trace: list[Any] = [obs]
+    trace: list[object] = [obs]
     total = 0.0
     _check_leaks(agent, obs, "reset")
     for turn in range(agent.max_turns + 1):
@@ -117,7 +117,7 @@ def _episode(
     raise AssertionError(f"episode ran past max_turns={agent.max_turns}")
 
 
-def _check_leaks(agent: AgentEnv, obs: Any, where: str) -> None:
+def _check_leaks(agent: AgentEnv, obs: Observation, where: str) -> None:
     for probe in agent._leak_probes():
         pattern = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(probe)}(?![A-Za-z0-9_])")
         for message in obs:
@@ -132,7 +132,9 @@ def _check_determinism(env: gym.Env[Any, Any], agent: AgentEnv, seeds: list[int]
         assert data_equivalence(first, second), f"seed {seed}: two episodes differ"
 
 
-def _replay(env: gym.Env[Any, Any], agent: AgentEnv, seed: int) -> tuple[list[Any], list[Any]]:
+def _replay(
+    env: gym.Env[Any, Any], agent: AgentEnv, seed: int
+) -> tuple[list[object], list[object]]:
     """An expert episode, then the same replies again after a reset with the same seed."""
     actions: list[str] = []
 

@@ -16,10 +16,10 @@ This module knows nothing of envs, tools or tokens.
 from __future__ import annotations
 
 import string
-from typing import Any
 
 import numpy as np
 from gymnasium import spaces
+from numpy.typing import NDArray
 
 PRINTABLE = string.ascii_letters + string.digits + string.punctuation + " "
 MAX_TEXT_LENGTH = 10_000_000
@@ -42,10 +42,14 @@ class AnyText(spaces.Text):
         super().__init__(max_length, min_length=min_length, charset=PRINTABLE, seed=seed)
         self.sample_max_length = max(min_length, min(sample_max_length, max_length))
 
-    def contains(self, x: Any) -> bool:
+    def contains(self, x: object) -> bool:
         return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
 
-    def sample(self, mask: Any = None, probability: Any = None) -> str:
+    def sample(
+        self,
+        mask: tuple[int | None, NDArray[np.int8] | None] | None = None,
+        probability: tuple[int | None, NDArray[np.float64] | None] | None = None,
+    ) -> str:
         if mask is None and probability is None:
             length = int(self.np_random.integers(self.min_length, self.sample_max_length + 1))
             mask = (length, None)

@@ -1,8 +1,11 @@
-"""prefixgym.prompting: token-level conversation building, chat formats, tools, lint.
+"""prefixgym.prompting: where text becomes tokens: tokenizer, Conversation, chat formats,
+tools, and the linter.
 
-`Conversation` builds an episode's tokens by appending segments; `chat_format` says
-how one message becomes tokens; `tools` is text-level tool specs and call parsing.
-Importing this package loads transformers (for tokenizers), not torch models.
+`tokenizer` loads the built-in BPE (or a local HF one); `Conversation` builds an
+episode's tokens by appending segments; `chat_format` says how one message becomes
+tokens; `tools` is text-level tool specs and call parsing; `lint` finds what makes
+prompts miss the prefix cache. Knows nothing of models, samplers or envs. Importing
+this package loads transformers (for tokenizers), not torch models.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     conv = Conversation(tokenizer, system="...", tools=[lookup])
     prompt = conv.generation_prompt()            # history + assistant header
     conv.add_sampled(seq.tokens, stop_reason=seq.stop_reason)
-    conv.add_tool_result("lookup", "42")         # or add_user(text)
+    conv.add_tool_result("lookup", "42")         # or add_user(text), add_messages(obs)
 
 1. The fixed prefix (system prompt + tool definitions) is rendered first, once; the
    same config gives the same tokens in every episode and process, so every episode
@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from prefixgym.engine.tokenizer import builtin_chat_template
 from prefixgym.prompting.chat_format import ChatFormat, ChatMLFormat, HFTemplateFormat
+from prefixgym.prompting.tokenizer import builtin_chat_template
 from prefixgym.prompting.tools import Tool
 from prefixgym.types import ModelInput
 
@@ -189,6 +189,15 @@ class Conversation:
         if not isinstance(name, str):
             raise ValueError(f"tool result name must be a str, got {name!r}")
         self.add_message("tool", content, name=name or None)
+
+    def add_messages(self, messages: Iterable[Mapping[str, str]]) -> None:
+        """Append an env's observation: `{"role", "content"}` dicts (tool results also
+        carry their tool's "name"; a missing or empty name renders none)."""
+        for m in messages:
+            if m["role"] == "tool":
+                self.add_tool_result(m.get("name", ""), m["content"])
+            else:
+                self.add_message(m["role"], m["content"])
 
     def add_message(self, role: str, content: str, name: str | None = None) -> None:
         """Append a rendered user, tool or (mid-conversation) system message."""

@@ -22,6 +22,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from prefixgym.prompting.messages import Message, check_role, check_text
 from prefixgym.prompting.tools import Tool
+from prefixgym.types import JSONObject
 
 __all__ = ["HFTemplateFormat", "TemplateNotAppendOnlyError", "hf_tools"]
 
@@ -44,7 +45,7 @@ class TemplateNotAppendOnlyError(ValueError):
         )
 
 
-def hf_tools(tools: Sequence[Tool]) -> list[dict[str, Any]] | None:
+def hf_tools(tools: Sequence[Tool]) -> list[JSONObject] | None:
     """Tools as Hugging Face chat templates expect them ({"type": "function", ...})."""
     return [{"type": "function", "function": t.schema()} for t in tools] or None
 
@@ -101,7 +102,8 @@ class HFTemplateFormat:
         tokenize=False)` returns, empty conversations included); "" for an empty
         conversation the template cannot render."""
         try:
-            special_tokens: dict[str, Any] = dict(self.tokenizer.special_tokens_map)
+            special_tokens: dict[str, Any] = dict(  # str values, **-splatted beside non-str params
+                self.tokenizer.special_tokens_map)
             rendered, _ = render_jinja_template(  # type: ignore[str-unpack]  # (texts, indices)
                 conversations=[[dict(m) for m in messages]],
                 tools=hf_tools(tools),  # type: ignore[arg-type]

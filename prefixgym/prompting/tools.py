@@ -25,6 +25,9 @@ from typing import Any, Literal, overload
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.fields import FieldInfo
+
+from prefixgym.types import JSONObject
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -39,7 +42,7 @@ class ToolCall(BaseModel):
     """One well-formed call of a known tool with valid arguments (as written)."""
 
     name: str
-    arguments: dict[str, Any]
+    arguments: JSONObject
 
 
 class ToolCallError(BaseModel):
@@ -58,7 +61,7 @@ class Tool:
     name: str
     description: str
     args_model: type[BaseModel]
-    fn: Callable[..., Any] | None = None
+    fn: Callable[..., Any] | None = None  # a user's function: any signature
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -77,7 +80,7 @@ class Tool:
             hints = typing.get_type_hints(fn)
         except Exception as e:  # an annotation that does not resolve
             raise ValueError(f"tool {tool_name!r}: cannot resolve type hints: {e}") from e
-        fields: dict[str, Any] = {}
+        fields: dict[str, tuple[object, FieldInfo]] = {}
         for param in inspect.signature(fn).parameters.values():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
                 raise ValueError(
@@ -124,18 +127,18 @@ class Tool:
         return cls(tool_name, description if description is not None else _oneline(doc),
                    model_cls, fn)
 
-    def schema(self) -> dict[str, Any]:
+    def schema(self) -> JSONObject:
         """{"name", "description", "parameters"}: parameters is the arguments' JSON schema."""
         parameters = _drop_titles(self.args_model.model_json_schema())
         if parameters.get("description") == self.description:
             del parameters["description"]  # a model docstring already used as the description
         return {"name": self.name, "description": self.description, "parameters": parameters}
 
-    def call(self, arguments: dict[str, Any]) -> str:
+    def call(self, arguments: JSONObject) -> str:
         """Run the tool; bad arguments or an exception in it come back as "Error: ..." text."""
         return self.call_with_status(arguments)[0]
 
-    def call_with_status(self, arguments: dict[str, Any]) -> tuple[str, bool]:
+    def call_with_status(self, arguments: JSONObject) -> tuple[str, bool]:
         """Run the tool and return (result text, ok). Never raises."""
         if self.fn is None:
             return f"Error: tool {self.name!r} has no function to run", False
@@ -181,7 +184,7 @@ def tools_json(tools: list[Tool]) -> str:
                       ensure_ascii=False)
 
 
-def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
+def format_tool_call(name: str, arguments: JSONObject) -> str:
     """The text of one tool call, exactly as the assistant should write it."""
     body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
     return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
@@ -280,10 +283,10 @@ def _snake(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
 
 
-def _drop_titles(schema: Any) -> Any:
+def _drop_titles(schema: Any) -> Any:  # any JSON value in pydantic's schema (dict[str, Any])
     """pydantic's "title" keywords only repeat names; dropping them shortens every prompt."""
     if isinstance(schema, dict):
-        out: dict[str, Any] = {}
+        out: JSONObject = {}
         for key, value in schema.items():
             if key in ("properties", "$defs") and isinstance(value, dict):
                 out[key] = {name: _drop_titles(sub) for name, sub in value.items()}
@@ -303,7 +306,7 @@ def _brief(error: pydantic.ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _result_text(result: Any) -> str:
+def _result_text(result: object) -> str:
     if isinstance(result, str):
         return result
     if result is None:

@@ -1,7 +1,8 @@
 """Drive agent envs against a sampler: one episode, a group, many groups at once.
 
-An episode: reset the env, start a `Conversation` with its system prompt and tools,
-then observe, sample, step, until the env ends it or a turn or token budget does.
+An episode (`episode.Episode`): reset the env, start a `Conversation` with its system
+prompt and tools, then observe, sample, step, until the env ends it or a turn or token
+budget does; its `Trajectory` is written when it ends.
 A group: G envs reset with one seed share their first prompt, so the first turn's G
 replies come from one `sample(num_samples=G)` request (one prefill); later turns
 run concurrently. Many groups run at once under asyncio, so the engine batches them.
@@ -16,12 +17,14 @@ import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO
 
-from prefixgym.prompting import Conversation
+from transformers import PreTrainedTokenizerBase
+
 from prefixgym.protocols import SamplingClient
-from prefixgym.rollouts.types import Trajectory, TrajectoryGroup, Turn
-from prefixgym.types import ModelInput, SampledSequence, SampleResponse, SamplingParams
+from prefixgym.rollouts.episode import AgentGymEnv, Episode
+from prefixgym.rollouts.types import Trajectory, TrajectoryGroup
+from prefixgym.types import ModelInput, SampledSequence, SampleResponse, SamplingParams, Usage
 
 
 @dataclass
@@ -38,7 +41,7 @@ class RolloutConfig:
 
 
 class TraceWriter:
-    """Writes one JSONL line per sampling request, in the trace format of API.md."""
+    """Writes one JSONL line per sampling request (the trace format of docs/files.md)."""
 
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
@@ -60,39 +63,11 @@ class TraceWriter:
         self._stream.write(json.dumps(record) + "\n")
 
 
-class _Episode:
-    """One env + its conversation + the trajectory being recorded."""
-
-    def __init__(self, env: Any, tokenizer: Any, trajectory: Trajectory) -> None:
-        self.env = env
-        self.agent = env.unwrapped
-        self.conv = Conversation(
-            tokenizer=tokenizer, system=self.agent.system_prompt, tools=list(self.agent.tools)
-        )
-        self.traj = trajectory
-        self.done = False
-
-    def observe(self, messages: Sequence[dict[str, str]]) -> None:
-        for m in messages:
-            if m["role"] == "tool":
-                self.conv.add_tool_result(m.get("name", ""), m["content"])
-            else:
-                self.conv.add_user(m["content"])
-
-    def finish(self, stop_reason: str, error: str | None = None) -> None:
-        self.done = True
-        self.traj.stop_reason = stop_reason
-        self.traj.tokens = list(self.conv.tokens)
-        self.traj.extension_ok = self.conv.extension_ok
-        if error is not None:
-            self.traj.failed, self.traj.error = True, error
-
-
 class Rollouts:
     """Runs groups of episodes of one env id against a sampling client."""
 
     def __init__(
-        self, sampler: SamplingClient, tokenizer: Any, config: RolloutConfig,
+        self, sampler: SamplingClient, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig,
         trace: TraceWriter | None = None,
     ) -> None:
         self.sampler = sampler
@@ -106,13 +81,15 @@ class Rollouts:
             max_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, seed=seed
         )
 
-    async def run_group(self, envs: Sequence[Any], seed: int, group_id: str) -> TrajectoryGroup:
+    async def run_group(
+        self, envs: Sequence[AgentGymEnv], seed: int, group_id: str
+    ) -> TrajectoryGroup:
         """1) reset G envs with one seed; 2) one G-sample first turn; 3) the rest concurrently."""
         episodes, trajectories = [], []
         for i, env in enumerate(envs):
             traj = Trajectory(episode_id=f"{group_id}/{i}", group_id=group_id, seed=seed)
             trajectories.append(traj)
-            ep = _Episode(env, self.tokenizer, traj)
+            ep = Episode(env, self.tokenizer, traj)
             try:
                 obs, _ = env.reset(seed=seed)
             except Exception as e:  # an env that raises ends its episode, never the run
@@ -139,8 +116,8 @@ class Rollouts:
         return TrajectoryGroup(group_id, seed, trajectories)
 
     async def _sample(
-        self, episodes: Sequence[_Episode], prompt: ModelInput, turn: int, seed: int
-    ) -> list[tuple[SampledSequence, Turn]]:
+        self, episodes: Sequence[Episode], prompt: ModelInput, turn: int, seed: int
+    ) -> list[_Sample]:
         g = len(episodes)
         response = await self.sampler.sample(
             prompt, num_samples=g, sampling_params=self.params(seed)
@@ -148,29 +125,21 @@ class Rollouts:
         if self.trace is not None:
             ids = [ep.traj.episode_id for ep in episodes]
             self.trace.write(ids, episodes[0].traj.group_id, turn, prompt, g, response)
-        out = []
-        for i, seq in enumerate(response.sequences):
-            record = Turn(
-                prompt_tokens=list(prompt.tokens), sampled_tokens=list(seq.tokens),
-                sampled_logprobs=list(seq.logprobs), stop_reason=seq.stop_reason,
-                reply_text="", shared_by=g,
-                usage=response.usage if i == 0 else type(response.usage)(),
-            )
-            out.append((seq, record))
-        return out
+        # a shared request's usage goes to the first episode only
+        return [_Sample(seq, response.usage if i == 0 else Usage(), g)
+                for i, seq in enumerate(response.sequences)]
 
-    async def _continue(
-        self, ep: _Episode, first: tuple[SampledSequence, Turn], seed: int
-    ) -> None:
-        seq, turn = first
+    async def _continue(self, ep: Episode, first: _Sample, seed: int) -> None:
+        """Observe, sample, step, until the env or a budget ends the episode."""
+        sample = first
         n = 0
         while True:
             # sample -> conversation -> env
-            ep.conv.add_sampled(seq.tokens, stop_reason=seq.stop_reason)
-            turn.reply_text = ep.conv.last_reply_text
-            ep.traj.turns.append(turn)
+            seq = sample.sequence
+            turn = ep.add_reply(seq.tokens, seq.logprobs, seq.stop_reason, sample.usage,
+                                sample.shared_by)
             try:
-                obs, reward, terminated, truncated, info = await self._step(ep, turn.reply_text)
+                obs, reward, terminated, truncated, info = await ep.astep(turn.reply_text)
             except Exception as e:  # an env that raises ends its episode, never the run
                 ep.finish("env_error", error=f"{type(e).__name__}: {e}")
                 return
@@ -192,19 +161,16 @@ class Rollouts:
                 ep.traj.truncated = True
                 ep.finish("max_episode_tokens")
                 return
-            [(seq, turn)] = await self._sample([ep], prompt, n, _mix(seed, 1000 + n))
-
-    async def _step(self, ep: _Episode, text: str) -> tuple[Any, float, bool, bool, dict]:
-        astep = getattr(type(ep.agent), "astep", None)
-        if astep is not None and astep is not _base_astep():
-            return await ep.agent.astep(text)  # an env that waits on I/O
-        return ep.env.step(text)
+            [sample] = await self._sample([ep], prompt, n, _mix(seed, 1000 + n))
 
 
-def _base_astep() -> Any:
-    from prefixgym.envs.base import AgentEnv
+@dataclass
+class _Sample:
+    """One sampled sequence, the usage it carries, and how many episodes its request served."""
 
-    return AgentEnv.astep
+    sequence: SampledSequence
+    usage: Usage
+    shared_by: int
 
 
 def _mix(seed: int, k: int) -> int:

@@ -1,7 +1,11 @@
 """What a rollout records: turns, trajectories (one episode) and groups.
 
-A glossary, no logic beyond sums. These types know token ids and rewards; they do
-not know how the tokens were sampled or how they will be trained on.
+A glossary, no logic beyond sums. A `Trajectory` is the one record of an episode:
+its conversation's tokens with, aligned to them, which tokens were sampled and the
+sampler's logprob of each, built once when the episode ends. A `Turn` says where
+its reply sits in those tokens and what the env answered. These types know token ids
+and rewards; they do not know how the tokens were sampled or how they will be
+trained on.
 """
 
 from __future__ import annotations
@@ -13,13 +17,13 @@ from prefixgym.types import Usage
 
 @dataclass
 class Turn:
-    """One assistant turn: the prompt it was sampled from and what came back."""
+    """One assistant turn. Its prompt is the episode's `tokens[:reply_start]`; its reply,
+    exactly as sampled, is `tokens[reply_start:reply_end]`."""
 
-    prompt_tokens: list[int]
-    sampled_tokens: list[int]
-    sampled_logprobs: list[float]
+    reply_start: int
+    reply_end: int
     stop_reason: str
-    reply_text: str
+    reply_text: str = ""
     reward: float = 0.0
     invalid_action: bool = False
     # The request's usage. For a group's shared first turn the request served all G
@@ -27,16 +31,30 @@ class Turn:
     usage: Usage = field(default_factory=Usage)
     shared_by: int = 1
 
+    @property
+    def prompt_length(self) -> int:
+        return self.reply_start
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return self.reply_end - self.reply_start
+
 
 @dataclass
 class Trajectory:
-    """One episode of one env, turn by turn, and the conversation's final tokens."""
+    """One episode of one env: its turns, and three aligned arrays of equal length.
+
+    `tokens` are the conversation's tokens when the episode ended; `sampled_mask[i]`
+    says whether token i came from the sampler (the replies); `logprobs[i]` is the
+    sampler's logprob of a sampled token and 0.0 elsewhere."""
 
     episode_id: str
     group_id: str
     seed: int
     turns: list[Turn] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    sampled_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
     is_success: bool = False
     terminated: bool = False
     truncated: bool = False
@@ -51,7 +69,7 @@ class Trajectory:
 
     @property
     def num_sampled_tokens(self) -> int:
-        return sum(len(t.sampled_tokens) for t in self.turns)
+        return sum(t.num_sampled_tokens for t in self.turns)
 
     @property
     def num_invalid_actions(self) -> int:
@@ -60,6 +78,11 @@ class Trajectory:
     @property
     def usage(self) -> Usage:
         return Usage.total(t.usage for t in self.turns)
+
+    @property
+    def trained_length(self) -> int:
+        """Tokens up to the end of the last reply: what a training datum covers."""
+        return self.turns[-1].reply_end if self.turns else 0
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The HTTP face of a `LocalService`: an OpenAI-compatible completions endpoint.
+"""The HTTP face of the built-in engine: an OpenAI-compatible completions endpoint.
 
 Routes: `POST /v1/completions`, `GET /v1/models`, `GET /health`.
 
@@ -12,8 +12,9 @@ A completion request goes:
      the prefix cache).
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 
-The app knows the service's public interface and its tokenizer; it knows nothing of
-caches, batching or training.
+The app knows the engine service's public interface and the tokenizer it is given
+(for text prompts and the `text` of answers); it knows nothing of caches, batching or
+training.
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import PreTrainedTokenizerBase
 
+from prefixgym.engine.service import EngineService
 from prefixgym.serving.config import ServeConfig
 from prefixgym.serving.protocol import CompletionRequest, describe_validation_error, error_body
-from prefixgym.types import SampleResponse
+from prefixgym.types import JSONObject, SampleResponse
 
 
 class APIError(Exception):
@@ -40,10 +42,14 @@ class APIError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
-def create_app(service: Any, config: ServeConfig | None = None) -> FastAPI:
-    """An app serving `service` (a LocalService, or anything with its sampling interface)."""
+def create_app(
+    service: EngineService, tokenizer: PreTrainedTokenizerBase | None,
+    config: ServeConfig | None = None,
+) -> FastAPI:
+    """An app serving `service`'s latest weights; `tokenizer` (None: token ids only)
+    encodes text prompts and decodes the answers' text."""
     config = config or ServeConfig()
-    max_seq_len = int(service.train_model.config.max_seq_len)
+    max_seq_len = service.max_seq_len
     max_request_tokens = min(config.max_request_tokens or max_seq_len, max_seq_len)
     model_name = config.model_name
     created = int(time.time())
@@ -68,7 +74,7 @@ def create_app(service: Any, config: ServeConfig | None = None) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models() -> JSONObject:
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "prefixgym",
             "max_model_len": max_seq_len,
@@ -86,7 +92,7 @@ def create_app(service: Any, config: ServeConfig | None = None) -> FastAPI:
         if req.n > config.max_n:
             raise APIError(400, f"n = {req.n} exceeds this server's limit of {config.max_n}", "n")
         try:
-            prompt = req.prompt_ids(service.tokenizer)
+            prompt = req.prompt_ids(tokenizer)
             params = req.sampling_params()
         except ValidationError as e:
             raise APIError(400, *describe_validation_error(e)) from None
@@ -106,7 +112,7 @@ def create_app(service: Any, config: ServeConfig | None = None) -> FastAPI:
         except ValueError as e:
             raise APIError(400, str(e)) from None
         # 4) OpenAI's shape
-        return JSONResponse(_render(req, prompt, response, service.tokenizer, model_name))
+        return JSONResponse(_render(req, prompt, response, tokenizer, model_name))
 
     return app
 
@@ -145,7 +151,7 @@ def _parse(body: bytes) -> CompletionRequest:
 
 
 def _render(req: CompletionRequest, prompt: list[int], response: SampleResponse,
-            tokenizer: Any, model_name: str) -> dict[str, Any]:
+            tokenizer: PreTrainedTokenizerBase | None, model_name: str) -> JSONObject:
     def decode(ids: list[int], skip_special: bool) -> str:
         if tokenizer is None or not ids:
             return ""
@@ -157,7 +163,7 @@ def _render(req: CompletionRequest, prompt: list[int], response: SampleResponse,
         text = decode(seq.tokens, req.skip_special_tokens)
         if seq.stop_reason == "stop" and req.stop_strings and not req.include_stop_str_in_output:
             text = _cut_at_stop(text, req.stop_strings)
-        choice: dict[str, Any] = {
+        choice: JSONObject = {
             "index": i, "text": prompt_text + text, "finish_reason": seq.stop_reason,
             "logprobs": None, "token_ids": list(seq.tokens),
         }

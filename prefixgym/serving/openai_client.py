@@ -21,14 +21,29 @@ engine; an HTTP 4xx answer becomes a ValueError carrying the server's message.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import warnings
-from typing import Any, Self
+from collections.abc import Mapping, Sequence
+from typing import Self
 
 import httpx
+from transformers import PreTrainedTokenizerBase
 
 from prefixgym.futures import APIFuture
-from prefixgym.types import ModelInput, SampledSequence, SampleResponse, SamplingParams, Usage
+from prefixgym.protocols import TrainingClient, UsageSink
+from prefixgym.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    JSONObject,
+    ModelInput,
+    OptimStepOutput,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
+    Usage,
+)
 
 
 class OpenAISamplingClient:
@@ -38,13 +53,13 @@ class OpenAISamplingClient:
         model: str | None = None,
         api_key: str = "EMPTY",
         timeout: float = 600.0,
-        tokenizer: Any = None,
-        ledger: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        ledger: UsageSink | None = None,
         max_concurrency: int = 64,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         """`base_url` ends in `/v1` (added when missing). `model=None` asks /v1/models.
-        `tokenizer` is only for servers that return no token ids; `ledger` (a UsageLedger)
+        `tokenizer` is only for servers that return no token ids; `ledger` (e.g. a UsageLedger)
         receives every response's usage; `transport` replaces httpx's (tests)."""
         url = base_url.rstrip("/")
         self.base_url = url if url.endswith("/v1") else url + "/v1"
@@ -108,7 +123,7 @@ class OpenAISamplingClient:
 
     def _sample(self, ids: list[int], n: int, params: SamplingParams,
                 with_prompt_logprobs: bool) -> SampleResponse:
-        body: dict[str, Any] = {
+        body: JSONObject = {
             "model": self.model, "prompt": ids, "n": n, "max_tokens": params.max_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "logprobs": 1,
             "return_token_ids": True, "include_stop_str_in_output": True,
@@ -139,7 +154,7 @@ class OpenAISamplingClient:
         return SampleResponse(sequences=sequences, prompt_logprobs=prompt_logprobs, usage=usage)
 
     def _prompt_logprobs(self, ids: list[int]) -> list[float | None]:
-        body: dict[str, Any] = {"model": self.model, "prompt": ids, "max_tokens": 0,
+        body: JSONObject = {"model": self.model, "prompt": ids, "max_tokens": 0,
                                 "echo": True, "logprobs": 1, "temperature": 1.0}
         try:
             data = self._call("POST", "/completions", body)
@@ -154,7 +169,7 @@ class OpenAISamplingClient:
             self.ledger.add(usage)
         return values
 
-    def _sequence(self, choice: dict[str, Any], skip: int) -> SampledSequence:
+    def _sequence(self, choice: JSONObject, skip: int) -> SampledSequence:
         logprobs = choice.get("logprobs") or {}
         values = list(logprobs.get("token_logprobs") or [])[skip:]
         ids = choice.get("token_ids")
@@ -172,7 +187,7 @@ class OpenAISamplingClient:
         return SampledSequence(tokens=ids, logprobs=[float(v) for v in values],
                                stop_reason="stop" if finish == "stop" else "length")
 
-    def _ids_from_logprobs(self, choice: dict[str, Any], skip: int) -> list[int]:
+    def _ids_from_logprobs(self, choice: JSONObject, skip: int) -> list[int]:
         pieces = list((choice.get("logprobs") or {}).get("tokens") or [])[skip:]
         if pieces and all(isinstance(p, str) and p.startswith("token_id:") for p in pieces):
             return [int(p.removeprefix("token_id:")) for p in pieces]
@@ -189,7 +204,7 @@ class OpenAISamplingClient:
         text = str(choice.get("text") or "")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _call(self, method: str, path: str, body: JSONObject | None = None) -> JSONObject:
         try:
             reply = self._http.request(method, path, json=body)
         except httpx.HTTPError as e:
@@ -217,7 +232,7 @@ def _ids(prompt: ModelInput | list[int]) -> list[int]:
     raise ValueError(f"prompt must be a ModelInput or a list of token ids, got {type(prompt).__name__}")
 
 
-def _prompt_part(choice: dict[str, Any], n: int) -> list[float | None]:
+def _prompt_part(choice: JSONObject, n: int) -> list[float | None]:
     values = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
     if len(values) < n:
         raise ValueError(
@@ -228,7 +243,7 @@ def _prompt_part(choice: dict[str, Any], n: int) -> list[float | None]:
     return [None] + [None if v is None else float(v) for v in values[1:n]]
 
 
-def _usage(usage: dict[str, Any], prompt_len: int, sequences: list[SampledSequence]) -> Usage:
+def _usage(usage: JSONObject, prompt_len: int, sequences: list[SampledSequence]) -> Usage:
     prompt_tokens = int(usage.get("prompt_tokens") or prompt_len)
     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     cached = max(0, min(cached, prompt_tokens))
@@ -237,19 +252,31 @@ def _usage(usage: dict[str, Any], prompt_len: int, sequences: list[SampledSequen
                  sampled_tokens=sampled)
 
 
-class RemoteSampling:
+class RemoteSamplingTrainer:
     """A training client whose sampling clients are a remote server's.
 
-    `save_weights_and_get_sampling_client()` returns `sampler` (nothing is published:
-    the remote server samples from its own weights); everything else is `training`'s.
+    Training calls go to `training`; `save_weights_and_get_sampling_client()` returns
+    `sampler`: nothing is published, the remote server samples from its own weights.
     """
 
-    def __init__(self, training: Any, sampler: OpenAISamplingClient) -> None:
+    def __init__(self, training: TrainingClient, sampler: OpenAISamplingClient) -> None:
         self.training = training
         self.sampler = sampler
+
+    def forward_backward(
+        self, datums: Sequence[Datum], loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self.training.forward_backward(datums, loss_fn, loss_fn_config)
+
+    def optim_step(self, adam: AdamParams) -> APIFuture[OptimStepOutput]:
+        return self.training.optim_step(adam)
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> OpenAISamplingClient:
         return self.sampler
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.training, name)
+    def save_state(self, path: str | os.PathLike[str]) -> APIFuture[str]:
+        return self.training.save_state(path)
+
+    def load_state(self, path: str | os.PathLike[str]) -> APIFuture[int]:
+        return self.training.load_state(path)

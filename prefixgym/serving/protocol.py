@@ -14,11 +14,14 @@ Unknown fields are ignored, as vLLM does. This module knows nothing of HTTP.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from prefixgym.types import SamplingParams
+from prefixgym.types import JSONObject, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MAX_LOGPROBS = 20
 
@@ -68,7 +71,7 @@ class CompletionRequest(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def prompt_ids(self, tokenizer: Any) -> list[int]:
+    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
         """The prompt as token ids: ids as given, text through `tokenizer` (no special tokens)."""
         prompt = self.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
@@ -98,7 +101,7 @@ class CompletionRequest(BaseModel):
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: int | None = None) -> dict[str, Any]:
+               code: int | None = None) -> JSONObject:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 

@@ -7,27 +7,26 @@ Layout under OUT/checkpoints/:
   latest                 the name of the newest complete checkpoint
 
 Each checkpoint is written into a temporary directory and renamed into place, and
-`latest` is replaced atomically after it, so a crash leaves the previous one intact.
+`latest` is replaced atomically after it (`prefixgym.files`), so a crash leaves the
+previous one intact.
 Knows the training client's save/load protocol and JSON; nothing of models.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from prefixgym.types import Usage
+from prefixgym.files import write_dir_atomically, write_text_atomically
+from prefixgym.protocols import TrainingClient
+from prefixgym.types import JSONObject, Usage
 
 
 @dataclass
 class LoopState:
     next_step: int
-    evals: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[JSONObject] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
     sft_usage: Usage = field(default_factory=Usage)
     wall_s: float = 0.0
@@ -46,20 +45,9 @@ class LoopState:
                    d["wall_s"])
 
 
-def _write_dir_atomically(target: Path, fill: Any) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        fill(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-
-
-def save_checkpoint(out: Path, training: Any, state: LoopState, name: str | None = None) -> Path:
+def save_checkpoint(
+    out: Path, training: TrainingClient, state: LoopState, name: str | None = None
+) -> Path:
     root = out / "checkpoints"
     name = name or f"step-{state.next_step - 1:06d}"
 
@@ -67,11 +55,9 @@ def save_checkpoint(out: Path, training: Any, state: LoopState, name: str | None
         training.save_state(tmp / "train")
         (tmp / "loop.json").write_text(state.to_json())
 
-    _write_dir_atomically(root / name, fill)
+    write_dir_atomically(root / name, fill)
     if name.startswith("step-"):
-        pointer = root / "latest.tmp"
-        pointer.write_text(name)
-        os.replace(pointer, root / "latest")
+        write_text_atomically(root / "latest", name)
     return root / name
 
 
@@ -83,6 +69,6 @@ def latest_checkpoint(out: Path) -> Path | None:
     return path if (path / "loop.json").exists() else None
 
 
-def load_checkpoint(path: Path, training: Any) -> LoopState:
+def load_checkpoint(path: Path, training: TrainingClient) -> LoopState:
     training.load_state(path / "train")
     return LoopState.from_json((path / "loop.json").read_text())

@@ -7,20 +7,26 @@ built-in `tiny` model learning the built-in GuessNumber env on two CPU cores.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from prefixgym.types import JSONObject
 
 LOSSES = ("importance_sampling", "ppo")
 LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_ENV = "prefixgym/GuessNumber-v0"
-DEFAULT_ENV_KWARGS: dict[str, Any] = {"max_turns": 4}
+DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def default_env_kwargs(env: str) -> JSONObject:
+    """The env kwargs a run uses when none are given."""
+    return dict(DEFAULT_ENV_KWARGS) if env == DEFAULT_ENV else {}
 
 
 @dataclass
 class TrainConfig:
     env: str = DEFAULT_ENV
     """Gymnasium id of the env to train on."""
-    env_kwargs: dict[str, Any] | None = None
+    env_kwargs: JSONObject | None = None
     """Keyword arguments for the env, e.g. {"high": 32}. Unset: {"max_turns": 4} for the
     default GuessNumber (binary search then wins 94%, so there is room to learn), {} for
     any other env."""
@@ -84,7 +90,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.env_kwargs is None:
-            self.env_kwargs = dict(DEFAULT_ENV_KWARGS) if self.env == DEFAULT_ENV else {}
+            self.env_kwargs = default_env_kwargs(self.env)
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
         if self.loss not in LOSSES:

@@ -1,81 +1,71 @@
-"""Trajectories -> Datums: one merged training sequence per episode.
+"""Trajectories -> Datums: one training sequence per episode, built complete, once.
 
-An episode's turns normally form one growing token sequence: each prompt extends the
-previous prompt plus the sampled reply. Merging them into one `Datum` trains the
-whole episode in one forward pass, computing every position once. Weights are 1
-exactly on sampled tokens and 0 elsewhere; the sampler's logprobs and the episode's
-advantage sit on the sampled positions. Where a prompt does not extend the sequence
-so far (history was edited), the datum is split there and the split is counted.
+An episode's tokens form one growing sequence (each prompt extends the previous
+prompt plus its reply), so one `Datum` trains the whole episode in one forward pass,
+computing every position once. It covers the tokens up to the end of the last
+reply: inputs `tokens[:end-1]`, targets `tokens[1:end]`; position i predicts token
+i+1, so its weight is non-zero exactly when token i+1 was sampled.
+
+The losses are sums over tokens. Callers pass `batch_loss_tokens` (the loss tokens of
+the whole batch) and the datum divides by it, so that an update is a per-token mean
+whatever B, G and episode lengths are: RL datums carry `advantage / batch_loss_tokens`
+on the sampled targets (weights stay 1), SFT datums carry `1 / batch_loss_tokens` as
+their weights.
 
 This module knows token ids and advantages; not envs, tokenizers or models.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from prefixgym.rollouts.types import Trajectory
 from prefixgym.types import Datum, ModelInput
 
 
-@dataclass
-class _Sequence:
-    tokens: list[int]
-    sampled_mask: list[bool]
-    logprobs: list[float]
+def loss_mask(trajectory: Trajectory) -> list[bool]:
+    """Per input position of the episode's datum: does its target count in the loss?"""
+    return trajectory.sampled_mask[1 : trajectory.trained_length]
 
 
-@dataclass
-class AssembledDatums:
-    datums: list[Datum]
-    num_splits: int
+def num_loss_tokens(trajectories: Sequence[Trajectory]) -> int:
+    return sum(sum(loss_mask(t)) for t in trajectories)
 
 
-def merge_turns(trajectory: Trajectory) -> tuple[list[_Sequence], int]:
-    """Turns -> maximal sequences in which each prompt extends what came before."""
-    sequences: list[_Sequence] = []
-    current: _Sequence | None = None
-    splits = 0
-    for turn in trajectory.turns:
-        prompt = turn.prompt_tokens
-        if current is not None and prompt[: len(current.tokens)] == current.tokens:
-            extra = prompt[len(current.tokens) :]
-            current.tokens += extra
-            current.sampled_mask += [False] * len(extra)
-            current.logprobs += [0.0] * len(extra)
-        else:
-            if current is not None:
-                sequences.append(current)
-                splits += 1
-            current = _Sequence(list(prompt), [False] * len(prompt), [0.0] * len(prompt))
-        current.tokens += turn.sampled_tokens
-        current.sampled_mask += [True] * len(turn.sampled_tokens)
-        current.logprobs += list(turn.sampled_logprobs)
-    if current is not None:
-        sequences.append(current)
-    return sequences, splits
+def rl_datum(
+    trajectory: Trajectory, advantage: float, batch_loss_tokens: int,
+    kl_penalty: Sequence[float] | None = None,
+) -> Datum:
+    """Inputs, targets, the sampler's logprobs, weights 1 on sampled targets, and there
+    advantages `(advantage - kl_penalty[i]) / batch_loss_tokens` (0 elsewhere)."""
+    end = trajectory.trained_length
+    weights = [1.0 if m else 0.0 for m in loss_mask(trajectory)]
+    advantages = [advantage * w for w in weights]
+    if kl_penalty is not None:
+        advantages = [a - k if w else a for a, k, w in zip(advantages, kl_penalty, weights)]
+    return Datum(
+        model_input=ModelInput.from_ints(trajectory.tokens[: end - 1]),
+        loss_fn_inputs={
+            "target_tokens": trajectory.tokens[1:end],
+            "weights": weights,
+            "logprobs": trajectory.logprobs[1:end],
+            "advantages": [a / batch_loss_tokens for a in advantages],
+        },
+    )
 
 
-def trajectory_to_datums(trajectory: Trajectory, advantage: float) -> AssembledDatums:
-    """One Datum per merged sequence: inputs tokens[:-1], targets tokens[1:].
+def sft_datum(trajectory: Trajectory, batch_loss_tokens: int) -> Datum:
+    """Inputs, targets, and weights `1 / batch_loss_tokens` on the reply tokens."""
+    end = trajectory.trained_length
+    return Datum(
+        model_input=ModelInput.from_ints(trajectory.tokens[: end - 1]),
+        loss_fn_inputs={
+            "target_tokens": trajectory.tokens[1:end],
+            "weights": [(1.0 if m else 0.0) / batch_loss_tokens for m in loss_mask(trajectory)],
+        },
+    )
 
-    Position i predicts token i+1, so its weight is 1 when token i+1 was sampled.
-    """
-    sequences, splits = merge_turns(trajectory)
-    datums = []
-    for seq in sequences:
-        if len(seq.tokens) < 2 or not any(seq.sampled_mask):
-            continue
-        weights = [1.0 if m else 0.0 for m in seq.sampled_mask[1:]]
-        datums.append(
-            Datum(
-                model_input=ModelInput.from_ints(seq.tokens[:-1]),
-                loss_fn_inputs={
-                    "target_tokens": seq.tokens[1:],
-                    "weights": weights,
-                    "logprobs": seq.logprobs[1:],
-                    "advantages": [advantage * w for w in weights],
-                },
-            )
-        )
-    return AssembledDatums(datums, splits)
+
+def trainable(trajectory: Trajectory) -> bool:
+    """Whether the episode gives a datum: it did not fail and has a sampled target."""
+    return not trajectory.failed and trajectory.trained_length >= 2 and any(loss_mask(trajectory))

@@ -11,7 +11,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from transformers import PreTrainedTokenizerBase
+
 from prefixgym.protocols import SamplingClient
+from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts
 from prefixgym.rollouts.types import Trajectory
 from prefixgym.types import Usage
@@ -51,8 +54,8 @@ def summarize(trajectories: Sequence[Trajectory]) -> EvalResult:
 
 
 def evaluate(
-    sampler: SamplingClient, tokenizer: object, envs: Sequence[object], episodes: int, config: RolloutConfig,
-    concurrency: int | None = None,
+    sampler: SamplingClient, tokenizer: PreTrainedTokenizerBase, envs: Sequence[AgentGymEnv],
+    episodes: int, config: RolloutConfig, concurrency: int | None = None,
 ) -> EvalResult:
     """Greedy episodes on seeds EVAL_SEED_BASE + i, `len(envs)` at a time."""
     greedy = RolloutConfig(**{**config.__dict__, "temperature": 0.0})

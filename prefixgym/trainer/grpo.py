@@ -4,7 +4,7 @@ One step (numbered as in the code):
   1) sample B groups x G episodes with the current weights (in async mode, the
      next step's groups are sampled while this step trains: one step off-policy);
   2) advantages per group (equal-reward groups skipped, failed episodes left out);
-  3) one merged Datum per episode, with the sampler's logprobs;
+  3) one complete Datum per episode, with the sampler's logprobs;
   4) forward_backward + optim_step; publish the new weights to the sampler;
   5) log per-phase tokens, evaluate and checkpoint at their intervals.
 
@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
+from prefixgym.protocols import SamplingClient, TrainingClient
+from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts
-from prefixgym.rollouts.types import TrajectoryGroup
+from prefixgym.rollouts.types import Trajectory, TrajectoryGroup
 from prefixgym.trainer.advantages import group_advantages
 from prefixgym.trainer.config import TrainConfig
-from prefixgym.trainer.datum import trajectory_to_datums
+from prefixgym.trainer.datum import loss_mask, num_loss_tokens, rl_datum, trainable
 from prefixgym.types import AdamParams, Datum, ModelInput, Usage
+
+Collected = tuple[list[TrajectoryGroup], float]  # one step's groups, seconds spent sampling
 
 GRPO_SEED_BASE = 3_000_000
 
@@ -36,9 +41,9 @@ def step_seeds(config: TrainConfig, step: int) -> list[int]:
 
 
 def collect(
-    sampler: Any, tokenizer: Any, envs: Sequence[Any], config: TrainConfig, step: int,
-    rollout_config: RolloutConfig,
-) -> tuple[list[TrajectoryGroup], float]:
+    sampler: SamplingClient, tokenizer: PreTrainedTokenizerBase, envs: Sequence[AgentGymEnv],
+    config: TrainConfig, step: int, rollout_config: RolloutConfig,
+) -> Collected:
     """Step 1: B groups of G episodes, all concurrently. Returns groups and seconds."""
     start = time.perf_counter()
     rollouts = Rollouts(sampler, tokenizer, rollout_config)
@@ -54,11 +59,13 @@ def collect(
 
 
 def assemble(
-    groups: Sequence[TrajectoryGroup], config: TrainConfig
+    groups: Sequence[TrajectoryGroup], config: TrainConfig,
+    ref_sampler: SamplingClient | None = None,
 ) -> tuple[list[Datum], dict[str, float]]:
-    """Steps 2-3: advantages and merged datums, with the counts of what was left out."""
-    datums: list[Datum] = []
-    skipped = failed = splits = 0
+    """Steps 2-3: advantages, the KL penalty when asked for, and one complete datum per
+    trained episode; with the counts of what was left out."""
+    chosen: list[tuple[Trajectory, float]] = []
+    skipped = failed = broken = 0
     for group in groups:
         kept = [t for t in group.trajectories if not t.failed]
         failed += len(group.trajectories) - len(kept)
@@ -70,40 +77,52 @@ def assemble(
             skipped += 1
             continue
         for traj, a in zip(kept, adv.advantages_G):
-            assembled = trajectory_to_datums(traj, a)
-            datums.extend(assembled.datums)
-            splits += assembled.num_splits
-    return datums, {
+            if not traj.extension_ok:  # its tokens are not what was sampled from
+                broken += 1
+            elif trainable(traj):
+                chosen.append((traj, a))
+    metrics = {
         "groups/skipped": float(skipped), "episodes/failed": float(failed),
-        "datums/splits": float(splits), "datums/count": float(len(datums)),
+        "episodes/broken_extension": float(broken), "datums/count": float(len(chosen)),
     }
+    penalties: list[list[float] | None] = [None] * len(chosen)
+    if chosen and config.kl_coef > 0 and ref_sampler is not None:
+        penalties, metrics["kl/sampled_vs_ref"] = kl_penalties(
+            [t for t, _ in chosen], ref_sampler, config.kl_coef)
+    # The losses are sums over tokens: dividing advantages by the step's loss tokens
+    # makes the update a per-token mean, so the learning rate does not depend on B, G
+    # or episode length.
+    n_loss = num_loss_tokens([t for t, _ in chosen])
+    datums = [rl_datum(t, a, n_loss, kl) for (t, a), kl in zip(chosen, penalties)]
+    return datums, metrics
 
 
-def apply_kl_penalty(datums: list[Datum], ref_sampler: Any, kl_coef: float) -> dict[str, float]:
-    """A_t -= kl_coef * (logp_sampler - logp_ref) on sampled tokens (a k1 KL estimate).
+def kl_penalties(
+    trajectories: Sequence[Trajectory], ref_sampler: SamplingClient, kl_coef: float
+) -> tuple[list[list[float] | None], float]:
+    """kl_coef * (logp_sampler - logp_ref) per datum position (a k1 KL estimate, used
+    on sampled targets), and the estimate's mean over sampled targets.
 
     The reference logprobs come from `compute_logprobs`, which never reads the cache.
     """
     futures = [
-        ref_sampler.compute_logprobs(
-            ModelInput.from_ints(
-                d.model_input.tokens + [int(t) for t in d.loss_fn_inputs["target_tokens"][-1:]]
-            )
-        )
-        for d in datums
+        ref_sampler.compute_logprobs(ModelInput.from_ints(t.tokens[: t.trained_length]))
+        for t in trajectories
     ]
+    penalties: list[list[float] | None] = []
     total_kl, n = 0.0, 0
-    for d, fut in zip(datums, futures):
-        ref = fut.result()[1:]  # ref[i] = logp_ref(target i)
-        inputs = d.loss_fn_inputs
-        advantages = [float(a) for a in inputs["advantages"]]
-        for i, w in enumerate(inputs["weights"]):
-            if w:
-                kl = inputs["logprobs"][i] - float(ref[i])  # type: ignore[arg-type]
-                advantages[i] -= kl_coef * kl
+    for traj, fut in zip(trajectories, futures):
+        ref = fut.result()[1:]  # ref[i] = logp_ref(target i); only position 0 has none
+        sampler = traj.logprobs[1 : traj.trained_length]
+        penalty = [0.0] * len(sampler)
+        for i, sampled in enumerate(loss_mask(traj)):
+            ref_i = ref[i]
+            if sampled and ref_i is not None:
+                kl = sampler[i] - ref_i
+                penalty[i] = kl_coef * kl
                 total_kl, n = total_kl + kl, n + 1
-        inputs["advantages"] = advantages
-    return {"kl/sampled_vs_ref": total_kl / n if n else 0.0}
+        penalties.append(penalty)
+    return penalties, total_kl / n if n else 0.0
 
 
 def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> tuple[dict[str, float], Usage]:
@@ -119,7 +138,7 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> tuple[dict[str, float]
 
 
 def phase_metrics(usage: Usage) -> dict[str, float]:
-    """The per-phase token counts, under the metric names of API.md."""
+    """The per-phase token counts, under their metrics.jsonl names (docs/files.md)."""
     return {
         "tokens/prefill_computed": float(usage.prefill_computed_tokens),
         "tokens/prefill_cached": float(usage.prefill_cached_tokens),
@@ -133,16 +152,18 @@ def phase_metrics(usage: Usage) -> dict[str, float]:
 class StepPipeline:
     """Step 1 in sync or async mode: where the next step's groups come from."""
 
-    def __init__(self, sample_fn: Any, async_mode: bool) -> None:
+    def __init__(
+        self, sample_fn: Callable[[SamplingClient, int], Collected], async_mode: bool
+    ) -> None:
         self._sample = sample_fn
         self._async = async_mode
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
-        self._pending: Future[Any] | None = None
+        self._pending: Future[Collected] | None = None
 
-    def start(self, sampler: Any, step: int) -> None:
+    def start(self, sampler: SamplingClient, step: int) -> None:
         self._pending = self._pool.submit(self._sample, sampler, step)
 
-    def take(self, sampler: Any, step: int, last_step: int) -> Any:
+    def take(self, sampler: SamplingClient, step: int, last_step: int) -> Collected:
         """This step's groups; in async mode the next step starts sampling now."""
         assert self._pending is not None
         result = self._pending.result()
@@ -151,7 +172,7 @@ class StepPipeline:
             self.start(sampler, step + 1)
         return result
 
-    def after_update(self, sampler: Any, step: int, last_step: int) -> None:
+    def after_update(self, sampler: SamplingClient, step: int, last_step: int) -> None:
         """In sync mode the next step samples from the freshly published weights."""
         if not self._async and step + 1 < last_step:
             self.start(sampler, step + 1)
@@ -161,21 +182,13 @@ class StepPipeline:
 
 
 def grpo_step(
-    training: Any, groups: Sequence[TrajectoryGroup], config: TrainConfig,
-    ref_sampler: Any | None, lr: float | None = None,
+    training: TrainingClient, groups: Sequence[TrajectoryGroup], config: TrainConfig,
+    ref_sampler: SamplingClient | None, lr: float | None = None,
 ) -> tuple[dict[str, float], Usage]:
     """Steps 2-4 on one step's groups. Returns metrics and the step's usage."""
     metrics, usage = rollout_metrics(groups)
-    datums, counts = assemble(groups, config)
+    datums, counts = assemble(groups, config, ref_sampler)
     metrics.update(counts)
-    if datums and config.kl_coef > 0 and ref_sampler is not None:
-        metrics.update(apply_kl_penalty(datums, ref_sampler, config.kl_coef))
-    # The losses are sums over tokens: scaling advantages by 1/(loss tokens) makes
-    # the update a per-token mean, so the learning rate does not depend on B, G or
-    # episode length.
-    n_loss = sum(d.num_loss_tokens for d in datums)
-    for d in datums:
-        d.loss_fn_inputs["advantages"] = [a / n_loss for a in d.loss_fn_inputs["advantages"]]
     if datums:
         out = training.forward_backward(datums, loss_fn=config.loss).result()
         opt = training.optim_step(

@@ -9,12 +9,11 @@ they were produced.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from prefixgym.types import Usage
+from prefixgym.files import write_text_atomically
+from prefixgym.types import JSONObject, Usage
 
 PHASE_KEYS = (
     "tokens/prefill_computed", "tokens/prefill_cached", "tokens/sampled",
@@ -28,11 +27,11 @@ class MetricsLog:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: JSONObject) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self) -> list[JSONObject]:
         if not self.path.exists():
             return []
         with open(self.path) as f:
@@ -43,10 +42,7 @@ class MetricsLog:
         # an eval at step+1 ran on the checkpoint's weights, before it was saved
         kept = [r for r in self.read()
                 if r.get("step", -1) <= step or (r.get("phase") == "eval" and r["step"] <= step + 1)]
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, self.path)
+        write_text_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def _fmt(n: float) -> str:
@@ -75,7 +71,7 @@ def phase_table(usage: Usage) -> str:
     return "\n".join(lines)
 
 
-def eval_table(evals: Sequence[dict[str, Any]]) -> str:
+def eval_table(evals: Sequence[JSONObject]) -> str:
     lines = ["| when | step | success | ± stderr | mean reward | episodes |",
              "|---|---:|---:|---:|---:|---:|"]
     last_grpo = max((i for i, e in enumerate(evals) if e["when"] == "GRPO"), default=-1)
@@ -90,7 +86,7 @@ def eval_table(evals: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def improvement_lines(evals: Sequence[dict[str, Any]]) -> list[str]:
+def improvement_lines(evals: Sequence[JSONObject]) -> list[str]:
     """GRPO's gain over the warm start, with the standard error of the difference."""
     warm = [e for e in evals if e["when"] == "after warm start"]
     grpo = [e for e in evals if e["when"] == "GRPO"]
@@ -105,8 +101,8 @@ def improvement_lines(evals: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def write_report(
-    out: Path, title: str, config: dict[str, Any], total: Usage, sft_usage: Usage,
-    evals: Sequence[dict[str, Any]], wall_s: float,
+    out: Path, title: str, config: JSONObject, total: Usage, sft_usage: Usage,
+    evals: Sequence[JSONObject], wall_s: float,
 ) -> Path:
     grpo_usage = total - sft_usage
     parts = [
@@ -136,7 +132,7 @@ def write_report(
     return path
 
 
-def write_plots(out: Path, records: Sequence[dict[str, Any]]) -> list[Path]:
+def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     """reward.png (train reward and eval success) and tokens.png (tokens per phase)."""
     import matplotlib
 

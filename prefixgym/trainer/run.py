@@ -5,19 +5,22 @@
   3) GRPO steps (see grpo.py), evaluating and checkpointing at intervals;
   4) write report.md and the plots.
 A resumed run skips 1-2 and continues from the last checkpoint exactly.
+
+The run is handed its clients (`Clients`) and a way to make envs; it builds neither
+a service nor a client itself (`prefixgym.cli.train` does).
 """
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-import gymnasium as gym
-import torch
+from transformers import PreTrainedTokenizerBase
 
+from prefixgym.protocols import SamplingClient, TrainingClient
+from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.rollout import RolloutConfig
 from prefixgym.trainer.checkpoint import (
     LoopState,
@@ -31,51 +34,47 @@ from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step, phase_metri
 from prefixgym.trainer.report import MetricsLog, write_plots, write_report
 from prefixgym.trainer.schedule import warmup_cosine_lr
 from prefixgym.trainer.sft import warm_start
-from prefixgym.types import Usage
+from prefixgym.types import JSONObject, Usage
+
+
+@dataclass
+class Clients:
+    """What a run trains and samples with."""
+
+    training: TrainingClient
+    """Trains, and publishes each update as a sampling client."""
+    sampler: SamplingClient
+    """Samples from the starting weights (the first evaluation)."""
+    tokenizer: PreTrainedTokenizerBase
+    usage: Callable[[], Usage]
+    """The cumulative per-phase ledger of everything the clients computed."""
 
 
 @dataclass
 class RunResult:
     out: Path
-    evals: list[dict[str, Any]]
+    evals: list[JSONObject]  # the eval lines of metrics.jsonl
     usage: Usage
 
 
-def make_envs(config: TrainConfig, n: int) -> list[Any]:
-    import prefixgym.envs  # noqa: F401  (registers the built-in ids)
-
-    try:
-        return [gym.make(config.env, **(config.env_kwargs or {})) for _ in range(n)]
-    except (gym.error.Error, TypeError, ValueError) as e:  # unknown id, bad kwargs
-        raise ValueError(f"cannot make env {config.env!r} with {config.env_kwargs}: {e}") from e
-
-
 class Run:
-    def __init__(self, config: TrainConfig, service: Any | None = None) -> None:
-        from prefixgym.engine.service import LocalService
-
+    def __init__(
+        self, config: TrainConfig, clients: Clients, make_env: Callable[[], AgentGymEnv]
+    ) -> None:
         self.config = config
+        self.clients = clients
+        self.training = clients.training
+        self.tokenizer = clients.tokenizer
+        self.envs = [make_env() for _ in range(config.groups_per_step * config.group_size)]
+        self.eval_envs = [make_env() for _ in range(min(config.eval_episodes, 100))]
         self.out = Path(config.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.service = service or LocalService(
-            model=config.model, seed=config.seed, num_threads=config.num_threads or None
-        )
-        self.tokenizer = self.service.tokenizer
-        self.training: Any = self.service.create_training_client(
-            compute_dtype=getattr(torch, config.resolved_compute_dtype()))
-        if config.sampler_url:  # rollouts and evaluation on a remote server (docs/scaling.md)
-            from prefixgym.serving.openai_client import OpenAISamplingClient, RemoteSampling
-
-            self.training = RemoteSampling(self.training, OpenAISamplingClient(
-                config.sampler_url, tokenizer=self.tokenizer, ledger=self.service.ledger))
-        self.envs = make_envs(config, config.groups_per_step * config.group_size)
-        self.eval_envs = make_envs(config, min(config.eval_episodes, 100))
         self.rollout_config = RolloutConfig(
             max_tokens=config.max_tokens, temperature=config.temperature
         )
         self.log = MetricsLog(self.out / "metrics.jsonl")
 
-    def evaluate(self, sampler: Any, step: int, when: str, state: LoopState) -> None:
+    def evaluate(self, sampler: SamplingClient, step: int, when: str, state: LoopState) -> None:
         result = evaluate(sampler, self.tokenizer, self.eval_envs, self.config.eval_episodes,
                           self.rollout_config)
         record = {"step": step, "phase": "eval", "when": when, **result.as_metrics(),
@@ -83,7 +82,7 @@ class Run:
         state.evals.append(record)
         self.log.write(record)
 
-    def start(self) -> tuple[LoopState, Any]:
+    def start(self) -> tuple[LoopState, SamplingClient | None]:
         """A fresh run: steps 1-2. A resumed one: its checkpoint. Returns the ref sampler."""
         c = self.config
         ckpt = latest_checkpoint(self.out) if c.resume else None
@@ -100,8 +99,7 @@ class Run:
         self.log.path.unlink(missing_ok=True)
         state = LoopState(next_step=0)
         # 1) the starting weights
-        first = self.training.sampler if c.sampler_url else self.service.create_sampling_client()
-        self.evaluate(first, 0, "before training", state)
+        self.evaluate(self.clients.sampler, 0, "before training", state)
         # 2) warm start
         if c.sft_steps:
             state.sft_usage = warm_start(
@@ -119,7 +117,7 @@ class Run:
     def run(self) -> RunResult:
         c = self.config
         t_start = time.perf_counter()
-        base_usage = self.service.usage()
+        base_usage = self.clients.usage()
         state, ref_sampler = self.start()
         prior_usage, prior_wall = state.usage, state.wall_s
         sampler = self.training.save_weights_and_get_sampling_client()
@@ -146,7 +144,7 @@ class Run:
                 if state.next_step % c.eval_every == 0 or state.next_step == c.steps:
                     self.evaluate(sampler, state.next_step, "GRPO", state)
                 if state.next_step % c.checkpoint_every == 0 or state.next_step == c.steps:
-                    state.usage = prior_usage + (self.service.usage() - base_usage)
+                    state.usage = prior_usage + (self.clients.usage() - base_usage)
                     state.wall_s = prior_wall + time.perf_counter() - t_start
                     save_checkpoint(self.out, self.training, state)
                 progress.update(metrics, usage)
@@ -154,7 +152,7 @@ class Run:
             pipeline.close()
             progress.close()
         # 4) report
-        state.usage = prior_usage + (self.service.usage() - base_usage)
+        state.usage = prior_usage + (self.clients.usage() - base_usage)
         wall = prior_wall + time.perf_counter() - t_start
         write_report(self.out, f"prefixgym train: {c.env}", asdict(c), state.usage,
                      state.sft_usage, state.evals, wall)
@@ -181,10 +179,3 @@ class _progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def train(config: TrainConfig, service: Any | None = None) -> RunResult:
-    result = Run(config, service).run()
-    print(json.dumps({f"{e['when']} (step {e['step']})": round(e["eval/success"], 3)
-                      for e in result.evals}))
-    return result

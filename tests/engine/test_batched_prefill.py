@@ -9,7 +9,7 @@ import torch
 
 from prefixgym.engine.model import ModelConfig
 from prefixgym.engine.prefix_cache import PrefixCache
-from prefixgym.engine.service import LocalService
+from prefixgym.local_service import LocalService
 from prefixgym.types import SampleResponse, SamplingParams
 
 SMALL = ModelConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,

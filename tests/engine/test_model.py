@@ -182,7 +182,9 @@ def test_kv_prefill_then_decode_matches_full_forward() -> None:
             positions = kv.begin([1], 1)
             got.append(model(tokens[:, t : t + 1], positions, kv))
             kv.finish()
-    torch.testing.assert_close(torch.cat(got, dim=1), expected, atol=1e-5, rtol=0)
+    # one-query decode attention and the full causal kernel sum in different orders: on
+    # some CPUs they differ by up to ~2e-5 here
+    torch.testing.assert_close(torch.cat(got, dim=1), expected, atol=5e-5, rtol=0)
 
 
 def test_kv_batch_with_different_lengths_matches_separate_forwards() -> None:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from prefixgym.engine.model import ModelConfig
-from prefixgym.engine.service import LocalService
 from prefixgym.engine.token_sampler import RowParams, sample_tokens
+from prefixgym.local_service import LocalService
 from prefixgym.types import Datum, ModelInput, SamplingParams
 
 SMALL = ModelConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixgym.engine.model import ModelConfig, Transformer
-from prefixgym.engine.service import LocalService
+from prefixgym.local_service import LocalService
 from prefixgym.types import ModelInput, SamplingParams
 
 SMALL = ModelConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from prefixgym.engine.model import ModelConfig, Transformer
-from prefixgym.engine.service import LocalService
 from prefixgym.engine.training import TrainingClient
+from prefixgym.local_service import LocalService
 from prefixgym.types import AdamParams, Datum, ModelInput, SamplingParams
 
 SMALL = ModelConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -80,3 +80,26 @@ def test_close_stops_the_engine_thread() -> None:
     with pytest.raises(RuntimeError, match="closed"):
         sampler.sample([1, 2, 3])
     svc.close()  # idempotent
+
+
+def test_the_engine_alone_knows_ids_only() -> None:
+    """EngineService has no tokenizer: it stops at the end-of-turn ids it is given and
+    refuses stop strings unless it was given a decode."""
+    from prefixgym.engine.service import EngineService
+
+    with EngineService(SMALL, seed=0) as engine:
+        assert not hasattr(engine, "tokenizer")
+        free = engine.create_sampling_client().sample(
+            list(range(30, 40)), sampling_params=SamplingParams(max_tokens=6, temperature=0.0)
+        ).result().sequences[0]
+        with pytest.raises(ValueError, match="stop strings"):
+            engine.create_sampling_client().sample(
+                [1, 2], sampling_params=SamplingParams(max_tokens=2, stop=["x"])).result()
+    stop_at = free.tokens[2]
+    with EngineService(SMALL, seed=0, end_of_turn_ids=[stop_at, 10**6]) as engine:
+        sampler = engine.create_sampling_client()
+        assert sampler.default_stop_token_ids == (stop_at,)  # ids past the vocabulary dropped
+        cut = sampler.sample(list(range(30, 40)), sampling_params=SamplingParams(
+            max_tokens=6, temperature=0.0)).result().sequences[0]
+        assert cut.tokens == free.tokens[: free.tokens.index(stop_at) + 1]
+        assert cut.stop_reason == "stop"

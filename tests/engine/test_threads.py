@@ -6,8 +6,8 @@ from typing import Any
 import pytest
 import torch
 
-from prefixgym.engine.service import LocalService
 from prefixgym.engine.threads import ThreadTuner, size_bucket
+from prefixgym.local_service import LocalService
 from prefixgym.types import SamplingParams
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from prefixgym.engine.model import ModelConfig
-from prefixgym.engine.service import LocalService
+from prefixgym.local_service import LocalService
 from prefixgym.types import AdamParams, Datum, ModelInput, SamplingParams
 
 CONFIG = ModelConfig(

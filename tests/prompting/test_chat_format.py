@@ -6,7 +6,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixgym.engine.tokenizer import load_tokenizer
 from prefixgym.prompting.chat_format import (
     ChatFormat,
     ChatMLFormat,
@@ -14,6 +13,7 @@ from prefixgym.prompting.chat_format import (
     TemplateNotAppendOnlyError,
 )
 from prefixgym.prompting.conversation import Conversation
+from prefixgym.prompting.tokenizer import load_tokenizer
 from prefixgym.prompting.tools import tool
 
 # A plain ChatML template, written by hand: append-only.

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixgym.engine.tokenizer import load_tokenizer
 from prefixgym.prompting import Conversation, HFTemplateFormat, Segment
+from prefixgym.prompting.tokenizer import load_tokenizer
 from prefixgym.prompting.tools import tool
 from prefixgym.types import ModelInput
 
@@ -122,7 +122,7 @@ def test_random_conversations_through_the_hf_adapter(evs):
 
 _PREFIX_SCRIPT = """
 import json
-from prefixgym.engine.tokenizer import load_tokenizer
+from prefixgym.prompting.tokenizer import load_tokenizer
 from prefixgym.prompting import Conversation
 from prefixgym.prompting.tools import Tool
 from pydantic import BaseModel
@@ -293,3 +293,19 @@ def test_constructor_errors(tok):
 def test_generation_prompt_is_a_model_input(tok):
     prompt = Conversation(tok, system="S").generation_prompt()
     assert isinstance(prompt, ModelInput) and prompt.length > 0
+
+
+def test_an_observation_is_appended_as_its_messages(tok):
+    observation = ({"role": "user", "name": "", "content": "Guess."},
+                   {"role": "tool", "name": "", "content": "no name"},
+                   {"role": "tool", "name": "lookup", "content": "42"})
+    by_messages, by_hand = Conversation(tok, system="S"), Conversation(tok, system="S")
+    by_messages.add_messages(observation)
+    by_hand.add_user("Guess.")
+    by_hand.add_tool_result("", "no name")
+    by_hand.add_tool_result("lookup", "42")
+    assert by_messages.tokens == by_hand.tokens
+    assert by_messages.messages == by_hand.messages
+    assert "name" not in by_messages.messages[2] and by_messages.messages[3]["name"] == "lookup"
+    with pytest.raises(ValueError, match="role 'robot'"):
+        by_messages.add_messages([{"role": "robot", "content": "beep"}])

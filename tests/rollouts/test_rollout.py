@@ -5,7 +5,7 @@ import json
 import gymnasium as gym
 import pytest
 
-from prefixgym.engine.service import LocalService
+from prefixgym.local_service import LocalService
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 
 
@@ -33,13 +33,23 @@ def test_group_shares_one_first_request_and_prompts_extend(service):
     u = first[0]["usage"]
     assert u["prefill_computed_tokens"] + u["prefill_cached_tokens"] == len(first[0]["prompt_tokens"])
     assert len(lines) == 1 + 4  # turn 1 of each episode is its own request
-    for traj in group.trajectories:
+    requests = {(r["episode_id"] if r["turn"] else None, r["turn"]): r for r in lines}
+    for i, traj in enumerate(group.trajectories):
         assert len(traj.turns) == 2 and traj.extension_ok and not traj.failed
         t0, t1 = traj.turns
-        assert t1.prompt_tokens[: len(t0.prompt_tokens) + len(t0.sampled_tokens)] == (
-            t0.prompt_tokens + t0.sampled_tokens)
-        assert traj.tokens[: len(t1.prompt_tokens)] == t1.prompt_tokens
-        assert len(t0.sampled_logprobs) == len(t0.sampled_tokens)
+        # each turn's prompt, as sent, is the start of the episode's tokens, and each
+        # reply sits in them exactly as sampled, with its logprobs beside it
+        sent0, sent1 = requests[(None, 0)], requests[(traj.episode_id, 1)]
+        assert traj.tokens[: t0.prompt_length] == sent0["prompt_tokens"]
+        assert traj.tokens[: t1.prompt_length] == sent1["prompt_tokens"]
+        assert traj.tokens[t0.reply_start : t0.reply_end] == sent0["completion_tokens"][i]
+        assert traj.tokens[t1.reply_start : t1.reply_end] == sent1["completion_tokens"][0]
+        assert len(traj.tokens) == len(traj.sampled_mask) == len(traj.logprobs)
+        sampled = [j for j, m in enumerate(traj.sampled_mask) if m]
+        assert sampled == [*range(t0.reply_start, t0.reply_end),
+                           *range(t1.reply_start, t1.reply_end)]
+        assert all(traj.logprobs[j] < 0 for j in sampled)
+        assert all(traj.logprobs[j] == 0.0 for j in range(len(traj.tokens)) if j not in sampled)
     # later turns hit the cache on the history they share with the first turn
     later = [r for r in lines if r["turn"] == 1]
     block = service.cache_stats()["block_size"]

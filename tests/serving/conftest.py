@@ -12,7 +12,7 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-from prefixgym.engine.service import LocalService
+from prefixgym.local_service import LocalService
 from prefixgym.serving.app import create_app
 from prefixgym.serving.config import ServeConfig
 
@@ -21,7 +21,7 @@ class RunningServer:
     def __init__(self, service: LocalService, config: ServeConfig) -> None:
         self.service = service
         self.server = uvicorn.Server(uvicorn.Config(
-            create_app(service, config), host="127.0.0.1", port=0, log_level="error"))
+            create_app(service, service.tokenizer, config), host="127.0.0.1", port=0, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from prefixgym.cli.train import build_run
 from prefixgym.trainer.config import TrainConfig
-from prefixgym.trainer.run import Run
 
 
 def test_train_samples_on_the_remote_server(server, tmp_path: Path) -> None:
@@ -14,11 +14,11 @@ def test_train_samples_on_the_remote_server(server, tmp_path: Path) -> None:
     config = TrainConfig(out=str(tmp_path), sft_steps=0, steps=1, groups_per_step=1,
                          group_size=2, eval_episodes=2, eval_every=1, max_tokens=4,
                          progress=False, sampler_url=server.url + "/v1")
-    run = Run(config)
+    run, service = build_run(config)
     result = run.run()
     served = server.service.usage().sampled_tokens - before
     assert served > 0  # every sampled token came from the server...
-    assert run.service.usage().sampled_tokens == served  # ...and is in the run's ledger
+    assert service.usage().sampled_tokens == served  # ...and is in the run's ledger
     assert result.usage.sampled_tokens == served
     phases = [json.loads(line)["phase"] for line in (tmp_path / "metrics.jsonl").open()]
     assert "grpo" in phases and "eval" in phases

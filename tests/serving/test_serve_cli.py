@@ -23,7 +23,7 @@ def free_port() -> int:
 
 def test_serve_command_answers_openai_requests(wait_healthy) -> None:
     port = free_port()
-    cmd = [sys.executable, "-m", "prefixgym.cli", "serve", "--model", "tiny", "--port", str(port),
+    cmd = [sys.executable, "-m", "prefixgym", "serve", "--model", "tiny", "--port", str(port),
            "--served-model-name", "pg-tiny", "--max-n", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -44,7 +44,7 @@ def test_serve_command_answers_openai_requests(wait_healthy) -> None:
 
 
 def test_serve_rejects_bad_flags() -> None:
-    from prefixgym.serve import main
+    from prefixgym.cli.serve import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--port", "70000"])

@@ -6,16 +6,21 @@ import json
 import pytest
 
 from prefixgym.cli import main as cli_main
-from prefixgym.engine.service import LocalService
+from prefixgym.cli.train import train
+from prefixgym.envs.registration import make_env
 from prefixgym.futures import APIFuture
+from prefixgym.local_service import LocalService
 from prefixgym.rollouts.rollout import RolloutConfig
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.grpo import assemble, collect, grpo_step
-from prefixgym.trainer.run import make_envs, train
 from prefixgym.types import SampledSequence, SampleResponse, Usage
 
 SMALL = dict(env="tests/Lengthy-v0", sft_steps=1, sft_episodes_per_step=2, groups_per_step=2,
              group_size=3, eval_episodes=4, eval_every=2, max_tokens=6, progress=False)
+
+
+def make_envs(config, n):
+    return [make_env(config.env, config.env_kwargs) for _ in range(n)]
 
 
 def _grpo_lines(out):
@@ -38,15 +43,15 @@ def test_accounting_identities():
     turns = [t for g in groups for traj in g.trajectories for t in traj.turns]
     requests = [t for t in turns if t.usage.prefill_tokens]  # a shared turn counts once
     assert usage.prefill_computed_tokens + usage.prefill_cached_tokens == sum(
-        len(t.prompt_tokens) for t in requests)
+        t.prompt_length for t in requests)
     assert len(requests) == len(groups) * (1 + config.group_size)  # 1 shared + 1 each
-    assert usage.sampled_tokens == sum(len(t.sampled_tokens) for t in turns)
+    assert usage.sampled_tokens == sum(t.num_sampled_tokens for t in turns)
     assert usage.train_computed_tokens == sum(d.model_input.length for d in datums)
     assert usage.train_loss_tokens == sum(
         sum(1 for w in d.loss_fn_inputs["weights"] if w) for d in datums)
-    # weights are 1 exactly on the sampled tokens of each merged episode
+    # weights are 1 exactly on the sampled tokens of each trained episode
     assert usage.train_loss_tokens == sum(
-        len(t.sampled_tokens) for g in groups for traj in g.trajectories for t in traj.turns
+        t.num_sampled_tokens for g in groups for traj in g.trajectories for t in traj.turns
         if len(set(x.total_reward for x in g.trajectories)) > 1)
     assert metrics["reward/mean"] == pytest.approx(
         sum(traj.total_reward for g in groups for traj in g.trajectories) / 6)

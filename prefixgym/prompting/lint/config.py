@@ -11,11 +11,9 @@ Command-line options win over these. Knows nothing of rules beyond their codes.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import tomllib
 
 from prefixgym.prompting.lint.findings import LintInputError, parse_codes
 
@@ -50,7 +48,7 @@ def find_pyproject(start: Path) -> Path | None:
     return None
 
 
-def _int(table: dict[str, Any], key: str, default: int, origin: Path) -> int:
+def _int(table: dict[str, object], key: str, default: int, origin: Path) -> int:
     value = table.get(key, table.get(key.replace("-", "_"), default))
     if not isinstance(value, int) or isinstance(value, bool):
         raise LintInputError(f"{origin}: [tool.prefixgym.lint] {key} must be an integer, got {value!r}")

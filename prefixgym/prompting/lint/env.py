@@ -1,25 +1,26 @@
-"""Lint an env's conversations: run its expert policy and check the prompts it produces.
+"""Lint an env's conversations: the prompts of its expert episodes, checked.
 
-1) For each seed, reset the env and build its `Conversation` (system prompt + tools).
-2) Each turn: issue the generation prompt (recorded as a trace request), render the
-   expert's reply to tokens as if sampled, append it, step the env, append the
-   env's messages.
-3) Check: the fixed prefix is identical across seeds (PG301), every conversation
-   is append-only (PG302), and the trace checks (PG2xx) on the recorded requests.
-Knows nothing of samplers or models: the "sampled" tokens are the expert's reply.
+The episodes are played elsewhere (`prefixgym lint env` plays the env's scripted
+expert through `rollouts.expert`, the same loop the warm start trains on) and arrive
+here as finished `Conversation`s, one per seed:
+1) each conversation's replies become trace requests: the prompt is the tokens
+   before the reply, the completion the reply's tokens;
+2) check: the fixed prefix is identical across episodes (PG301), every conversation
+   is append-only (PG302), and the trace checks (PG2xx) on the requests.
+Knows conversations and tokens; nothing of envs, samplers or models.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from prefixgym.prompting.conversation import Conversation
 from prefixgym.prompting.lint.divergence import common_prefix_len
 from prefixgym.prompting.lint.findings import Finding, LintInputError
 from prefixgym.prompting.lint.trace import TraceReport, analyze_trace
 from prefixgym.prompting.lint.trace_file import TraceRequest
-
-MAX_TURNS = 64
+from prefixgym.types import JSONObject
 
 
 @dataclass
@@ -30,7 +31,7 @@ class EnvReport:
     episodes: int
     trace: TraceReport
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         trace = self.trace.to_json()
         return {
             "target": self.target, "kind": "env", "append_only": self.append_only,
@@ -40,84 +41,49 @@ class EnvReport:
         }
 
 
-def _make_env(env_id: str) -> Any:
-    try:
-        import gymnasium as gym
-
-        import prefixgym.envs  # noqa: F401  (registers the built-in ids)
-        from prefixgym.prompting.conversation import Conversation  # noqa: F401
-    except ImportError as exc:
-        raise LintInputError(f"lint env is not available yet: {exc}") from None
-    try:
-        return gym.make(env_id)
-    except Exception as exc:  # noqa: BLE001  (gymnasium raises several types for unknown ids)
-        raise LintInputError(f"cannot make env {env_id!r}: {exc}") from None
+def conversation_requests(label: str, conv: Conversation, first_line: int) -> list[TraceRequest]:
+    """1) One trace request per assistant reply of `conv`, numbered from `first_line`."""
+    tokens = conv.tokens
+    replies = [seg for seg in conv.segments if seg.kind == "reply"]
+    return [TraceRequest(first_line + i, label, label, i, tokens[: seg.start],
+                         [tokens[seg.start : seg.end]], 1, False)
+            for i, seg in enumerate(replies)]
 
 
-def _add_observation(conv: Any, observation: Any) -> None:
-    for message in observation:
-        if message["role"] == "tool":
-            conv.add_tool_result(message["name"] or "tool", message["content"])
-        else:
-            conv.add_user(message["content"])
-
-
-def lint_env(env_id: str, episodes: int = 3, block_size: int = 16, tokenizer: Any = None,
-             seeds: list[int] | None = None) -> EnvReport:
-    """Run `episodes` expert episodes of `env_id` (seeds 0..n-1) and lint their prompts."""
-    from prefixgym.prompting.conversation import Conversation
-
-    if episodes < 1:
-        raise LintInputError(f"--episodes must be at least 1, got {episodes}")
-    env = _make_env(env_id)
-    if tokenizer is None:
-        from prefixgym.engine.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer("builtin")
+def lint_conversations(
+    target: str, conversations: Sequence[tuple[str, Conversation]], block_size: int = 16,
+) -> EnvReport:
+    """Lint finished conversations, each with a label (e.g. "seed 3")."""
+    if not conversations:
+        raise LintInputError("no conversations to lint: run at least one episode")
+    tokenizer = conversations[0][1].tokenizer
     requests: list[TraceRequest] = []
     findings: list[Finding] = []
-    prefixes: list[tuple[int, list[int]]] = []
     append_only = True
-    for seed in seeds if seeds is not None else range(episodes):
-        # 1) reset and build the conversation
-        observation, _ = env.reset(seed=seed)
-        agent = env.unwrapped
-        conv = Conversation(tokenizer, system=agent.system_prompt or None, tools=agent.tools)
-        prefixes.append((seed, conv.fixed_prefix))
-        _add_observation(conv, observation)
-        # 2) expert turns
-        for turn in range(MAX_TURNS):
-            prompt = conv.generation_prompt().to_ints()
-            reply = agent.expert_action()
-            sampled = conv.format.render_reply(reply, history=conv.messages, tools=conv.tools)
-            requests.append(TraceRequest(len(requests) + 1, f"seed{seed}", f"seed{seed}", turn,
-                                         prompt, [sampled], 1, False))
-            conv.add_sampled(sampled, stop_reason="stop")
-            observation, _, terminated, truncated, _ = env.step(reply)
-            if terminated or truncated:
-                break
-            _add_observation(conv, observation)
-        conv.generation_prompt()  # checks the last reply was extended
+    for label, conv in conversations:
+        requests += conversation_requests(label, conv, len(requests) + 1)
+        conv.generation_prompt()  # checks that the last reply was extended too
         if not conv.extension_ok:
             append_only = False
             findings.append(Finding(
                 "PG302", "a generation prompt does not extend the previous prompt + reply",
-                f"{env_id}: seed {seed}", conv.first_divergence))
-    # 3) checks
-    reference_seed, reference = prefixes[0]
-    for seed, prefix in prefixes[1:]:
+                f"{target}: {label}", conv.first_divergence))
+    # 2) checks
+    reference_label, reference = conversations[0][0], conversations[0][1].fixed_prefix
+    for label, conv in conversations[1:]:
+        prefix = conv.fixed_prefix
         if prefix != reference:
             at = common_prefix_len(reference, prefix)
             findings.append(Finding(
-                "PG301", f"the fixed prefix (system prompt + tools) of seed {seed} differs from "
-                f"seed {reference_seed}'s at token {at}: episodes cannot share its cache entry",
-                f"{env_id}: seed {seed}", at, extra={"seed": seed}))
+                "PG301", f"the fixed prefix (system prompt + tools) of {label} differs from "
+                f"{reference_label}'s at token {at}: episodes cannot share its cache entry",
+                f"{target}: {label}", at, extra={"episode": label}))
             break
 
     def decode(ids: list[int]) -> str:
-        return str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        return str(tokenizer.decode(ids, skip_special_tokens=False,
+                                    clean_up_tokenization_spaces=False))
 
-    trace = analyze_trace(requests, block_size=block_size, decode=decode, target=env_id)
-    env.close()
-    return EnvReport(env_id, append_only and trace.append_only, findings + trace.findings,
-                     len(prefixes), trace)
+    trace = analyze_trace(requests, block_size=block_size, decode=decode, target=target)
+    return EnvReport(target, append_only and trace.append_only, findings + trace.findings,
+                     len(conversations), trace)

@@ -8,7 +8,9 @@ they are detected or printed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+from prefixgym.types import JSONObject
 
 Severity = Literal["error", "warning"]
 
@@ -80,14 +82,14 @@ class Finding:
     expected: str | None = None
     actual: str | None = None
     caret: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: JSONObject = field(default_factory=dict)
 
     @property
     def severity(self) -> Severity:
         return RULES[self.rule].severity
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def to_json(self) -> JSONObject:
+        out: JSONObject = {
             "rule": self.rule,
             "name": RULES[self.rule].name,
             "severity": self.severity,

@@ -9,11 +9,12 @@ tool call followed by its result. This module is data; it renders nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from prefixgym.types import JSONObject
 
 SYSTEM_TEXT = "You are a careful assistant. Answer in one short sentence."
 
-LOOKUP_TOOL: dict[str, Any] = {
+LOOKUP_TOOL: JSONObject = {
     "type": "function",
     "function": {
         "name": "lookup",
@@ -31,14 +32,14 @@ LOOKUP_TOOL: dict[str, Any] = {
 class Reply:
     """An assistant message, and the text the probe looks for in the render."""
 
-    message: dict[str, Any]
+    message: JSONObject
     content: str | None  # None for a reply whose rendering the template decides (tool calls)
     reasoning: str | None = None
 
 
 @dataclass(frozen=True)
 class Step:
-    observations: list[dict[str, Any]]
+    observations: list[JSONObject]
     reply: Reply
 
 
@@ -48,14 +49,14 @@ class Probe:
     has_system: bool
     kind: str  # "plain" | "reasoning" | "tools"
     steps: list[Step]
-    final_observations: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = field(default=None)
+    final_observations: list[JSONObject]
+    tools: list[JSONObject] | None = field(default=None)
 
-    def prefix_messages(self) -> list[dict[str, Any]]:
+    def prefix_messages(self) -> list[JSONObject]:
         return [{"role": "system", "content": SYSTEM_TEXT}] if self.has_system else []
 
 
-def _user(text: str) -> dict[str, Any]:
+def _user(text: str) -> JSONObject:
     return {"role": "user", "content": text}
 
 
@@ -77,7 +78,7 @@ def _tool_call_reply() -> Reply:
     return Reply({"role": "assistant", "content": "", "tool_calls": [call]}, content=None)
 
 
-def _steps(kind: str) -> tuple[list[Step], list[dict[str, Any]]]:
+def _steps(kind: str) -> tuple[list[Step], list[JSONObject]]:
     if kind == "plain":
         return [
             Step([_user("What is 2 + 2?")], _text_reply("2 + 2 = 4.")),

@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Iterator
-from datetime import datetime
+from collections.abc import Callable, Iterator
+from datetime import datetime, tzinfo
 from typing import Any
 
 import jinja2
 
 from prefixgym.prompting.lint.findings import LintInputError
+from prefixgym.types import JSONObject
 
 CLOCK_A = datetime(2024, 1, 15, 9, 30, 0)
 CLOCK_B = datetime(2025, 7, 4, 18, 5, 42)
@@ -34,7 +35,13 @@ class RenderError(Exception):
     """The template raised while rendering one conversation (e.g. raise_exception)."""
 
 
-def _transformers_backend() -> tuple[Any, Any] | None:
+# transformers' chat_template_utils module (Any: its `datetime` global gets patched, which
+# ModuleType does not allow) and its render_jinja_template (annotated `-> str`, though it
+# returns (texts, indices)).
+_Backend = tuple[Any, Callable[..., Any]]
+
+
+def _transformers_backend() -> _Backend | None:
     try:
         from transformers.utils import chat_template_utils as ctu
 
@@ -83,7 +90,7 @@ def fixed_clock(when: datetime) -> Iterator[None]:
 
     class _Frozen(datetime):
         @classmethod
-        def now(cls, tz: Any = None) -> datetime:  # type: ignore[override]
+        def now(cls, tz: tzinfo | None = None) -> datetime:  # type: ignore[override]
             return when
 
     ctu.datetime = _Frozen
@@ -119,8 +126,8 @@ class TemplateRenderer:
     def reads_date_statically(self) -> bool:
         return bool(DATE_READ_PATTERN.search(self.template))
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-               tools: list[dict[str, Any]] | None = None, clock: datetime = CLOCK_A) -> str:
+    def render(self, messages: list[JSONObject], add_generation_prompt: bool,
+               tools: list[JSONObject] | None = None, clock: datetime = CLOCK_A) -> str:
         kwargs = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         try:
             with fixed_clock(clock):

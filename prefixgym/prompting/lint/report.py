@@ -9,9 +9,10 @@ is a TTY). Knows nothing of how findings were made.
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
+from typing import Protocol
 
 from prefixgym.prompting.lint.findings import RULES, Finding
+from prefixgym.types import JSONObject
 
 _RED, _GREEN, _YELLOW, _BOLD, _DIM, _RESET = (
     "\033[31m", "\033[32m", "\033[33m", "\033[1m", "\033[2m", "\033[0m"
@@ -23,7 +24,7 @@ class Report(Protocol):
     append_only: bool
     findings: list[Finding]
 
-    def to_json(self) -> dict[str, Any]: ...
+    def to_json(self) -> JSONObject: ...
 
 
 def escape(text: str) -> str:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prefixgym.prompting.lint.findings import LintInputError
+from prefixgym.types import JSONObject
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class TemplateSource:
     origin: str
 
 
-def _token_text(value: Any) -> str | None:
+def _token_text(value: object) -> str | None:
     # tokenizer_config.json stores special tokens as strings or as AddedToken dicts
     if isinstance(value, str):
         return value
@@ -31,7 +31,7 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
-def _template_from_config(config: dict[str, Any], origin: str) -> str | None:
+def _template_from_config(config: JSONObject, origin: str) -> str | None:
     raw = config.get("chat_template")
     if raw is None:
         return None
@@ -49,7 +49,7 @@ def _template_from_config(config: dict[str, Any], origin: str) -> str | None:
     raise LintInputError(f"{origin}: chat_template must be a string or a list, got {type(raw).__name__}")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> JSONObject:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -75,7 +75,7 @@ def load_template(
     p = Path(path)
     if not p.exists():
         raise LintInputError(f"{p}: no such file or directory")
-    config: dict[str, Any] = {}
+    config: JSONObject = {}
     template: str | None = None
     if p.is_dir():
         config_path = p / "tokenizer_config.json"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 from prefixgym.prompting.lint.divergence import (
     context_window,
@@ -26,15 +26,13 @@ from prefixgym.prompting.lint.divergence import (
 from prefixgym.prompting.lint.findings import Finding
 from prefixgym.prompting.lint.probes import SYSTEM_TEXT, Probe, Reply, probe_conversations
 from prefixgym.prompting.lint.render import CLOCK_A, CLOCK_B, RenderError, TemplateRenderer
+from prefixgym.types import JSONObject
+
+if TYPE_CHECKING:  # a tokenizer is optional here; transformers loads only with one
+    from transformers import PreTrainedTokenizerBase
 
 REASONING_OPENERS = ("<think>", "<thinking>", "<reasoning>")
 BREAK_RULES = {"PG101", "PG102", "PG103", "PG104", "PG105", "PG107"}
-
-
-class TokenizerLike(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]: ...
 
 
 @dataclass
@@ -45,7 +43,7 @@ class TemplateReport:
     reads_date: bool = False
     probes_checked: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         return {
             "target": self.target,
             "kind": "template",
@@ -148,7 +146,7 @@ def _classify(left: str, right: str, at: int, probe: Probe, eos: str,
     return "PG107", "an earlier part of the conversation renders differently"
 
 
-def _token_divergence(tokenizer: TokenizerLike, left_ids: list[int], right_ids: list[int]) -> dict[str, Any]:
+def _token_divergence(tokenizer: PreTrainedTokenizerBase, left_ids: list[int], right_ids: list[int]) -> JSONObject:
     at = first_divergence(left_ids, right_ids)
     if at is None:
         return {}
@@ -159,7 +157,7 @@ def _token_divergence(tokenizer: TokenizerLike, left_ids: list[int], right_ids: 
 
 
 class _Prober:
-    def __init__(self, renderer: TemplateRenderer, origin: str, tokenizer: TokenizerLike | None) -> None:
+    def __init__(self, renderer: TemplateRenderer, origin: str, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.r = renderer
         self.origin = origin
         self.tokenizer = tokenizer
@@ -184,7 +182,7 @@ class _Prober:
         rule, reason = _classify(left, right, at, probe, self.r.eos_token, eot_start)
         expected, caret = context_window(left, at)
         actual, _ = context_window(right, at)
-        extra: dict[str, Any] = {}
+        extra: JSONObject = {}
         if self.tokenizer is not None:
             extra = _token_divergence(self.tokenizer, self.encode(left), self.encode(right))
         self.add(Finding(rule, f"{reason}: {what}", f"{self.origin}: probe '{probe.name}', {where}",
@@ -273,7 +271,7 @@ class _Prober:
 
 
 def probe_template(template_str: str, bos_token: str | None = None, eos_token: str | None = None,
-                   tokenizer: TokenizerLike | None = None, origin: str = "<template>") -> TemplateReport:
+                   tokenizer: PreTrainedTokenizerBase | None = None, origin: str = "<template>") -> TemplateReport:
     """Render `template_str` over the probe conversations and report every break.
 
     Raises `LintInputError` when the template does not compile.

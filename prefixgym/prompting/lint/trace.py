@@ -15,22 +15,22 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, Protocol
 
 from prefixgym.prompting.lint.cache_sim import SimulatedPrefixCache
 from prefixgym.prompting.lint.divergence import common_prefix_len, first_divergence, volatile_kind
 from prefixgym.prompting.lint.findings import Finding
 from prefixgym.prompting.lint.trace_file import TraceRequest
+from prefixgym.types import JSONObject
 
 # Where the first user turn starts in common chat formats: before it lies the fixed prefix.
 USER_TURN = re.compile(r"<\|im_start\|>user|<\|start_header_id\|>user|<start_of_turn>user|\[INST\]|<\|user\|>")
 STRUCTURAL_RULES = {"PG201", "PG202", "PG203", "PG204"}
 
 
-class TokenDecoder(Protocol):
-    def __call__(self, ids: list[int]) -> str: ...
+TokenDecoder = Callable[[list[int]], str]
 
 
 @dataclass
@@ -47,7 +47,7 @@ class TraceReport:
     capacity_tokens: int
     decoded: bool
     episodes: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: JSONObject = field(default_factory=dict)
 
     @property
     def predicted_hit_rate(self) -> float:
@@ -59,7 +59,7 @@ class TraceReport:
             return None
         return self.observed_cached_tokens / self.observed_prompt_tokens
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         return {
             "target": self.target, "kind": "trace", "append_only": self.append_only,
             "requests": self.num_requests, "episodes": self.episodes,
@@ -101,7 +101,7 @@ class _Analyzer:
             self.fixed_len = min(common_prefix_len(self.first_prompts[0], p) for p in self.first_prompts[1:])
 
     def finding(self, rule: str, message: str, location: str, expected_ids: list[int],
-                actual_ids: list[int], at: int, **extra: Any) -> None:
+                actual_ids: list[int], at: int, **extra: object) -> None:
         expected, caret = _snippet(expected_ids, at, self.decode)
         actual, _ = _snippet(actual_ids, at, self.decode)
         extra.update(expected_tokens=expected_ids[at : at + 8], actual_tokens=actual_ids[at : at + 8])

@@ -1,6 +1,6 @@
 """Read a rollout trace: JSONL, one sampling request per line.
 
-Line format (see API.md): {"episode_id", "group_id", "turn", "prompt_tokens": [...],
+Line format (docs/files.md): {"episode_id", "group_id", "turn", "prompt_tokens": [...],
 "completion_tokens": [[...], ...], "num_samples", "include_prompt_logprobs",
 "usage": {...}}. Only `prompt_tokens` is required. Every problem is a
 `LintInputError` naming the file, the line and the field. Knows nothing of caches.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from prefixgym.prompting.lint.findings import LintInputError
+from prefixgym.types import JSONObject
 
 
 @dataclass
@@ -26,10 +26,10 @@ class TraceRequest:
     completion_tokens: list[list[int]]
     num_samples: int
     include_prompt_logprobs: bool
-    usage: dict[str, Any] = field(default_factory=dict)
+    usage: JSONObject = field(default_factory=dict)
 
 
-def _token_list(value: Any, where: str) -> list[int]:
+def _token_list(value: object, where: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise LintInputError(f"{where} must be a list of integer token ids")
     if any(t < 0 for t in value):
@@ -37,11 +37,11 @@ def _token_list(value: Any, where: str) -> list[int]:
     return value
 
 
-def _optional_id(value: Any) -> str | None:
+def _optional_id(value: object) -> str | None:
     return None if value is None else str(value)
 
 
-def parse_request(obj: Any, where: str, line: int) -> TraceRequest:
+def parse_request(obj: object, where: str, line: int) -> TraceRequest:
     """Validate one decoded JSON line; `where` prefixes every error message."""
     if not isinstance(obj, dict):
         raise LintInputError(f"{where}: expected a JSON object, got {type(obj).__name__}")

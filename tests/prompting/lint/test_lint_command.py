@@ -10,7 +10,7 @@ from pathlib import Path
 import lint_templates as T
 import pytest
 
-from prefixgym.prompting.lint.command import main
+from prefixgym.cli.lint import main
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +129,7 @@ def test_bad_input_exits_2_with_one_clear_line(
 def test_module_entry_point_runs_as_a_subprocess(tmp_path: Path) -> None:
     path = write(tmp_path / "qwen.jinja", T.STRIPS_THINK)
     proc = subprocess.run(
-        [sys.executable, "-m", "prefixgym.prompting.lint.command", "template", str(path),
+        [sys.executable, "-m", "prefixgym", "lint", "template", str(path),
          "--eos-token", "<|im_end|>", "--format", "json"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
     )
@@ -138,7 +138,7 @@ def test_module_entry_point_runs_as_a_subprocess(tmp_path: Path) -> None:
 
 
 def _builtin_trace(path: Path, retokenize: bool) -> None:
-    from prefixgym.engine.tokenizer import load_tokenizer
+    from prefixgym.prompting.tokenizer import load_tokenizer
 
     tok = load_tokenizer("builtin")
     enc = lambda text: tok.encode(text, add_special_tokens=False)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import gymnasium as gym
 import pytest
 
+from prefixgym.cli.lint import lint_env, main
 from prefixgym.envs.guess_number import GuessNumber
-from prefixgym.prompting import conversation as conversation_module
-from prefixgym.prompting.lint.command import main
-from prefixgym.prompting.lint.env import lint_env
+from prefixgym.prompting import Conversation
+from prefixgym.prompting.lint.env import lint_conversations
 from prefixgym.prompting.lint.findings import LintInputError
+from prefixgym.prompting.tokenizer import load_tokenizer
 
 
 class _SessionGuessNumber(GuessNumber):
@@ -41,17 +42,20 @@ def test_fixed_prefix_varying_across_seeds_fires_pg301() -> None:
     assert pg301.first_divergence is not None and pg301.first_divergence > 0
 
 
-def test_history_edited_by_the_builder_fires_pg302(monkeypatch: pytest.MonkeyPatch) -> None:
-    class EditingConversation(conversation_module.Conversation):
-        def add_user(self, text: str) -> None:
-            if len(self._segments) > 2:  # after the first reply: rewrite one history token
-                self._tokens[len(self.fixed_prefix) + 1] += 1
-            super().add_user(text)
-
-    monkeypatch.setattr(conversation_module, "Conversation", EditingConversation)
-    report = lint_env("prefixgym/GuessNumber-v0", episodes=1)
+def test_history_edited_after_a_reply_fires_pg302() -> None:
+    tok = load_tokenizer()
+    conv = Conversation(tok, system="Guess.")
+    conv.add_user("A number?")
+    prompt = conv.generation_prompt()
+    conv.add_sampled(conv.encode_reply("8"), stop_reason="stop")
+    assert conv.extension_ok
+    conv._tokens[len(conv.fixed_prefix) + 1] += 1  # a builder that rewrites history
+    conv.add_user("Lower.")
+    conv.generation_prompt()
+    report = lint_conversations("edited", [("seed 0", conv)])
     assert not report.append_only
-    assert "PG302" in {f.rule for f in report.findings}
+    pg302 = [f for f in report.findings if f.rule == "PG302"]
+    assert pg302 and pg302[0].first_divergence == len(conv.fixed_prefix) + 1 < prompt.length
 
 
 def test_unknown_env_is_bad_input() -> None:

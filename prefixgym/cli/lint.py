@@ -2,8 +2,8 @@
 
 Exit codes: 0 nothing found, 1 findings, 2 bad input (one clear line on stderr, no
 traceback). Defaults come from `[tool.prefixgym.lint]` in the nearest
-pyproject.toml; command-line options win. Also runnable as
-`python -m prefixgym.prompting.lint.command template PATH`.
+pyproject.toml; command-line options win. `lint env` plays the env's expert here
+(`rollouts.expert`) and hands the conversations to `prompting.lint.env`.
 """
 
 from __future__ import annotations
@@ -11,11 +11,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prefixgym.prompting.lint.config import LintConfig, load_config
 from prefixgym.prompting.lint.findings import LintInputError, filter_findings, parse_codes
 from prefixgym.prompting.lint.report import Report, render_json, render_text
+
+if TYPE_CHECKING:  # transformers loads only for the checks that need a tokenizer
+    from transformers import PreTrainedTokenizerBase
+
+    from prefixgym.prompting.lint.env import EnvReport
+    from prefixgym.prompting.lint.trace_file import TraceRequest
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_tokenizer_dir(path: str) -> Any:
+def load_tokenizer_dir(path: str) -> PreTrainedTokenizerBase:
     """A transformers tokenizer from a local directory, or LintInputError."""
     try:
         from transformers import AutoTokenizer
@@ -59,16 +66,15 @@ def load_tokenizer_dir(path: str) -> Any:
         raise LintInputError(f"{path}: cannot load a tokenizer: {type(exc).__name__}: {exc}") from None
 
 
-def _builtin_tokenizer() -> Any | None:
-    try:
-        from prefixgym.engine.tokenizer import load_tokenizer
+def _builtin_tokenizer() -> PreTrainedTokenizerBase:
+    from prefixgym.prompting.tokenizer import load_tokenizer
 
-        return load_tokenizer("builtin")
-    except Exception:  # noqa: BLE001  (the built-in tokenizer is optional for decoding)
-        return None
+    return load_tokenizer("builtin")
 
 
-def _decoder(tokenizer: Any, requests: list[Any]) -> Any:
+def _decoder(
+    tokenizer: PreTrainedTokenizerBase | None, requests: list[TraceRequest]
+) -> Callable[[list[int]], str] | None:
     if tokenizer is None:
         return None
     size = len(tokenizer)
@@ -98,10 +104,32 @@ def _run(args: argparse.Namespace, config: LintConfig) -> Report:
         tokenizer = load_tokenizer_dir(args.tokenizer) if args.tokenizer else _builtin_tokenizer()
         return analyze_trace(requests, config.block_size, config.capacity_tokens,
                              _decoder(tokenizer, requests), args.path)
-    from prefixgym.prompting.lint.env import lint_env
-
     tokenizer = load_tokenizer_dir(args.tokenizer) if args.tokenizer else None
-    return lint_env(args.env_id, episodes=args.episodes, block_size=config.block_size, tokenizer=tokenizer)
+    return lint_env(args.env_id, episodes=args.episodes, block_size=config.block_size,
+                    tokenizer=tokenizer)
+
+
+def lint_env(env_id: str, episodes: int = 3, block_size: int = 16,
+             tokenizer: PreTrainedTokenizerBase | None = None) -> EnvReport:
+    """Play `episodes` expert episodes of `env_id` (seeds 0..n-1) and lint their prompts."""
+    from prefixgym.envs.registration import make_agent_env
+    from prefixgym.prompting.lint.env import lint_conversations
+    from prefixgym.prompting.tokenizer import load_tokenizer
+    from prefixgym.rollouts.expert import play_expert
+
+    if episodes < 1:
+        raise LintInputError(f"--episodes must be at least 1, got {episodes}")
+    try:
+        env = make_agent_env(env_id)
+    except ValueError as exc:
+        raise LintInputError(str(exc)) from None
+    tok = tokenizer if tokenizer is not None else load_tokenizer()
+    try:
+        conversations = [(f"seed {seed}", play_expert(env, tok, seed).conversation)
+                         for seed in range(episodes)]
+    finally:
+        env.close()
+    return lint_conversations(env_id, conversations, block_size=block_size)
 
 
 def main(argv: list[str] | None = None) -> int:

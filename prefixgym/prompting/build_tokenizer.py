@@ -1,6 +1,6 @@
 """Train the built-in byte-level BPE tokenizer and write it to a directory.
 
-    python -m prefixgym.engine.build_tokenizer [OUT_DIR]   (default: engine/assets)
+    python -m prefixgym.prompting.build_tokenizer [OUT_DIR]   (default: prompting/assets)
 
 The training corpus is generated here, deterministically, from word lists and
 templates: English prose, small agent dialogues (guess a number, a calculator tool,
@@ -8,13 +8,13 @@ Wordle and Mastermind feedback, grid mazes, key-value lookups with
 `<tool_call>` blocks), JSON, and numbers. Nothing is downloaded. Running the script
 twice writes byte-identical files; the shipped `assets/tokenizer.json` is its output.
 
-Design choices, each one checked by `tests/engine/test_tokenizer.py`:
+Design choices, each one checked by `tests/prompting/test_tokenizer.py`:
 - exactly `VOCAB_SIZE` = 4096 tokens, the three special tokens included;
 - digits are pre-split into runs of at most three, and every integer 0..999 occurs
   often enough in the corpus that each one becomes a single token;
 - no normalizer, so decode(encode(text)) == text for every string.
 
-This module knows how to make a tokenizer; loading one is `engine/tokenizer.py`.
+This module knows how to make a tokenizer; loading one is `prompting/tokenizer.py`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--samples", type=int, default=4, help="samples per turn (one prefill)")
     args = parser.parse_args(argv)
 
-    from prefixgym.engine.service import LocalService
+    from prefixgym.local_service import LocalService
     from prefixgym.prompting import Conversation
 
     service = LocalService(model=args.model, seed=0)

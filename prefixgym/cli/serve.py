@@ -7,7 +7,7 @@ uvicorn until interrupted. The endpoint and its extras are described in
 
 from __future__ import annotations
 
-from prefixgym.config_cli import parse_config
+from prefixgym.cli.flags import parse_config
 from prefixgym.serving.config import ServeConfig
 
 
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     except ImportError as e:
         print(f"prefixgym serve needs fastapi and uvicorn: pip install 'prefixgym[serve]' ({e})")
         return 2
-    from prefixgym.engine.service import LocalService
+    from prefixgym.local_service import LocalService
 
     try:
         service = LocalService(model=config.model, seed=config.seed,
@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
         print(f"prefixgym serve: cannot load model {config.model!r}: {e}")
         return 2
     try:
-        app = create_app(service, config)
+        app = create_app(service, service.tokenizer, config)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_level=config.log_level))
         print(f"prefixgym serve: {config.model_name} on http://{config.host}:{config.port}/v1",

@@ -11,7 +11,7 @@ import runpy
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
 def available() -> list[str]:

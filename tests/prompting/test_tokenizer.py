@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixgym.engine import build_tokenizer
-from prefixgym.engine.tokenizer import (
+from prefixgym.prompting import build_tokenizer
+from prefixgym.prompting.tokenizer import (
     ASSETS_DIR,
     EOS_TOKEN,
     IM_END,

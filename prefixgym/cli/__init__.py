@@ -1,7 +1,10 @@
 """The `prefixgym` command: train | rollout | demo | lint | serve | bench.
 
-Each subcommand parses its own arguments and imports its part of the package
-lazily, so `prefixgym lint ...` never pays for loading torch.
+Every entry point of prefixgym lives in this package, one module per command: it
+parses flags, builds the services and clients (`LocalService`, the OpenAI sampling
+client), and hands them to the layers below, which never build their own. Each
+subcommand is imported lazily, so `prefixgym lint ...` never pays for loading torch.
+`python -m prefixgym COMMAND` is the same command.
 """
 
 from __future__ import annotations
@@ -24,37 +27,37 @@ Run `prefixgym COMMAND --help` for the options of one command.
 
 
 def _train(argv: list[str]) -> int:
-    from prefixgym.trainer.command import main
+    from prefixgym.cli.train import main
 
     return main(argv)
 
 
 def _rollout(argv: list[str]) -> int:
-    from prefixgym.rollouts.command import main
+    from prefixgym.cli.rollout import main
 
     return main(argv)
 
 
 def _demo(argv: list[str]) -> int:
-    from prefixgym.demo import main
+    from prefixgym.cli.demo import main
 
     return main(argv)
 
 
 def _lint(argv: list[str]) -> int:
-    from prefixgym.prompting.lint.command import main
+    from prefixgym.cli.lint import main
 
     return main(argv)
 
 
 def _serve(argv: list[str]) -> int:
-    from prefixgym.serve import main
+    from prefixgym.cli.serve import main
 
     return main(argv)
 
 
 def _bench(argv: list[str]) -> int:
-    from prefixgym.bench_command import main
+    from prefixgym.cli.bench import main
 
     return main(argv)
 

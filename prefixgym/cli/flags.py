@@ -14,7 +14,12 @@ import dataclasses
 import inspect
 import json
 import textwrap
-from typing import Any, TypeVar, get_type_hints
+from typing import TYPE_CHECKING, TypeVar, get_type_hints
+
+from prefixgym.types import JSONObject
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 C = TypeVar("C")
 
@@ -74,5 +79,5 @@ def parse_config(
         raise  # unreachable: parser.error exits
 
 
-def as_dict(config: Any) -> dict[str, Any]:
+def as_dict(config: DataclassInstance) -> JSONObject:
     return dataclasses.asdict(config)

@@ -1,7 +1,7 @@
 import pytest
 
-from prefixgym.config_cli import build_parser, parse_config
-from prefixgym.trainer.command import FLAG_NAMES
+from prefixgym.cli.flags import build_parser, parse_config
+from prefixgym.cli.train import FLAG_NAMES
 from prefixgym.trainer.config import TrainConfig
 
 

@@ -1,12 +1,13 @@
 """Load a tokenizer: the built-in byte-level BPE, or any local Hugging Face one.
 
-`load_tokenizer("builtin")` gives the 4096-token BPE shipped in `engine/assets/`
-(trained by `engine/build_tokenizer.py`), with its ChatML chat template, `eos_token`
+`load_tokenizer("builtin")` gives the 4096-token BPE shipped in `prompting/assets/`
+(trained by `prompting/build_tokenizer.py`), with its ChatML chat template, `eos_token`
 and `pad_token` set. Any other argument is a local directory that
 `AutoTokenizer.from_pretrained` can read; nothing is ever downloaded.
 
-This module knows nothing about chat formats beyond the template string it attaches,
-and nothing about models.
+`end_of_turn_ids(tokenizer)` gives the ids a sampler stops at by default. This module
+knows nothing about chat formats beyond the template string it attaches, and nothing
+about models.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from prefixgym.engine.build_tokenizer import (
+from prefixgym.prompting.build_tokenizer import (
     ASSETS_DIR,
     EOS_TOKEN,
     IM_END,
@@ -33,8 +34,10 @@ __all__ = [
     "IM_START",
     "VOCAB_SIZE",
     "builtin_chat_template",
+    "end_of_turn_ids",
     "is_builtin_tokenizer",
     "load_tokenizer",
+    "resolve_tokenizer",
 ]
 
 
@@ -81,7 +84,7 @@ def _load_builtin() -> PreTrainedTokenizerFast:
     if len(tokenizer) != VOCAB_SIZE:
         raise RuntimeError(
             f"shipped tokenizer has {len(tokenizer)} tokens, want {VOCAB_SIZE}; "
-            "rebuild it with `python -m prefixgym.engine.build_tokenizer`"
+            "rebuild it with `python -m prefixgym.prompting.build_tokenizer`"
         )
     return tokenizer
 
@@ -102,3 +105,28 @@ def is_builtin_tokenizer(tokenizer: PreTrainedTokenizerBase) -> bool:
         == _load_builtin().convert_tokens_to_ids([IM_START, IM_END, EOS_TOKEN])
         and tokenizer.get_vocab() == _load_builtin().get_vocab()
     )
+
+
+def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The ids that end an assistant turn: the tokenizer's eos and, where the vocabulary
+    has it, ChatML's `<|im_end|>`. A sampler stops at these unless told otherwise."""
+    ids: list[int] = []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.append(eos)
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    if isinstance(im_end, int) and im_end != getattr(tokenizer, "unk_token_id", None):
+        ids.append(im_end)
+    return tuple(dict.fromkeys(ids))
+
+
+def resolve_tokenizer(
+    tokenizer: PreTrainedTokenizerBase | str | Path | None, checkpoint_dir: str | Path | None = None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer for a service: a tokenizer object as is, a directory (or "builtin")
+    loaded, and for None the checkpoint directory's own, or the built-in one without one."""
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    return load_tokenizer(checkpoint_dir if checkpoint_dir is not None else BUILTIN)

@@ -13,15 +13,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from prefixgym.config_cli import parse_config
+from prefixgym.cli.flags import parse_config
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 from prefixgym.rollouts.types import TrajectoryGroup
+from prefixgym.trainer.config import DEFAULT_ENV, default_env_kwargs
+from prefixgym.types import JSONObject, Usage
 
 
 @dataclass
 class RolloutArgs:
-    env: str = "prefixgym/GuessNumber-v0"
+    env: str = DEFAULT_ENV
     """Gymnasium id of the env."""
+    env_kwargs: JSONObject | None = None
+    """Keyword arguments for the env; unset: the same defaults as `prefixgym train`."""
     model: str = "tiny"
     """A built-in preset or a local Hugging Face checkpoint directory."""
     run: str = ""
@@ -42,6 +46,10 @@ class RolloutArgs:
     def __post_init__(self) -> None:
         if self.groups < 1 or self.group_size < 1:
             raise ValueError("--groups and --group-size must be at least 1")
+        if self.env_kwargs is None:
+            self.env_kwargs = default_env_kwargs(self.env)
+        if not isinstance(self.env_kwargs, dict):
+            raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
 
 
 def print_group(group: TrajectoryGroup, out: TextIO = sys.stdout) -> None:
@@ -51,7 +59,7 @@ def print_group(group: TrajectoryGroup, out: TextIO = sys.stdout) -> None:
             u = turn.usage
             hit = (f"cached {u.prefill_cached_tokens}/{u.prefill_tokens}"
                    if turn.usage.prefill_tokens else f"shared with {turn.shared_by - 1} others")
-            print(f"  turn {i}: prompt {len(turn.prompt_tokens)} tokens, {hit}; "
+            print(f"  turn {i}: prompt {turn.prompt_length} tokens, {hit}; "
                   f"reward {turn.reward:+.2f}", file=out)
             print(f"    assistant: {turn.reply_text!r}", file=out)
         print(f"  -> {traj.stop_reason}; total reward {traj.total_reward:+.2f}, success "
@@ -61,19 +69,18 @@ def print_group(group: TrajectoryGroup, out: TextIO = sys.stdout) -> None:
 def main(argv: list[str]) -> int:
     args = parse_config(RolloutArgs, argv, prog="prefixgym rollout",
                         description="Sample episodes of an env; print transcripts and cache hits.")
-    from prefixgym.engine.service import LocalService
+    from prefixgym.envs.registration import make_agent_env
+    from prefixgym.local_service import LocalService
+    from prefixgym.protocols import SamplingClient
     from prefixgym.trainer.checkpoint import latest_checkpoint, load_checkpoint
-    from prefixgym.trainer.config import TrainConfig
-    from prefixgym.trainer.run import make_envs
 
     try:
-        envs = make_envs(TrainConfig(env=args.env, group_size=max(2, args.group_size)),
-                         args.group_size)
+        envs = [make_agent_env(args.env, args.env_kwargs) for _ in range(args.group_size)]
     except ValueError as e:
         print(f"prefixgym rollout: {e}", file=sys.stderr)
         return 2
     service = LocalService(model=args.model, seed=args.seed)
-    sampler = service.create_sampling_client()
+    sampler: SamplingClient = service.create_sampling_client()
     if args.run:
         ckpt = latest_checkpoint(Path(args.run))
         if ckpt is None:
@@ -95,8 +102,12 @@ def main(argv: list[str]) -> int:
     finally:
         if trace_file:
             trace_file.close()
-    usage = service.usage()
+        service.close()
+    print_usage(service.usage())
+    return 0
+
+
+def print_usage(usage: Usage) -> None:
     print(f"usage: prefill computed {usage.prefill_computed_tokens}, cached "
           f"{usage.prefill_cached_tokens} ({usage.cache_hit_rate:.0%}), sampled "
           f"{usage.sampled_tokens}")
-    return 0

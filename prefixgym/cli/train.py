@@ -1,0 +1,70 @@
+"""`prefixgym train`: parse flags into a TrainConfig, build the clients, run it.
+
+The only place that turns a TrainConfig into services and clients: a `LocalService`
+for training (and sampling, unless `--sampler-url` points rollouts and evaluation at
+an OpenAI-compatible server), the envs from `--env`/`--env-kwargs`, then
+`trainer.run.Run` with all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from prefixgym.cli.flags import parse_config
+from prefixgym.envs.registration import make_agent_env
+from prefixgym.local_service import LocalService
+from prefixgym.rollouts.episode import AgentGymEnv
+from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.run import Clients, Run, RunResult
+
+FLAG_NAMES = {"async_mode": "async", "lr": "lr"}
+
+
+def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple[Run, LocalService]:
+    """The run of `config` and the service it trains on (built here unless given)."""
+    service = service or LocalService(
+        model=config.model, seed=config.seed, num_threads=config.num_threads or None
+    )
+    def make() -> AgentGymEnv:
+        return make_agent_env(config.env, config.env_kwargs)
+
+    training = service.create_training_client(
+        compute_dtype=getattr(torch, config.resolved_compute_dtype()))
+    clients = Clients(training, service.create_sampling_client(), service.tokenizer,
+                      service.usage)
+    if config.sampler_url:  # rollouts and evaluation on a remote server (docs/scaling.md)
+        from prefixgym.serving.openai_client import OpenAISamplingClient, RemoteSamplingTrainer
+
+        remote = OpenAISamplingClient(config.sampler_url, tokenizer=service.tokenizer,
+                                      ledger=service.ledger)
+        clients = Clients(RemoteSamplingTrainer(training, remote), remote, service.tokenizer,
+                          service.usage)
+    return Run(config, clients, make), service
+
+
+def train(config: TrainConfig, service: LocalService | None = None) -> RunResult:
+    """Run `config` end to end; print the evaluations as one JSON line."""
+    run, _ = build_run(config, service)
+    result = run.run()
+    print(json.dumps({f"{e['when']} (step {e['step']})": round(e["eval/success"], 3)
+                      for e in result.evals}))
+    return result
+
+
+def main(argv: list[str]) -> int:
+    config = parse_config(
+        TrainConfig, argv, prog="prefixgym train",
+        description="SFT warm start on expert episodes, then GRPO, on one env; writes "
+        "metrics.jsonl, report.md, plots and checkpoints to --out.",
+        flag_names=FLAG_NAMES,
+    )
+    try:
+        result = train(config)
+    except ValueError as e:
+        print(f"prefixgym train: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {result.out / 'report.md'}")
+    return 0
