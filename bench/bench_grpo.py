@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 from common import machine_facts, setup_threads
 
+from prefixgym.cli.train import compute_dtype
 from prefixgym.envs.registration import make_env
 from prefixgym.local_service import LocalService
 from prefixgym.rollouts.rollout import RolloutConfig
@@ -43,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     setup_threads(2)
     config = TrainConfig(steps=args.steps, sft_steps=args.sft_steps, progress=False)
-    dtype = getattr(torch, config.resolved_compute_dtype())
+    dtype = compute_dtype(config)
     rollout_config = RolloutConfig(max_tokens=config.max_tokens,
                                    temperature=config.temperature)
     state_dir = Path(tempfile.mkdtemp(prefix="bench_grpo_")) / "warm"

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from prefixgym.cli.flags import parse_config
+from prefixgym.engine.device import has_fast_bf16
 from prefixgym.envs.registration import make_agent_env
 from prefixgym.local_service import LocalService
 from prefixgym.rollouts.episode import AgentGymEnv
@@ -21,6 +22,13 @@ from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.run import Clients, Run, RunResult
 
 FLAG_NAMES = {"async_mode": "async", "lr": "lr"}
+
+
+def compute_dtype(config: TrainConfig) -> torch.dtype:
+    """`--compute-dtype`, with auto decided for this machine."""
+    if config.compute_dtype == "auto":
+        return torch.bfloat16 if has_fast_bf16() else torch.float32
+    return torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
 
 
 def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple[Run, LocalService]:
@@ -31,8 +39,7 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
     def make() -> AgentGymEnv:
         return make_agent_env(config.env, config.env_kwargs)
 
-    training = service.create_training_client(
-        compute_dtype=getattr(torch, config.resolved_compute_dtype()))
+    training = service.create_training_client(compute_dtype=compute_dtype(config))
     clients = Clients(training, service.create_sampling_client(), service.tokenizer,
                       service.usage)
     if config.sampler_url:  # rollouts and evaluation on a remote server (docs/scaling.md)

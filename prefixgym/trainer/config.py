@@ -77,8 +77,9 @@ class TrainConfig:
     """Save resumable state every this many GRPO steps."""
     compute_dtype: str = "auto"
     """Training compute dtype: float32, bfloat16 (autocast, fp32 master weights; about 2x
-    faster where the CPU has bf16 matmuls, much slower where it has not), or auto: bfloat16
-    when torch reports bf16 support for this CPU, else float32."""
+    faster where the CPU has bf16 matmuls, about 2x slower where it emulates them), or
+    auto: bfloat16 where bf16 matmuls are native (AVX512-BF16 or AMX, a bf16 GPU), else
+    float32."""
     num_threads: int = 0
     """torch threads (0 = torch's default)."""
     progress: bool = True
@@ -124,13 +125,3 @@ class TrainConfig:
                 f"--group-size must be at least 2 (group-relative advantages), got "
                 f"{self.group_size}"
             )
-
-    def resolved_compute_dtype(self) -> str:
-        """`compute_dtype` with "auto" decided for this machine."""
-        if self.compute_dtype != "auto":
-            return self.compute_dtype
-        import torch
-
-        if torch.cuda.is_available():
-            return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-        return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"

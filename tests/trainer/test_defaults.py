@@ -5,6 +5,10 @@ import math
 
 import pytest
 
+import torch
+
+from prefixgym.cli import train as train_command
+from prefixgym.cli.train import compute_dtype
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.schedule import warmup_cosine_lr
 
@@ -29,8 +33,8 @@ def test_cosine_without_warm_up_starts_at_the_peak_and_ends_at_the_floor():
 
 def test_compute_dtype_is_validated():
     assert TrainConfig().compute_dtype == "auto"
-    assert TrainConfig().resolved_compute_dtype() in ("float32", "bfloat16")
-    assert TrainConfig(compute_dtype="bfloat16").resolved_compute_dtype() == "bfloat16"
+    assert compute_dtype(TrainConfig(compute_dtype="bfloat16")) == torch.bfloat16
+    assert compute_dtype(TrainConfig(compute_dtype="float32")) == torch.float32
     assert TrainConfig(compute_dtype="float32").compute_dtype == "float32"
     with pytest.raises(ValueError, match="--compute-dtype"):
         TrainConfig(compute_dtype="float16")
@@ -40,3 +44,9 @@ def test_default_env_kwargs_apply_to_the_default_env_only():
     assert TrainConfig().env_kwargs == {"max_turns": 4}
     assert TrainConfig(env="prefixgym/Arithmetic-v0").env_kwargs == {}
     assert TrainConfig(env_kwargs={"high": 8}).env_kwargs == {"high": 8}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_compute_dtype_is_bf16_only_where_bf16_is_native(monkeypatch, fast):
+    monkeypatch.setattr(train_command, "has_fast_bf16", lambda: fast)
+    assert compute_dtype(TrainConfig()) == (torch.bfloat16 if fast else torch.float32)
