@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-import torch
 from common import machine_facts, setup_threads
 
 from prefixgym.cli.train import compute_dtype

@@ -4,7 +4,6 @@ import itertools
 import math
 
 import pytest
-
 import torch
 
 from prefixgym.cli import train as train_command
