@@ -2,6 +2,7 @@
 # The two quick-start commands:
 #   ./run.sh train [ARGS]   set up .venv, then run `prefixgym train` (the main job)
 #   ./run.sh test  [ARGS]   set up .venv, then run the test suite
+#   ./run.sh demo  [ARGS]   set up .venv, then run `prefixgym demo`
 # Setup installs torch's CPU wheel first when no torch is present, so that the
 # package's plain `torch` requirement never pulls a multi-GB CUDA build.
 set -euo pipefail
@@ -33,5 +34,5 @@ case $cmd in
   train) setup; exec "$venv/bin/prefixgym" train "$@" ;;
   demo)  setup; exec "$venv/bin/prefixgym" demo "$@" ;;
   test)  setup; exec "$py" -m pytest "$@" ;;
-  *) echo "usage: ./run.sh train|test [ARGS]" >&2; exit 2 ;;
+  *) echo "usage: ./run.sh train|test|demo [ARGS]" >&2; exit 2 ;;
 esac

@@ -15,7 +15,7 @@ from collections.abc import Callable
 USAGE = """usage: prefixgym COMMAND [ARGS]
 
 commands:
-  train     SFT warm start + GRPO on a built-in env (the main job)
+  train     SFT warm start + GRPO on an env (the main job)
   rollout   sample episodes of an env, print transcripts and cache hits
   demo      a short multi-turn sampling demo that prints the usage ledger
   lint      find what makes prompts miss the prefix cache (template | trace | env)

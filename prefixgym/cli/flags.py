@@ -2,8 +2,11 @@
 
 A field `group_size: int = 8` with a string literal under it becomes `--group-size N`
 with that string as its help text; `bool` fields become on/off switches; `flag_names`
-renames a flag (`async_mode` -> `--async`). Validation stays in the dataclass's
-`__post_init__`; a `ValueError` there becomes a clean usage error.
+renames a flag (`async_mode` -> `--async`); dict fields take JSON. A config is built
+from layers, later ones winning: the dataclass defaults, then whatever the command
+adds (a run's saved config, a `--config FILE.toml`), then the flags given on the
+command line. Validation stays in the dataclass's `__post_init__`; a `ValueError`
+there, like a bad flag or a bad file, becomes one usage line and exit code 2.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import dataclasses
 import inspect
 import json
 import textwrap
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar, get_type_hints
 
 from prefixgym.types import JSONObject
@@ -41,10 +47,29 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def json_object(text: str) -> JSONObject:
+    """An argparse type: a JSON object given as a flag's value."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object like '{{\"k\": 1}}', got {text!r}")
+    return value
+
+
 def build_parser(
-    cls: type, prog: str, description: str, flag_names: dict[str, str] | None = None
+    cls: type, prog: str, description: str, flag_names: dict[str, str] | None = None,
+    config_file: bool = False,
 ) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    """Flags for every field of `cls`; a parsed namespace holds only the flags given.
+    `config_file` adds `--config FILE.toml`."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     argument_default=argparse.SUPPRESS)
+    if config_file:
+        parser.add_argument("--config", metavar="FILE.toml",
+                            help="settings from a TOML file (one key per flag, e.g. "
+                            "group_size = 8); flags given here win over it")
     docs = field_docs(cls)
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -57,27 +82,79 @@ def build_parser(
         help_text = f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%")
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=default, help=help_text)
+                                help=help_text)
         elif kind in (int, float, str):
-            parser.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text)
-        else:  # dicts and other structured fields come as JSON
-            parser.add_argument(flag, dest=f.name, type=json.loads, default=default,
-                                help=help_text + " (JSON)")
+            parser.add_argument(flag, dest=f.name, type=kind, help=help_text)
+        else:  # dicts come as JSON
+            parser.add_argument(flag, dest=f.name, type=json_object, help=help_text + " (JSON)")
     return parser
+
+
+def read_config_file(cls: type, path: str, flag_names: dict[str, str] | None = None) -> JSONObject:
+    """The settings of a TOML file, as field values of `cls`; ValueError names the file."""
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    by_flag = {v.replace("-", "_"): k for k, v in (flag_names or {}).items()}
+    hints = get_type_hints(cls)
+    values: JSONObject = {}
+    for key, value in table.items():
+        name = by_flag.get(key.replace("-", "_"), key.replace("-", "_"))
+        if name not in hints:
+            raise ValueError(f"{path}: unknown setting {key!r}; the settings are the flags "
+                             "(see --help), with _ or -")
+        values[name] = _typed(path, key, value, hints[name])
+    return values
+
+
+def _typed(path: str, key: str, value: object, kind: object) -> object:
+    ok = {bool: isinstance(value, bool), str: isinstance(value, str),
+          int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool)}.get(
+        kind, isinstance(value, dict))  # type: ignore[call-overload]
+    if not ok:
+        raise ValueError(f"{path}: {key} = {value!r} has the wrong type")
+    return float(value) if kind is float else value  # type: ignore[arg-type]
+
+
+def build_config(
+    cls: type[C], parser: argparse.ArgumentParser, *layers: Mapping[str, object]
+) -> C:
+    """`cls` from its defaults overlaid with `layers` (later ones win); a ValueError
+    (from a layer or from validation) becomes a usage error."""
+    merged: JSONObject = {}
+    for layer in layers:
+        merged.update({k: v for k, v in layer.items() if k != "config"})
+    try:
+        return cls(**merged)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
 
 
 def parse_config(
     cls: type[C], argv: list[str], prog: str, description: str,
     flag_names: dict[str, str] | None = None,
 ) -> C:
+    """`cls` from its defaults and the flags in `argv`."""
     parser = build_parser(cls, prog, description, flag_names)
-    namespace = parser.parse_args(argv)
-    try:
-        return cls(**vars(namespace))
-    except ValueError as e:
-        parser.error(str(e))
-        raise  # unreachable: parser.error exits
+    return build_config(cls, parser, vars(parser.parse_args(argv)))
 
 
 def as_dict(config: DataclassInstance) -> JSONObject:
     return dataclasses.asdict(config)
+
+
+def read_json_object(path: Path) -> JSONObject:
+    """A JSON object from a file; ValueError naming the file when it is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return value

@@ -14,9 +14,11 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from prefixgym.cli.flags import json_object
 from prefixgym.prompting.lint.config import LintConfig, load_config
 from prefixgym.prompting.lint.findings import LintInputError, filter_findings, parse_codes
 from prefixgym.prompting.lint.report import Report, render_json, render_text
+from prefixgym.types import JSONObject
 
 if TYPE_CHECKING:  # transformers loads only for the checks that need a tokenizer
     from transformers import PreTrainedTokenizerBase
@@ -49,7 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                        "(default: the built-in tokenizer, else token ids)")
 
     env = sub.add_parser("env", parents=[common], help="lint an env's conversations (expert policy)")
-    env.add_argument("env_id", help="a gymnasium id such as prefixgym/GuessNumber-v0")
+    env.add_argument("env_id", metavar="ENV", help="the env: a registered id such as "
+                     "prefixgym/GuessNumber-v0, module:id, module:Class or path/to/file.py:Class")
+    env.add_argument("--env-kwargs", type=json_object, default={},
+                     help="keyword arguments for the env, as a JSON object")
     env.add_argument("--episodes", type=int, default=3, help="expert episodes to run")
     env.add_argument("--block-size", type=int, help="tokens per simulated cache block")
     env.add_argument("--tokenizer", help="a local tokenizer directory (default: built-in)")
@@ -106,11 +111,12 @@ def _run(args: argparse.Namespace, config: LintConfig) -> Report:
                              _decoder(tokenizer, requests), args.path)
     tokenizer = load_tokenizer_dir(args.tokenizer) if args.tokenizer else None
     return lint_env(args.env_id, episodes=args.episodes, block_size=config.block_size,
-                    tokenizer=tokenizer)
+                    tokenizer=tokenizer, env_kwargs=args.env_kwargs)
 
 
 def lint_env(env_id: str, episodes: int = 3, block_size: int = 16,
-             tokenizer: PreTrainedTokenizerBase | None = None) -> EnvReport:
+             tokenizer: PreTrainedTokenizerBase | None = None,
+             env_kwargs: JSONObject | None = None) -> EnvReport:
     """Play `episodes` expert episodes of `env_id` (seeds 0..n-1) and lint their prompts."""
     from prefixgym.envs.registration import make_agent_env
     from prefixgym.prompting.lint.env import lint_conversations
@@ -120,7 +126,7 @@ def lint_env(env_id: str, episodes: int = 3, block_size: int = 16,
     if episodes < 1:
         raise LintInputError(f"--episodes must be at least 1, got {episodes}")
     try:
-        env = make_agent_env(env_id)
+        env = make_agent_env(env_id, env_kwargs)
     except ValueError as exc:
         raise LintInputError(str(exc)) from None
     tok = tokenizer if tokenizer is not None else load_tokenizer()

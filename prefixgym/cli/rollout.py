@@ -2,7 +2,10 @@
 
 Each turn prints the prompt length, how much of it came from the prefix cache, and
 the reply; `--trace FILE.jsonl` also writes every sampling request in the trace
-format that `prefixgym lint trace` reads.
+format that `prefixgym lint trace` reads. With `--run DIR` (a `prefixgym train
+--out`), the episodes come from that run's newest weights (the last GRPO checkpoint,
+else the warm start), and the run's env, env kwargs, model, max tokens and
+temperature are the defaults that flags given here override.
 """
 
 from __future__ import annotations
@@ -13,23 +16,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from prefixgym.cli.flags import parse_config
+from prefixgym.cli.flags import build_config, build_parser, read_json_object
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 from prefixgym.rollouts.types import TrajectoryGroup
 from prefixgym.trainer.config import DEFAULT_ENV, default_env_kwargs
+from prefixgym.trainer.run import RUN_CONFIG
 from prefixgym.types import JSONObject, Usage
 
 
 @dataclass
 class RolloutArgs:
     env: str = DEFAULT_ENV
-    """Gymnasium id of the env."""
+    """The env: a registered id, module:id, module:Class or path/to/file.py:Class."""
     env_kwargs: JSONObject | None = None
     """Keyword arguments for the env; unset: the same defaults as `prefixgym train`."""
     model: str = "tiny"
     """A built-in preset or a local Hugging Face checkpoint directory."""
     run: str = ""
-    """A `prefixgym train --out` directory: sample from its latest checkpoint."""
+    """A `prefixgym train --out` directory: sample from its newest weights, with its
+    env and settings unless given here."""
     trace: str = ""
     """Write every sampling request to this JSONL file."""
     groups: int = 2
@@ -52,7 +57,8 @@ class RolloutArgs:
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
 
 
-def print_group(group: TrajectoryGroup, out: TextIO = sys.stdout) -> None:
+def print_group(group: TrajectoryGroup, out: TextIO | None = None) -> None:
+    out = out or sys.stdout
     for traj in group.trajectories:
         print(f"== episode {traj.episode_id} (seed {traj.seed})", file=out)
         for i, turn in enumerate(traj.turns):
@@ -67,28 +73,38 @@ def print_group(group: TrajectoryGroup, out: TextIO = sys.stdout) -> None:
 
 
 def main(argv: list[str]) -> int:
-    args = parse_config(RolloutArgs, argv, prog="prefixgym rollout",
-                        description="Sample episodes of an env; print transcripts and cache hits.")
+    parser = build_parser(RolloutArgs, prog="prefixgym rollout",
+                          description="Sample episodes of an env; print transcripts and "
+                          "cache hits.")
+    given = vars(parser.parse_args(argv))
+    try:
+        from_run = run_settings(Path(given["run"])) if given.get("run") else {}
+    except ValueError as e:
+        parser.error(str(e))
+    if "env" in given:  # another env than the run's: not the run's env kwargs either
+        from_run.pop("env_kwargs", None)
+    args = build_config(RolloutArgs, parser, from_run, given)
     from prefixgym.envs.registration import make_agent_env
     from prefixgym.local_service import LocalService
     from prefixgym.protocols import SamplingClient
-    from prefixgym.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from prefixgym.trainer.checkpoint import load_checkpoint, newest_checkpoint
 
     try:
         envs = [make_agent_env(args.env, args.env_kwargs) for _ in range(args.group_size)]
+        ckpt = newest_checkpoint(Path(args.run)) if args.run else None
+        if args.run and ckpt is None:
+            raise ValueError(f"no checkpoint under {args.run}/checkpoints (the run saves one "
+                             "after its warm start)")
+        service = LocalService(model=args.model, seed=args.seed)
     except ValueError as e:
         print(f"prefixgym rollout: {e}", file=sys.stderr)
         return 2
-    service = LocalService(model=args.model, seed=args.seed)
     sampler: SamplingClient = service.create_sampling_client()
-    if args.run:
-        ckpt = latest_checkpoint(Path(args.run))
-        if ckpt is None:
-            print(f"prefixgym rollout: no checkpoint under {args.run}", file=sys.stderr)
-            return 2
+    if ckpt is not None:
         training = service.create_training_client()
         load_checkpoint(ckpt, training)
         sampler = training.save_weights_and_get_sampling_client()
+        print(f"weights: {ckpt}")
     trace_file = open(args.trace, "w") if args.trace else None
     try:
         rollouts = Rollouts(
@@ -105,6 +121,20 @@ def main(argv: list[str]) -> int:
         service.close()
     print_usage(service.usage())
     return 0
+
+
+RUN_SETTINGS = ("env", "env_kwargs", "model", "max_tokens", "temperature")
+
+
+def run_settings(run: Path) -> JSONObject:
+    """The settings of a `prefixgym train` run that a rollout of it reuses."""
+    if not run.is_dir():
+        raise ValueError(f"--run {run}: no such directory")
+    path = run / RUN_CONFIG
+    if not path.exists():
+        return {}  # a run from before config.json: the flags' defaults
+    saved = read_json_object(path)
+    return {k: saved[k] for k in RUN_SETTINGS if k in saved}
 
 
 def print_usage(usage: Usage) -> None:

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
-from prefixgym.cli.flags import parse_config
+from prefixgym.cli.flags import build_config, build_parser, read_config_file, read_json_object
 from prefixgym.engine.device import has_fast_bf16
-from prefixgym.envs.registration import make_agent_env
+from prefixgym.envs.registration import absolute_spec, make_agent_env
 from prefixgym.local_service import LocalService
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.trainer.config import TrainConfig
-from prefixgym.trainer.run import Clients, Run, RunResult
+from prefixgym.trainer.run import RUN_CONFIG, Clients, Run, RunResult
+from prefixgym.types import JSONObject
 
 FLAG_NAMES = {"async_mode": "async", "lr": "lr"}
 
@@ -33,12 +35,14 @@ def compute_dtype(config: TrainConfig) -> torch.dtype:
 
 def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple[Run, LocalService]:
     """The run of `config` and the service it trains on (built here unless given)."""
-    service = service or LocalService(
-        model=config.model, seed=config.seed, num_threads=config.num_threads or None
-    )
+
     def make() -> AgentGymEnv:
         return make_agent_env(config.env, config.env_kwargs)
 
+    make().close()  # a bad --env fails before the model loads
+    service = service or LocalService(
+        model=config.model, seed=config.seed, num_threads=config.num_threads or None
+    )
     training = service.create_training_client(compute_dtype=compute_dtype(config))
     clients = Clients(training, service.create_sampling_client(), service.tokenizer,
                       service.usage)
@@ -62,12 +66,23 @@ def train(config: TrainConfig, service: LocalService | None = None) -> RunResult
 
 
 def main(argv: list[str]) -> int:
-    config = parse_config(
-        TrainConfig, argv, prog="prefixgym train",
+    parser = build_parser(
+        TrainConfig, prog="prefixgym train",
         description="SFT warm start on expert episodes, then GRPO, on one env; writes "
-        "metrics.jsonl, report.md, plots and checkpoints to --out.",
-        flag_names=FLAG_NAMES,
+        "metrics.jsonl, report.md, plots and checkpoints to --out. Settings come from the "
+        "defaults, then a resumed run's saved config.json, then --config FILE.toml, then "
+        "the flags given here.",
+        flag_names=FLAG_NAMES, config_file=True,
     )
+    given = vars(parser.parse_args(argv))
+    try:
+        from_file = (read_config_file(TrainConfig, given["config"], FLAG_NAMES)
+                     if "config" in given else {})
+        saved = saved_run_config({**from_file, **given})
+    except ValueError as e:
+        parser.error(str(e))
+    config = build_config(TrainConfig, parser, saved, from_file, given)
+    config.env = absolute_spec(config.env)
     try:
         result = train(config)
     except ValueError as e:
@@ -75,3 +90,11 @@ def main(argv: list[str]) -> int:
         return 2
     print(f"report: {result.out / 'report.md'}")
     return 0
+
+
+def saved_run_config(settings: JSONObject) -> JSONObject:
+    """With `resume` set, the config the run in `out` saved (nothing if it saved none)."""
+    if not settings.get("resume"):
+        return {}
+    path = Path(settings.get("out", TrainConfig.out)) / RUN_CONFIG
+    return read_json_object(path) if path.exists() else {}

@@ -22,6 +22,8 @@ from prefixgym.files import write_dir_atomically, write_text_atomically
 from prefixgym.protocols import TrainingClient
 from prefixgym.types import JSONObject, Usage
 
+WARM_START = "warm_start"
+
 
 @dataclass
 class LoopState:
@@ -67,6 +69,12 @@ def latest_checkpoint(out: Path) -> Path | None:
         return None
     path = out / "checkpoints" / pointer.read_text().strip()
     return path if (path / "loop.json").exists() else None
+
+
+def newest_checkpoint(out: Path) -> Path | None:
+    """The latest GRPO checkpoint, else the warm-start one, else None."""
+    warm = out / "checkpoints" / WARM_START
+    return latest_checkpoint(out) or (warm if (warm / "loop.json").exists() else None)
 
 
 def load_checkpoint(path: Path, training: TrainingClient) -> LoopState:

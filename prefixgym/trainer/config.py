@@ -25,7 +25,8 @@ def default_env_kwargs(env: str) -> JSONObject:
 @dataclass
 class TrainConfig:
     env: str = DEFAULT_ENV
-    """Gymnasium id of the env to train on."""
+    """The env to train on: a registered id, module:id, module:Class or
+    path/to/file.py:Class (docs/envs.md)."""
     env_kwargs: JSONObject | None = None
     """Keyword arguments for the env, e.g. {"high": 32}. Unset: {"max_turns": 4} for the
     default GuessNumber (binary search then wins 94%, so there is room to learn), {} for

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -27,6 +27,7 @@ class EvalResult:
     success: float
     success_stderr: float
     reward: float
+    reward_stderr: float
     episodes: int
     usage: Usage
 
@@ -35,6 +36,7 @@ class EvalResult:
             f"{prefix}/success": self.success,
             f"{prefix}/success_stderr": self.success_stderr,
             f"{prefix}/reward/mean": self.reward,
+            f"{prefix}/reward/stderr": self.reward_stderr,
             f"{prefix}/episodes": float(self.episodes),
         }
 
@@ -49,15 +51,20 @@ def summarize(trajectories: Sequence[Trajectory]) -> EvalResult:
     successes = sum(t.is_success for t in trajectories)
     p = successes / n if n else 0.0
     usage = Usage.total(t.usage for t in trajectories)
-    reward = sum(t.total_reward for t in trajectories) / n if n else 0.0
-    return EvalResult(p, success_stderr(p, n), reward, n, usage)
+    rewards = [t.total_reward for t in trajectories]
+    reward = sum(rewards) / n if n else 0.0
+    spread = math.sqrt(sum((r - reward) ** 2 for r in rewards) / n) if n else 0.0
+    return EvalResult(p, success_stderr(p, n), reward, spread / math.sqrt(n) if n else 0.0,
+                      n, usage)
 
 
 def evaluate(
     sampler: SamplingClient, tokenizer: PreTrainedTokenizerBase, envs: Sequence[AgentGymEnv],
     episodes: int, config: RolloutConfig, concurrency: int | None = None,
+    on_episodes: Callable[[int, int, int], None] | None = None,
 ) -> EvalResult:
-    """Greedy episodes on seeds EVAL_SEED_BASE + i, `len(envs)` at a time."""
+    """Greedy episodes on seeds EVAL_SEED_BASE + i, `len(envs)` at a time.
+    `on_episodes(n, done, successes)` is called after each batch of n episodes."""
     greedy = RolloutConfig(**{**config.__dict__, "temperature": 0.0})
     rollouts = Rollouts(sampler, tokenizer, greedy)
     width = min(concurrency or len(envs), len(envs))
@@ -71,6 +78,8 @@ def evaluate(
                 for i, s in enumerate(seeds)
             ))
             out.extend(t for g in groups for t in g.trajectories)
+            if on_episodes is not None:
+                on_episodes(len(seeds), len(out), sum(t.is_success for t in out))
         return out
 
     return summarize(asyncio.run(_all()))

@@ -1,4 +1,4 @@
-"""What a run leaves behind: metrics.jsonl, report.md and PNG plots.
+"""What a run leaves behind: metrics.jsonl and report.md (the plots are plots.py's).
 
 `report.md` lists the whole run's tokens per phase, as the source document asks:
 prefill computed and cached, sampled, train computed and train loss tokens, and what
@@ -38,10 +38,12 @@ class MetricsLog:
             return [json.loads(line) for line in f if line.strip()]
 
     def truncate_after(self, step: int) -> None:
-        """Drop what a run logged after the checkpoint of GRPO step `step` was saved."""
+        """Drop what a run logged after the checkpoint of GRPO step `step` was saved
+        (step -1: the warm start's checkpoint, which follows the warm start's lines)."""
         # an eval at step+1 ran on the checkpoint's weights, before it was saved
         kept = [r for r in self.read()
-                if r.get("step", -1) <= step or (r.get("phase") == "eval" and r["step"] <= step + 1)]
+                if r.get("step", -1) <= step or r.get("phase") == "sft"
+                or (r.get("phase") == "eval" and r["step"] <= step + 1)]
         write_text_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
@@ -130,45 +132,3 @@ def write_report(
     path = out / "report.md"
     path.write_text("\n".join(parts))
     return path
-
-
-def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
-    """reward.png (train reward and eval success) and tokens.png (tokens per phase)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r for r in records if r.get("phase") == "grpo"]
-    evals = [r for r in records if r.get("phase") == "eval"]
-    paths = []
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    if steps:
-        ax.plot([r["step"] for r in steps], [r["reward/mean"] for r in steps],
-                label="train reward (mean)")
-    if evals:
-        ax.errorbar([r["step"] for r in evals], [r["eval/success"] for r in evals],
-                    yerr=[r["eval/success_stderr"] for r in evals], fmt="o-", capsize=3,
-                    label="eval success")
-    ax.set_xlabel("GRPO step")
-    ax.set_title("Reward")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out / "reward.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key in PHASE_KEYS:
-        if steps:
-            ax.plot([r["step"] for r in steps], [r[key] for r in steps],
-                    label=key.split("/")[1])
-    ax.set_yscale("symlog")
-    ax.set_xlabel("GRPO step")
-    ax.set_title("Tokens per phase per step")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "tokens.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-    return paths

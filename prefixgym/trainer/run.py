@@ -12,6 +12,8 @@ a service nor a client itself (`prefixgym.cli.train` does).
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -19,22 +21,30 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from prefixgym.files import write_text_atomically
 from prefixgym.protocols import SamplingClient, TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.rollout import RolloutConfig
 from prefixgym.trainer.checkpoint import (
+    WARM_START,
     LoopState,
-    latest_checkpoint,
     load_checkpoint,
+    newest_checkpoint,
     save_checkpoint,
 )
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.evaluate import evaluate
 from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step, phase_metrics
-from prefixgym.trainer.report import MetricsLog, write_plots, write_report
+from prefixgym.trainer.plots import write_plots
+from prefixgym.trainer.progress import Progress
+from prefixgym.trainer.report import MetricsLog, write_report
 from prefixgym.trainer.schedule import warmup_cosine_lr
 from prefixgym.trainer.sft import warm_start
 from prefixgym.types import JSONObject, Usage
+
+RUN_CONFIG = "config.json"
+"""The run's full resolved config, written when it starts (read back by --resume and
+`prefixgym rollout --run`)."""
 
 
 @dataclass
@@ -75,57 +85,77 @@ class Run:
         self.log = MetricsLog(self.out / "metrics.jsonl")
 
     def evaluate(self, sampler: SamplingClient, step: int, when: str, state: LoopState) -> None:
-        result = evaluate(sampler, self.tokenizer, self.eval_envs, self.config.eval_episodes,
-                          self.rollout_config)
+        with Progress(f"eval ({when})", self.config.eval_episodes, "episode",
+                      self.config.progress) as progress:
+            result = evaluate(
+                sampler, self.tokenizer, self.eval_envs, self.config.eval_episodes,
+                self.rollout_config,
+                on_episodes=lambda n, done, wins: progress.update(n, success=f"{wins / done:.1%}"),
+            )
         record = {"step": step, "phase": "eval", "when": when, **result.as_metrics(),
                   **phase_metrics(result.usage)}
         state.evals.append(record)
         self.log.write(record)
 
-    def start(self) -> tuple[LoopState, SamplingClient | None]:
-        """A fresh run: steps 1-2. A resumed one: its checkpoint. Returns the ref sampler."""
+    def start(self, base_usage: Usage, t_start: float) -> tuple[LoopState, SamplingClient | None]:
+        """A fresh run: steps 1-2. A resumed one: its newest checkpoint (the warm start's if
+        no GRPO step was saved). Returns the state and the KL reference sampler."""
         c = self.config
-        ckpt = latest_checkpoint(self.out) if c.resume else None
+        ckpt = newest_checkpoint(self.out) if c.resume else None
         if ckpt is not None:
             ref = None
             if c.kl_coef > 0:
-                load_checkpoint(self.out / "checkpoints" / "warm_start", self.training)
+                load_checkpoint(self.out / "checkpoints" / WARM_START, self.training)
                 ref = self.training.save_weights_and_get_sampling_client()
             state = load_checkpoint(ckpt, self.training)
             self.log.truncate_after(state.next_step - 1)
+            print(f"resuming from {ckpt} at GRPO step {state.next_step}", file=sys.stderr)
             return state, ref
         if c.resume:
-            print(f"no checkpoint in {self.out / 'checkpoints'}: starting a new run")
+            print(f"no checkpoint in {self.out / 'checkpoints'}: starting a new run",
+                  file=sys.stderr)
         self.log.path.unlink(missing_ok=True)
+        write_text_atomically(self.out / RUN_CONFIG, json.dumps(asdict(c), indent=2) + "\n")
         state = LoopState(next_step=0)
         # 1) the starting weights
         self.evaluate(self.clients.sampler, 0, "before training", state)
         # 2) warm start
         if c.sft_steps:
-            state.sft_usage = warm_start(
-                self.training, self.envs, self.tokenizer, c.sft_steps, c.sft_episodes_per_step,
-                c.sft_lr, on_step=lambda i, m, u: self.log.write(
-                    {"step": 0, "phase": "sft", "sft_step": i, **m}),
-            )
+            with Progress("warm start", c.sft_steps, "step", c.progress) as progress:
+
+                def on_step(i: int, metrics: dict[str, float], usage: Usage) -> None:
+                    self.log.write({"step": 0, "phase": "sft", "sft_step": i, **metrics,
+                                    "tokens/train_computed": usage.train_computed_tokens,
+                                    "tokens/train_loss": usage.train_loss_tokens})
+                    progress.update(1, loss=f"{metrics['sft/loss']:.3f}")
+
+                state.sft_usage = warm_start(
+                    self.training, self.envs, self.tokenizer, c.sft_steps,
+                    c.sft_episodes_per_step, c.sft_lr, on_step=on_step,
+                )
             ref = self.training.save_weights_and_get_sampling_client()
             self.evaluate(ref, 0, "after warm start", state)
         else:
             ref = self.training.save_weights_and_get_sampling_client()
-        save_checkpoint(self.out, self.training, state, name="warm_start")
+        state.usage = self.clients.usage() - base_usage
+        state.wall_s = time.perf_counter() - t_start
+        save_checkpoint(self.out, self.training, state, name=WARM_START)
         return state, ref if c.kl_coef > 0 else None
 
     def run(self) -> RunResult:
         c = self.config
         t_start = time.perf_counter()
         base_usage = self.clients.usage()
-        state, ref_sampler = self.start()
+        state, ref_sampler = self.start(base_usage, t_start)
+        # what this process adds goes on top of what the checkpoint had counted
+        base_usage, t_start = self.clients.usage(), time.perf_counter()
         prior_usage, prior_wall = state.usage, state.wall_s
         sampler = self.training.save_weights_and_get_sampling_client()
         pipeline = StepPipeline(
             lambda s, step: collect(s, self.tokenizer, self.envs, c, step, self.rollout_config),
             c.async_mode,
         )
-        progress = _progress(c, state.next_step)
+        progress = Progress("GRPO", c.steps, "step", c.progress, initial=state.next_step)
         try:
             if state.next_step < c.steps:
                 pipeline.start(sampler, state.next_step)
@@ -147,7 +177,8 @@ class Run:
                     state.usage = prior_usage + (self.clients.usage() - base_usage)
                     state.wall_s = prior_wall + time.perf_counter() - t_start
                     save_checkpoint(self.out, self.training, state)
-                progress.update(metrics, usage)
+                progress.update(1, reward=f"{metrics['reward/mean']:.2f}",
+                                hit=f"{usage.cache_hit_rate:.0%}")
         finally:
             pipeline.close()
             progress.close()
@@ -158,24 +189,3 @@ class Run:
                      state.sft_usage, state.evals, wall)
         write_plots(self.out, self.log.read())
         return RunResult(self.out, state.evals, state.usage)
-
-
-class _progress:
-    """A tqdm bar showing step, reward and cache hit rate (a no-op when disabled)."""
-
-    def __init__(self, config: TrainConfig, initial: int) -> None:
-        self.bar = None
-        if config.progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=config.steps, initial=initial, desc="GRPO", unit="step")
-
-    def update(self, metrics: dict[str, float], usage: Usage) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
-                                 hit=f"{usage.cache_hit_rate:.0%}")
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -77,7 +77,7 @@ def test_cli_run_writes_metrics_report_plots_and_checkpoints(tmp_path):
     assert all("eval/reward/mean" in e for e in evals)
     report = (out / "report.md").read_text()
     assert "prefill, served from the prefix cache" in report and "train, in the loss" in report
-    assert (out / "reward.png").stat().st_size > 0 and (out / "tokens.png").stat().st_size > 0
+    assert (out / "training.png").stat().st_size > 0 and (out / "tokens.png").stat().st_size > 0
     assert (out / "checkpoints" / "latest").read_text() == "step-000001"
 
 
