@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from prefixgym.prompting.messages import Message, check_role, check_text
-from prefixgym.prompting.tools import Tool
+from prefixgym.prompting.tools import ToolLike, as_tools
 from prefixgym.types import JSONObject
 
 __all__ = ["HFTemplateFormat", "TemplateNotAppendOnlyError", "hf_tools"]
@@ -45,9 +45,10 @@ class TemplateNotAppendOnlyError(ValueError):
         )
 
 
-def hf_tools(tools: Sequence[Tool]) -> list[JSONObject] | None:
-    """Tools as Hugging Face chat templates expect them ({"type": "function", ...})."""
-    return [{"type": "function", "function": t.schema()} for t in tools] or None
+def hf_tools(tools: Sequence[ToolLike]) -> list[JSONObject] | None:
+    """Tools as Hugging Face chat templates expect them ({"type": "function", ...}); a
+    function or a pydantic model class is converted as `@tool` / `Tool.from_model` do."""
+    return [{"type": "function", "function": t.schema()} for t in as_tools(tools)] or None
 
 
 _PROBE_SYSTEM = {"role": "system", "content": "You are a careful assistant."}
@@ -95,7 +96,7 @@ class HFTemplateFormat:
     # -- rendering ---------------------------------------------------------------
 
     def render_text(
-        self, messages: Sequence[Message], tools: Sequence[Tool] = (),
+        self, messages: Sequence[Message], tools: Sequence[ToolLike] = (),
         add_generation_prompt: bool = False,
     ) -> str:
         """transformers' rendering of `messages` (what `apply_chat_template(...,
@@ -139,14 +140,14 @@ class HFTemplateFormat:
     def end_of_turn_token_id(self) -> int | None:
         return self._end_of_turn_id
 
-    def render_fixed_prefix(self, system: str | None, tools: Sequence[Tool]) -> list[int]:
+    def render_fixed_prefix(self, system: str | None, tools: Sequence[ToolLike]) -> list[int]:
         history = [] if system is None else [{"role": "system", "content": check_text(
             "system", system)}]
         return self._encode(self.render_text(history, tools))
 
     def render_message(
         self, role: str, content: str, name: str | None = None, *,
-        history: Sequence[Message] = (), tools: Sequence[Tool] = (),
+        history: Sequence[Message] = (), tools: Sequence[ToolLike] = (),
     ) -> list[int]:
         check_role(role)
         message = {"role": role, "content": check_text("content", content)}
@@ -158,7 +159,7 @@ class HFTemplateFormat:
                                                        "the rendering of the messages before it"))
 
     def generation_header(
-        self, *, history: Sequence[Message] = (), tools: Sequence[Tool] = ()
+        self, *, history: Sequence[Message] = (), tools: Sequence[ToolLike] = ()
     ) -> list[int]:
         earlier = self.render_text(history, tools)
         later = self.render_text(history, tools, add_generation_prompt=True)
@@ -171,7 +172,7 @@ class HFTemplateFormat:
         return list(self._closing)
 
     def render_reply(
-        self, text: str, *, history: Sequence[Message] = (), tools: Sequence[Tool] = ()
+        self, text: str, *, history: Sequence[Message] = (), tools: Sequence[ToolLike] = ()
     ) -> list[int]:
         reply = self._encode(check_text("text", text))
         if self._end_of_turn_id is not None:
