@@ -1,5 +1,8 @@
 """Probe a chat template: does every rendered prompt extend the previous prompt + the sampled reply?
 
+`probe_template` is the one writer of that verdict, for `prefixgym lint template` and
+for `HFTemplateFormat`, which refuses a template that breaks under its defaults.
+
 1) Read what the template knows (`switches.py`): its reasoning markers and the
    switches it reads, each tried both ways (the defaults first).
 2) Run every probe (`probes.py`) through the `Prober` (`prober.py`), which renders
