@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
 
@@ -42,6 +43,8 @@ from prefixgym.prompting.tools import (
     Tool,
     ToolCall,
     ToolCallError,
+    ToolLike,
+    as_tools,
     parse_tool_calls,
     tools_json,
 )
@@ -86,7 +89,7 @@ class AgentEnv(gym.Env[Observation, str]):
         *,
         max_turns: int = 8,
         invalid_penalty: float = 0.1,
-        tools: list[Tool] | None = None,
+        tools: Sequence[ToolLike] | None = None,
         render_mode: str | None = None,
     ) -> None:
         if not isinstance(max_turns, int) or max_turns < 1:
@@ -97,7 +100,8 @@ class AgentEnv(gym.Env[Observation, str]):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.max_turns = max_turns
         self.invalid_penalty = float(invalid_penalty)
-        self.tools: list[Tool] = list(tools or [])
+        # a typed function or a pydantic model class becomes a Tool exactly as @tool makes it
+        self.tools: list[Tool] = as_tools(tools)
         tools_json(self.tools)  # fails early on duplicate tool names
         self.render_mode = render_mode
         self.observation_space = messages_space()

@@ -43,7 +43,7 @@ from prefixgym.prompting.hf_template import (  # re-exported: the second ChatFor
     hf_tools,
 )
 from prefixgym.prompting.messages import MESSAGE_ROLES, Message, check_role, check_text
-from prefixgym.prompting.tools import Tool, tools_json
+from prefixgym.prompting.tools import ToolLike, tools_json
 
 __all__ = [
     "MESSAGE_ROLES",
@@ -73,21 +73,21 @@ class ChatFormat(Protocol):
     @property
     def end_of_turn_token_id(self) -> int | None: ...
 
-    def render_fixed_prefix(self, system: str | None, tools: Sequence[Tool]) -> list[int]: ...
+    def render_fixed_prefix(self, system: str | None, tools: Sequence[ToolLike]) -> list[int]: ...
 
     def render_message(
         self, role: str, content: str, name: str | None = None, *,
-        history: Sequence[Message] = (), tools: Sequence[Tool] = (),
+        history: Sequence[Message] = (), tools: Sequence[ToolLike] = (),
     ) -> list[int]: ...
 
     def generation_header(
-        self, *, history: Sequence[Message] = (), tools: Sequence[Tool] = ()
+        self, *, history: Sequence[Message] = (), tools: Sequence[ToolLike] = ()
     ) -> list[int]: ...
 
     def end_of_turn(self, after_token: int | None = None) -> list[int]: ...
 
     def render_reply(
-        self, text: str, *, history: Sequence[Message] = (), tools: Sequence[Tool] = ()
+        self, text: str, *, history: Sequence[Message] = (), tools: Sequence[ToolLike] = ()
     ) -> list[int]: ...
 
 
@@ -136,7 +136,7 @@ class ChatMLFormat:
     def _block(self, header_and_body: str) -> list[int]:
         return [self.im_start, *self.encode_plain(header_and_body), self.im_end, *self._newline]
 
-    def render_fixed_prefix(self, system: str | None, tools: Sequence[Tool]) -> list[int]:
+    def render_fixed_prefix(self, system: str | None, tools: Sequence[ToolLike]) -> list[int]:
         if system is not None:
             check_text("system", system)
         schema = tools_json(list(tools)) if tools else ""
@@ -157,7 +157,7 @@ class ChatMLFormat:
 
     def render_message(
         self, role: str, content: str, name: str | None = None, *,
-        history: Sequence[Message] = (), tools: Sequence[Tool] = (),
+        history: Sequence[Message] = (), tools: Sequence[ToolLike] = (),
     ) -> list[int]:
         check_role(role)
         check_text("content", content)
@@ -165,7 +165,7 @@ class ChatMLFormat:
         return self._block(f"{header}\n{content}")
 
     def generation_header(
-        self, *, history: Sequence[Message] = (), tools: Sequence[Tool] = ()
+        self, *, history: Sequence[Message] = (), tools: Sequence[ToolLike] = ()
     ) -> list[int]:
         return list(self._header)
 
@@ -175,6 +175,6 @@ class ChatMLFormat:
         return [self.im_end, *self._newline]
 
     def render_reply(
-        self, text: str, *, history: Sequence[Message] = (), tools: Sequence[Tool] = ()
+        self, text: str, *, history: Sequence[Message] = (), tools: Sequence[ToolLike] = ()
     ) -> list[int]:
         return [*self.encode_plain(check_text("text", text)), self.im_end]

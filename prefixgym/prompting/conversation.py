@@ -1,6 +1,6 @@
 """Conversation: a token sequence that only grows, built one segment at a time.
 
-    conv = Conversation(tokenizer, system="...", tools=[lookup])
+    conv = Conversation(tokenizer, system="...", tools=[lookup])  # Tools, functions, models
     prompt = conv.generation_prompt()            # history + assistant header
     conv.add_sampled(seq.tokens, stop_reason=seq.stop_reason)
     conv.add_tool_result("lookup", "42")         # or add_user(text), add_messages(obs)
@@ -38,7 +38,7 @@ from transformers import PreTrainedTokenizerBase
 
 from prefixgym.prompting.chat_format import ChatFormat, ChatMLFormat, HFTemplateFormat
 from prefixgym.prompting.tokenizer import builtin_chat_template
-from prefixgym.prompting.tools import Tool
+from prefixgym.prompting.tools import Tool, ToolLike, as_tools
 from prefixgym.types import ModelInput
 
 SegmentKind = Literal["prefix", "message", "header", "reply", "closing"]
@@ -106,7 +106,7 @@ class Conversation:
         self,
         tokenizer: PreTrainedTokenizerBase,
         system: str | None = None,
-        tools: Sequence[Tool] = (),
+        tools: Sequence[ToolLike] = (),
         chat_format: ChatFormat | None = None,
         chat_template: str | None = None,
     ) -> None:
@@ -114,13 +114,11 @@ class Conversation:
             raise ValueError("give chat_format or chat_template, not both")
         if system is not None and not isinstance(system, str):
             raise ValueError(f"system must be a str or None, got {type(system).__name__}")
-        for i, t in enumerate(tools):
-            if not isinstance(t, Tool):
-                raise ValueError(f"tools[{i}] is {type(t).__name__}, expected prefixgym Tool")
+        # a typed function or a pydantic model class becomes a Tool exactly as @tool makes it
+        self.tools: list[Tool] = as_tools(tools)
         self.tokenizer = tokenizer
         self.format: ChatFormat = chat_format or chat_format_for(tokenizer, chat_template)
         self.system = system
-        self.tools: list[Tool] = list(tools)
         self._vocab_size = len(tokenizer)
         self._tokens: list[int] = []
         self._segments: list[Segment] = []

@@ -4,9 +4,11 @@
 render-and-diff: it renders the conversation with and without the new message exactly
 as transformers' `apply_chat_template(..., tokenize=False)` would, and tokenizes the
 text difference. That only works for templates whose rendering of a conversation
-extends the rendering of its beginning; the constructor probes the template with a
-small conversation and raises `TemplateNotAppendOnlyError` (where, and why) for one
-that is not.
+extends the rendering of its beginning, and that render a reply as it was sampled.
+The constructor runs the linter's probes (`lint.template.probe_template`: replies
+with reasoning blocks, with whitespace around them, ending with and without the
+end-of-turn token, tools passed and not) under the template's defaults, and raises
+`TemplateNotAppendOnlyError` with the linter's rule and reason for one that breaks.
 
 This module knows templates, text and tokens; it keeps no conversation state and
 knows nothing of the built-in ChatML format, sampling, caches or envs.
@@ -20,46 +22,53 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from prefixgym.prompting.lint.findings import RULES, Finding
+from prefixgym.prompting.lint.template import probe_template
 from prefixgym.prompting.messages import Message, check_role, check_text
-from prefixgym.prompting.tools import Tool
+from prefixgym.prompting.tools import ToolLike, as_tools
 from prefixgym.types import JSONObject
 
 __all__ = ["HFTemplateFormat", "TemplateNotAppendOnlyError", "hf_tools"]
 
 
 class TemplateNotAppendOnlyError(ValueError):
-    """A chat template renders a longer conversation as something other than an extension."""
+    """A chat template renders a longer conversation as something other than an extension.
 
-    def __init__(self, reason: str, index: int, earlier: str, later: str) -> None:
+    `earlier` and `later` are the two renderings, or windows of them that begin at
+    character `start`; `index` is where they part, counted from the renderings' start.
+    `rule` is the linter's rule code (PG101...) when the linter's probes found it."""
+
+    def __init__(self, reason: str, index: int, earlier: str, later: str, *,
+                 rule: str | None = None, start: int = 0) -> None:
         self.reason = reason
         self.index = index
-        lo = max(0, index - 40)
-        self.earlier_text = earlier[lo : index + 40]
-        self.later_text = later[lo : index + 40]
+        self.rule = rule
+        lo = max(0, index - start - 40)
+        self.earlier_text = earlier[lo : index - start + 40]
+        self.later_text = later[lo : index - start + 40]
+        code = f" ({rule} {RULES[rule].name})" if rule in RULES else ""
         super().__init__(
-            f"chat template is not append-only: {reason}. First difference at character "
+            f"chat template is not append-only{code}: {reason}. First difference at character "
             f"{index}: the earlier rendering reads {self.earlier_text!r}, the later one reads "
             f"{self.later_text!r}. Building prompts by appending tokens would not match what "
             "the template renders; pass an append-only template (e.g. one that keeps past "
             "reasoning) or use the built-in format"
         )
 
+    @classmethod
+    def from_finding(cls, finding: Finding) -> TemplateNotAppendOnlyError:
+        """The error for a linter finding: its reason, where it was seen and the text."""
+        index = finding.first_divergence or 0
+        caret = finding.caret or 0
+        return cls(f"{finding.message} (seen in {finding.location})", index,
+                   finding.expected or "", finding.actual or "", rule=finding.rule,
+                   start=index - caret)
 
-def hf_tools(tools: Sequence[Tool]) -> list[JSONObject] | None:
-    """Tools as Hugging Face chat templates expect them ({"type": "function", ...})."""
-    return [{"type": "function", "function": t.schema()} for t in tools] or None
 
-
-_PROBE_SYSTEM = {"role": "system", "content": "You are a careful assistant."}
-_PROBE_TURNS: list[dict[str, str]] = [
-    {"role": "user", "content": "What is stored under key a?"},
-    {"role": "assistant", "content": "<think>\nI should look it up.\n</think>\n\n"
-     '<tool_call>{"name": "lookup", "arguments": {"key": "a"}}</tool_call>'},
-    {"role": "tool", "name": "lookup", "content": "42"},
-    {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\nIt is 42."},
-    {"role": "user", "content": "Thanks. And key b?"},
-    {"role": "assistant", "content": "I do not know."},
-]
+def hf_tools(tools: Sequence[ToolLike]) -> list[JSONObject] | None:
+    """Tools as Hugging Face chat templates expect them ({"type": "function", ...}); a
+    function or a pydantic model class is converted as `@tool` / `Tool.from_model` do."""
+    return [{"type": "function", "function": t.schema()} for t in as_tools(tools)] or None
 
 
 class HFTemplateFormat:
@@ -80,8 +89,7 @@ class HFTemplateFormat:
             )
         self.tokenizer = tokenizer
         self.chat_template = template
-        closing_text = self._probe()
-        closing = self._encode(closing_text)
+        closing = self._encode(self._probe())
         specials = set(tokenizer.all_special_ids)
         eos = tokenizer.eos_token_id
         if closing and closing[0] in specials:
@@ -95,7 +103,7 @@ class HFTemplateFormat:
     # -- rendering ---------------------------------------------------------------
 
     def render_text(
-        self, messages: Sequence[Message], tools: Sequence[Tool] = (),
+        self, messages: Sequence[Message], tools: Sequence[ToolLike] = (),
         add_generation_prompt: bool = False,
     ) -> str:
         """transformers' rendering of `messages` (what `apply_chat_template(...,
@@ -139,14 +147,14 @@ class HFTemplateFormat:
     def end_of_turn_token_id(self) -> int | None:
         return self._end_of_turn_id
 
-    def render_fixed_prefix(self, system: str | None, tools: Sequence[Tool]) -> list[int]:
+    def render_fixed_prefix(self, system: str | None, tools: Sequence[ToolLike]) -> list[int]:
         history = [] if system is None else [{"role": "system", "content": check_text(
             "system", system)}]
         return self._encode(self.render_text(history, tools))
 
     def render_message(
         self, role: str, content: str, name: str | None = None, *,
-        history: Sequence[Message] = (), tools: Sequence[Tool] = (),
+        history: Sequence[Message] = (), tools: Sequence[ToolLike] = (),
     ) -> list[int]:
         check_role(role)
         message = {"role": role, "content": check_text("content", content)}
@@ -158,7 +166,7 @@ class HFTemplateFormat:
                                                        "the rendering of the messages before it"))
 
     def generation_header(
-        self, *, history: Sequence[Message] = (), tools: Sequence[Tool] = ()
+        self, *, history: Sequence[Message] = (), tools: Sequence[ToolLike] = ()
     ) -> list[int]:
         earlier = self.render_text(history, tools)
         later = self.render_text(history, tools, add_generation_prompt=True)
@@ -171,7 +179,7 @@ class HFTemplateFormat:
         return list(self._closing)
 
     def render_reply(
-        self, text: str, *, history: Sequence[Message] = (), tools: Sequence[Tool] = ()
+        self, text: str, *, history: Sequence[Message] = (), tools: Sequence[ToolLike] = ()
     ) -> list[int]:
         reply = self._encode(check_text("text", text))
         if self._end_of_turn_id is not None:
@@ -181,47 +189,23 @@ class HFTemplateFormat:
     # -- the probe ------------------------------------------------------------------
 
     def _probe(self) -> str:
-        """Render a small conversation turn by turn, as a Conversation would build it.
+        """Run the linter's probes (`lint.template.probe_template`), rendering as this
+        adapter does, and return the closing text (what follows a reply's content).
 
-        Returns the closing text (what follows an assistant message's content); raises
-        TemplateNotAppendOnlyError at the first rendering that is not an extension."""
-        try:
-            self.render_text([_PROBE_SYSTEM])
-            start: list[dict[str, str]] = [dict(_PROBE_SYSTEM)]
-        except ValueError:  # a template without a system role
-            start = []
-        try:
-            return self._probe_turns(start, _PROBE_TURNS)
-        except TemplateNotAppendOnlyError:
-            raise
-        except ValueError:  # a template without tool messages: probe plain dialogue
-            plain = [m for m in _PROBE_TURNS[3:]]
-            plain.insert(0, _PROBE_TURNS[0])
-            return self._probe_turns(start, plain)
-
-    def _probe_turns(self, start: list[dict[str, str]], turns: list[dict[str, str]]) -> str:
-        history = list(start)
-        closing: str | None = None
-        rendered = self.render_text(history)
-        for message in turns:
-            if message["role"] == "assistant":
-                prompt = self.render_text(history, add_generation_prompt=True)
-                self._diff(rendered, prompt, "the generation prompt does not extend the "
-                                             "rendered conversation")
-                full = self.render_text([*history, message])
-                expected = prompt + message["content"]
-                self._diff(expected, full, "an assistant reply is not rendered as the generation prompt "
-                           "followed by the reply text unchanged")
-                if closing is None:
-                    closing = full[len(expected):]
-            else:
-                full = self.render_text([*history, message])
-                self._diff(rendered, full, f"adding a {message['role']} message changes the "
-                                           "rendering of the earlier turns (e.g. past reasoning "
-                                           "or tool calls are dropped or rewritten)")
-            history.append(message)
-            rendered = full
-        return closing or ""
+        Raises TemplateNotAppendOnlyError, with the linter's rule and reason, for the
+        first rule that breaks under the template's defaults (the adapter passes no
+        switch); ValueError when the template renders none of the probes."""
+        specials: dict[str, Any] = dict(self.tokenizer.special_tokens_map)
+        report = probe_template(self.chat_template, specials.get("bos_token"),
+                                specials.get("eos_token"), origin="chat template",
+                                variables=specials)
+        if report.num_checked_by_default == 0:
+            failed = next((f.message for f in report.findings if f.rule in ("PG106", "PG109")), "")
+            raise ValueError(f"chat template failed to render the probe conversations: {failed}")
+        finding = report.first_default_break()
+        if finding is not None:
+            raise TemplateNotAppendOnlyError.from_finding(finding)
+        return report.closing or ""
 
 
 def _first_difference(a: str, b: str) -> int:

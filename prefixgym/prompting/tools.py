@@ -3,7 +3,9 @@
 A `Tool` is a name, a description, a pydantic model of its arguments and (optionally)
 the Python function that runs it. It is built from a typed function (the docstring
 gives the description, its Google-style "Args:" section the per-argument
-descriptions) or from a pydantic model.
+descriptions) or from a pydantic model. Every `tools=` argument in prefixgym takes
+a `ToolLike`: a Tool, a typed function or a pydantic model class, converted by
+`as_tools` exactly as `@tool` and `Tool.from_model` do.
 
 In the built-in format an assistant calls a tool by writing
 `<tool_call>{"name": "...", "arguments": {...}}</tool_call>` in its reply.
@@ -19,7 +21,7 @@ import inspect
 import json
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -172,15 +174,47 @@ def tool(
     return lambda f: Tool.from_function(f, name=name, description=description)
 
 
-def tools_json(tools: list[Tool]) -> str:
+ToolLike = Tool | Callable[..., Any] | type[BaseModel]
+"""What a `tools=` argument takes: a Tool, a typed function or a pydantic model class."""
+
+_EXPECTED = "expected a prefixgym Tool, a typed function or a pydantic model class"
+
+
+def as_tool(obj: ToolLike, where: str = "tool") -> Tool:
+    """`obj` as a Tool: a Tool as it is, a pydantic model class as `Tool.from_model`
+    makes it, a function as `@tool` does. ValueError (naming `where`) for anything else."""
+    if isinstance(obj, Tool):
+        return obj
+    if isinstance(obj, type) and not issubclass(obj, BaseModel) or not callable(obj):
+        what = f"the class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
+        raise ValueError(f"{where} is {what}, {_EXPECTED}")
+    try:
+        if isinstance(obj, type):
+            return Tool.from_model(obj)
+        return Tool.from_function(obj)
+    except (ValueError, TypeError) as e:  # a signature inspect cannot read is a TypeError
+        raise ValueError(f"{where}: {e}") from None
+
+
+def as_tools(tools: Iterable[ToolLike] | None, where: str = "tools") -> list[Tool]:
+    """Each of `tools` as a Tool (see `as_tool`); errors name the position: 'tools[1] ...'."""
+    if tools is None:
+        return []
+    if isinstance(tools, (str, bytes, Tool, type)) or callable(tools):
+        raise ValueError(f"{where} must be a list of tools, got {type(tools).__name__}")
+    return [as_tool(t, f"{where}[{i}]") for i, t in enumerate(tools)]
+
+
+def tools_json(tools: Iterable[ToolLike]) -> str:
     """The tool schemas as one JSON array, byte-identical across runs and processes.
 
     Keys are sorted, separators compact, and tools keep the order given."""
-    names = [t.name for t in tools]
+    specs = as_tools(tools)
+    names = [t.name for t in specs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"duplicate tool names: {duplicates}")
-    return json.dumps([t.schema() for t in tools], sort_keys=True, separators=(",", ":"),
+    return json.dumps([t.schema() for t in specs], sort_keys=True, separators=(",", ":"),
                       ensure_ascii=False)
 
 
@@ -190,12 +224,13 @@ def format_tool_call(name: str, arguments: JSONObject) -> str:
     return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
 
 
-def parse_tool_calls(text: str, tools: list[Tool]) -> list[ToolCall | ToolCallError]:
-    """Every `<tool_call>...</tool_call>` block in `text`, in order. Never raises.
+def parse_tool_calls(text: str, tools: Iterable[ToolLike]) -> list[ToolCall | ToolCallError]:
+    """Every `<tool_call>...</tool_call>` block in `text`, in order. Never raises on the
+    text (only on `tools` that are not tools, as `as_tools` does).
 
     An unclosed block is malformed_json; so is a block that is not a JSON object with
     a string "name" and an object "arguments" (which may be omitted)."""
-    by_name = {t.name: t for t in tools}
+    by_name = {t.name: t for t in as_tools(tools)}
     results: list[ToolCall | ToolCallError] = []
     if not isinstance(text, str):
         return [ToolCallError(kind="malformed_json", message="reply is not text", raw=repr(text))]

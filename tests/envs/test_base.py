@@ -4,8 +4,10 @@ rendering, async reset/step, and the AnyText space."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 from prefixgym.envs import AgentEnv, AnyText, Outcome, messages_space
 from prefixgym.prompting.tools import Tool, format_tool_call
@@ -71,6 +73,37 @@ def test_tool_call_returns_tool_message_with_zero_reward() -> None:
     assert obs == ({"role": "tool", "name": "double", "content": "42"},)
     assert (reward, terminated, truncated, info["invalid_action"]) == (0.0, False, False, False)
     assert info["num_tool_calls"] == 1 and info["num_tool_errors"] == 0
+
+
+class Halve(BaseModel):
+    """Halve a number."""
+
+    x: int
+
+
+class PlainTools(AgentEnv):
+    """Tools given as a typed function and a pydantic model class, not as Tools."""
+
+    def __init__(self, tools: list[Any]) -> None:
+        super().__init__(tools=tools)
+
+    def _reset_task(self) -> str:
+        return "Go."
+
+    def _act(self, text: str) -> Outcome:
+        return Outcome("", done=True)
+
+
+def test_function_and_model_tools_are_converted_as_tool_does() -> None:
+    env = PlainTools([double, Halve])
+    assert [t.schema() for t in env.tools] == [Tool.from_function(double).schema(),
+                                               Tool.from_model(Halve).schema()]
+    env.reset(seed=0)
+    obs, reward, _, _, info = env.step(format_tool_call("double", {"x": 21}))
+    assert obs == ({"role": "tool", "name": "double", "content": "42"},)
+    assert info["num_tool_calls"] == 1 and info["num_tool_errors"] == 0
+    with pytest.raises(ValueError, match=r"tools\[1\] is int, expected a prefixgym Tool"):
+        PlainTools([double, 7])
 
 
 def test_failing_tool_gives_error_message_but_is_not_invalid() -> None:

@@ -11,10 +11,11 @@ import sys
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
 from prefixgym.prompting import Conversation, HFTemplateFormat, Segment
 from prefixgym.prompting.tokenizer import load_tokenizer
-from prefixgym.prompting.tools import tool
+from prefixgym.prompting.tools import Tool, tool
 from prefixgym.types import ModelInput
 
 IM_START, IM_END, EOS = 1, 2, 0
@@ -286,8 +287,43 @@ def test_bad_samples_raise_and_leave_the_conversation_unchanged(tok):
 def test_constructor_errors(tok):
     with pytest.raises(ValueError, match="not both"):
         Conversation(tok, chat_format=object(), chat_template="x")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="tools\\[0\\]"):
+    with pytest.raises(ValueError, match="tools\\[0\\] is dict, expected a prefixgym Tool, "
+                                         "a typed function or a pydantic model class"):
         Conversation(tok, tools=[{"name": "lookup"}])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="tools\\[1\\]: tool 'untyped': parameter 'x' needs"):
+        Conversation(tok, tools=[lookup, untyped])
+
+
+def untyped(x):  # type: ignore[no-untyped-def]
+    return x
+
+
+class Find(BaseModel):
+    """Find a key."""
+
+    key: str
+
+
+def plain_lookup(key: str) -> str:
+    """Look up the value stored under a key.
+
+    Args:
+        key: The key to look up.
+    """
+    return "42"
+
+
+@pytest.mark.parametrize("through_template", [False, True])
+def test_plain_functions_and_pydantic_models_are_tools(tok, through_template):
+    # converted exactly as @tool and Tool.from_model do, for both chat formats
+    template = tok.chat_template if through_template else None
+    given = Conversation(tok, system="S", tools=[plain_lookup, Find], chat_template=template)
+    made = Conversation(tok, system="S", tools=[tool(plain_lookup), Tool.from_model(Find)],
+                        chat_template=template)
+    assert given.tokens == made.tokens
+    assert [t.schema() for t in given.tools] == [t.schema() for t in made.tools]
+    assert given.tools[0].call({"key": "a"}) == "42"
+    assert '"name":"find"' in tok.decode(given.fixed_prefix)
 
 
 def test_generation_prompt_is_a_model_input(tok):

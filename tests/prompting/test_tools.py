@@ -11,10 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
+from prefixgym.prompting.hf_template import hf_tools
 from prefixgym.prompting.tools import (
     Tool,
     ToolCall,
     ToolCallError,
+    as_tool,
+    as_tools,
     format_tool_call,
     parse_tool_calls,
     tool,
@@ -200,3 +203,44 @@ def test_parse_survives_deep_nesting_and_huge_text() -> None:
     [result] = parse_tool_calls(deep, TOOLS)
     assert isinstance(result, ToolCallError) and result.kind == "malformed_json"
     assert parse_tool_calls("a" * 1_000_000, TOOLS) == []
+
+
+def plain_add(a: int, b: int = 2) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first addend.
+        b: The second addend.
+    """
+    return a + b
+
+
+def test_functions_and_models_convert_exactly_as_tool_and_from_model() -> None:
+    converted = as_tools([plain_add, Lookup, LOOKUP])
+    assert converted[0].schema() == tool(plain_add).schema()
+    assert converted[1].schema() == Tool.from_model(Lookup).schema()
+    assert converted[2] is LOOKUP
+    assert converted[0].call({"a": 1}) == "3"
+    assert as_tool(plain_add).fn is plain_add
+    # every tools= argument takes them: JSON, HF tool dicts, call parsing
+    assert tools_json([plain_add, Lookup]) == tools_json([tool(plain_add), Tool.from_model(Lookup)])
+    assert hf_tools([plain_add]) == [{"type": "function", "function": tool(plain_add).schema()}]
+    assert hf_tools([]) is None
+    call = format_tool_call("plain_add", {"a": 4})
+    assert parse_tool_calls(call, [plain_add]) == [ToolCall(name="plain_add", arguments={"a": 4})]
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ([3], r"tools\[0\] is int, expected a prefixgym Tool, a typed function or a pydantic model"),
+    ([add, dict], r"tools\[1\] is the class dict, expected"),
+    ([{"type": "function"}], r"tools\[0\] is dict, expected"),
+    ([lambda x: x], r"tools\[0\]: tool '<lambda>': parameter 'x' needs a type annotation"),
+    ([lambda: 0], r"tools\[0\]: tool name must match"),
+    ([len], r"tools\[0\]: tool 'len': parameter 'obj' must be a plain or keyword-only"),
+    (plain_add, r"tools must be a list of tools, got function"),
+    ("lookup", r"tools must be a list of tools, got str"),
+])
+def test_anything_else_is_a_one_line_value_error(value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as info:
+        as_tools(value)  # type: ignore[arg-type]
+    assert "\n" not in str(info.value)

@@ -27,7 +27,7 @@ RULES: dict[str, Rule] = {
     r.code: r
     for r in [
         Rule("PG101", "reasoning-stripped", "error",
-             "the template drops the reasoning block of earlier assistant turns"),
+             "the template drops the reasoning block of assistant turns from the history"),
         Rule("PG102", "system-moved", "error",
              "the system prompt moves (or disappears) as the conversation grows"),
         Rule("PG103", "end-of-turn-changed", "error",
@@ -46,6 +46,10 @@ RULES: dict[str, Rule] = {
              "the template raised on a probe conversation, which was not checked"),
         Rule("PG110", "token-boundary-merge", "warning",
              "the text extends the previous prompt but its tokens do not"),
+        Rule("PG111", "reasoning-opener-dropped", "error",
+             "the generation prompt opens a reasoning block that the history does not keep"),
+        Rule("PG112", "reply-whitespace-changed", "error",
+             "the history renders a reply with other whitespace than was sampled"),
         Rule("PG201", "retokenized-history", "error",
              "history was re-tokenized: same text, different token ids"),
         Rule("PG202", "fixed-prefix-changed", "error",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, tzinfo
 from typing import Any
 
@@ -104,21 +104,24 @@ def fixed_clock(when: datetime) -> Iterator[None]:
 class TemplateRenderer:
     """Renders message lists with one chat template, BOS and EOS strings.
 
+    `variables` are passed to every render (a tokenizer's other special tokens).
     Raises `LintInputError` at construction when the template does not compile.
     """
 
     def __init__(self, template: str, bos_token: str | None, eos_token: str | None,
-                 origin: str = "<template>") -> None:
+                 origin: str = "<template>", variables: Mapping[str, Any] | None = None) -> None:
         self.template = template
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
+        self.variables = dict(variables or {})
         self._backend = _transformers_backend()
         try:
             if self._backend is not None:
-                self._backend[0]._compile_jinja_template(template)
+                compiled = self._backend[0]._compile_jinja_template(template)
                 self._fallback = None
             else:
-                self._fallback = _fallback_compile(template)
+                compiled = self._fallback = _fallback_compile(template)
+            self.syntax_tree = compiled.environment.parse(template)
         except jinja2.TemplateSyntaxError as exc:
             raise LintInputError(f"{origin}:{exc.lineno}: template does not compile: {exc.message}") from None
 
@@ -127,8 +130,12 @@ class TemplateRenderer:
         return bool(DATE_READ_PATTERN.search(self.template))
 
     def render(self, messages: list[JSONObject], add_generation_prompt: bool,
-               tools: list[JSONObject] | None = None, clock: datetime = CLOCK_A) -> str:
-        kwargs = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+               tools: list[JSONObject] | None = None, clock: datetime = CLOCK_A,
+               variables: Mapping[str, Any] | None = None) -> str:
+        """The template's text for `messages`; `variables` (a switch such as
+        enable_thinking) are passed beside the constructor's. Raises `RenderError`."""
+        kwargs = {**self.variables, **(variables or {}),
+                  "bos_token": self.bos_token, "eos_token": self.eos_token}
         try:
             with fixed_clock(clock):
                 if self._fallback is not None:

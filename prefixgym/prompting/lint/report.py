@@ -92,6 +92,11 @@ def _summary(report: Report) -> str:
                      f"(block {data['block_size']}, capacity {data['capacity_tokens']} tokens)")
         if data["observed_hit_rate"] is not None:
             parts.append(f"observed {data['observed_hit_rate']:.1%}")
+    if data.get("kind") == "template":
+        parts.append(f"{len(data['probes_checked'])} probes checked")
+        if data["probes_skipped"]:
+            parts.append(f"{len(data['probes_skipped'])} skipped (the template raised under a "
+                         "switch setting the probes chose)")
     if data.get("kind") == "env":
         parts.append(f"{data['episodes']} expert episodes, {data['requests']} requests")
         parts.append(f"predicted hit rate {data['predicted_hit_rate']:.1%}")

@@ -82,3 +82,70 @@ SENTENCEPIECE_SPACE = (
     "{%- endif %}"
     "{%- endfor %}"
 )
+
+# -- templates for the probes that sample like models -------------------------------------
+
+
+def _chatml_with(assistant: str, generation: str = "") -> str:
+    """ChatML where an assistant turn renders as the Jinja expression `assistant` (over `c`,
+    the content) and the generation prompt adds `generation` (a Jinja statement block)."""
+    return (
+        "{%- for m in messages %}{%- set c = m.content %}"
+        "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + " + assistant + " }}"
+        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + c }}{%- endif %}"
+        + _TOOL_CALLS + "{{- '<|im_end|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}" + generation + "{%- endif %}"
+    )
+
+
+# DeepSeek-R1-like: every assistant turn, the one just sampled too, keeps only what follows
+# '</think>'. The old probes read the reply off the history and missed it.
+DROPS_REASONING = _chatml_with("(c.split('</think>')[-1] if '</think>' in c else c)")
+
+# A thinking switch opens '<think>' in the generation prompt, while the history renders an
+# assistant turn as '</think>' + answer (without the switch: reasoning dropped, PG101).
+def thinking_switch_drops_opener(switch: str) -> str:
+    return _chatml_with("('</think>' + c.split('</think>')[-1] if '</think>' in c else c)",
+                        "{%- if " + switch + " %}{{- '<think>\\n' }}{%- endif %}")
+
+
+SWITCH_DROPS_OPENER = thinking_switch_drops_opener("enable_thinking")
+
+# The same switch, but the history keeps the block the prompt opened: append-only.
+SWITCH_KEEPS_REASONING = _chatml_with(
+    "('<think>\\n' + c.split('</think>')[0].split('<think>')[-1].strip('\\n') + '\\n</think>\\n\\n'"
+    " + c.split('</think>')[-1].lstrip('\\n') if '</think>' in c else c)",
+    "{%- if enable_thinking %}{{- '<think>\\n' }}{%- endif %}",
+)
+
+# Llama-2-like: ' ' + content.strip() + ' ' + EOS, so a reply that ends on EOS without the
+# space, or with whitespace around it, is not what the history renders.
+STRIPS_REPLY = (
+    "{{- bos_token }}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{- ' ' + m.content.strip() + ' ' + eos_token }}"
+    "{%- else %}{{- '[INST] ' + m.content.strip() + ' [/INST]' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
+# Llama-3/Gemma-like: the reply is trimmed; breaks only for replies with whitespace around.
+TRIMS_REPLY = _chatml_with("(c | trim)")
+
+# Drops a <reasoning> block (not <think>): only a probe that reads the marker finds it.
+DROPS_REASONING_TAG = _chatml_with("(c.split('</reasoning>')[-1] if '</reasoning>' in c else c)")
+
+# Lists the tools in the last user message: breaks only when tools are passed.
+TOOLS_IN_LAST_USER = (
+    "{%- set ns = namespace(last=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}{%- set c = m.content %}"
+    "{%- if tools and loop.index0 == ns.last %}"
+    "{%- set c = c + '\\n\\nTools: ' + (tools | map(attribute='function') | map(attribute='name')"
+    " | join(', ')) %}{%- endif %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + c }}" + _TOOL_CALLS + "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)

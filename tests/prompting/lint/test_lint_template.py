@@ -17,7 +17,13 @@ def test_chatml_is_append_only_and_clean() -> None:
     report = probe_template(T.CHATML, "", "<|im_end|>")
     assert report.append_only
     assert report.findings == []
-    assert len(report.probes_checked) == 6
+    # {no system, system} x {no tools, tools} x {plain, <think>, spaces, newlines}, and
+    # the tool call with tools: the template reads no switch, so only its defaults
+    assert len(report.probes_checked) == 18
+    assert {"plain", "system+tools+reasoning <think>", "tools+spaces", "newlines",
+            "system+tools+tool-call"} <= set(report.probes_checked)
+    assert report.probes_skipped == {} and report.breaks_by_default == []
+    assert report.closing == "<|im_end|>\n"
     assert report.reads_date is False
 
 
@@ -63,7 +69,8 @@ def test_system_role_refused_fires_pg106_and_checks_the_rest() -> None:
     report = probe_template(T.REFUSES_SYSTEM, "", "<|im_end|>")
     assert {f.rule for f in report.findings} == {"PG106"}
     assert "System role not supported" in report.findings[0].message
-    assert report.probes_checked == ["plain", "reasoning", "tools"]
+    assert len(report.probes_checked) == 9
+    assert not any(name.startswith("system+") for name in report.probes_checked)
     assert report.append_only
 
 

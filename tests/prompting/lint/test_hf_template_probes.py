@@ -1,0 +1,75 @@
+"""`HFTemplateFormat` runs the linter's probes: it refuses what `lint template` calls a
+break under the template's defaults, with the same rule and reason, and accepts the rest."""
+
+from __future__ import annotations
+
+import lint_templates as T
+import pytest
+
+from prefixgym.prompting import Conversation, HFTemplateFormat, TemplateNotAppendOnlyError
+from prefixgym.prompting.lint.template import probe_template
+from prefixgym.prompting.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+@pytest.mark.parametrize("name", ["STRIPS_THINK", "DROPS_REASONING", "SWITCH_DROPS_OPENER",
+                                  "STRIPS_REPLY", "TRIMS_REPLY", "DROPS_REASONING_TAG",
+                                  "TOOLS_IN_LAST_USER", "EOS_IN_HISTORY", "WHITESPACE_CHANGES"])
+def test_adapter_refuses_with_the_linters_rule_and_reason(tok, name):
+    template = getattr(T, name)
+    report = probe_template(template, tok.bos_token, tok.eos_token)
+    expected = report.first_default_break()
+    assert expected is not None
+    with pytest.raises(TemplateNotAppendOnlyError) as info:
+        HFTemplateFormat(tok, template)
+    err = info.value
+    assert err.rule == expected.rule
+    assert err.reason.startswith(expected.message)
+    assert err.index == expected.first_divergence
+    assert expected.expected is not None and expected.caret is not None
+    assert err.earlier_text == expected.expected[: expected.caret + 40]
+    with pytest.raises(TemplateNotAppendOnlyError):
+        Conversation(tok, system="S", chat_template=template)
+
+
+def test_adapter_refuses_the_reply_trimming_template_it_used_to_accept(tok):
+    # '| trim' renders a reply sampled with whitespace around it otherwise
+    with pytest.raises(TemplateNotAppendOnlyError) as info:
+        HFTemplateFormat(tok, T.TRIMS_REPLY)
+    assert info.value.rule == "PG112"
+    assert "breaks only when (the reply has newlines around it or the reply has spaces" \
+        in info.value.reason
+
+
+def test_break_only_under_a_switch_the_adapter_never_passes_is_accepted(tok):
+    # enable_thinking=True opens <think> that the history does not render; the adapter
+    # renders with the template's defaults, where every probe extends
+    template = T.thinking_switch_drops_opener("enable_thinking").replace(
+        "('</think>' + c.split('</think>')[-1] if '</think>' in c else c)", "c")
+    report = probe_template(template, tok.bos_token, tok.eos_token)
+    assert [f.rule for f in report.findings] == ["PG111"] and report.breaks_by_default == []
+    fmt = HFTemplateFormat(tok, template)
+    conv = Conversation(tok, system="S", chat_format=fmt)
+    conv.add_user("hi")
+    conv.add_sampled(tok.encode("<think>\nok\n</think>\n\nyes<|im_end|>", add_special_tokens=False),
+                     stop_reason="stop")
+    conv.add_user("more")
+    assert conv.extension_ok
+    assert conv.tokens == list(tok.apply_chat_template(
+        conv.messages, chat_template=template, tokenize=True, return_dict=False))
+
+
+def test_append_only_templates_are_accepted_and_closing_comes_from_the_probes(tok):
+    for template in (T.CHATML, T.SWITCH_KEEPS_REASONING, tok.chat_template):
+        fmt = HFTemplateFormat(tok, template)
+        assert fmt.end_of_turn() == [2, *tok.encode("\n", add_special_tokens=False)]
+        assert fmt.end_of_turn_token_id == 2
+
+
+def test_template_that_renders_no_probe_is_a_value_error(tok):
+    with pytest.raises(ValueError, match="failed to render the probe conversations: .*nope"):
+        HFTemplateFormat(tok, "{{ raise_exception('nope') }}")
