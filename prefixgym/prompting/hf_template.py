@@ -30,6 +30,12 @@ from prefixgym.types import JSONObject
 
 __all__ = ["HFTemplateFormat", "TemplateNotAppendOnlyError", "hf_tools"]
 
+CONVERSATION_UNAFFECTED = frozenset({"PG112"})
+"""Breaks that matter to code re-rendering history with the template, not to a
+`Conversation`: it keeps each reply's sampled ids verbatim and renders new messages by
+diffing two renderings that trim the reply alike (PG112: the template trims or pads
+the reply's whitespace). Llama-3's and Gemma's `content | trim` templates are usable."""
+
 
 class TemplateNotAppendOnlyError(ValueError):
     """A chat template renders a longer conversation as something other than an extension.
@@ -202,7 +208,8 @@ class HFTemplateFormat:
         if report.num_checked_by_default == 0:
             failed = next((f.message for f in report.findings if f.rule in ("PG106", "PG109")), "")
             raise ValueError(f"chat template failed to render the probe conversations: {failed}")
-        finding = report.first_default_break()
+        finding = next((f for f in report.findings if f.rule in report.breaks_by_default
+                        and f.rule not in CONVERSATION_UNAFFECTED), None)
         if finding is not None:
             raise TemplateNotAppendOnlyError.from_finding(finding)
         return report.closing or ""

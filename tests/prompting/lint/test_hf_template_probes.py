@@ -17,8 +17,8 @@ def tok():
 
 
 @pytest.mark.parametrize("name", ["STRIPS_THINK", "DROPS_REASONING", "SWITCH_DROPS_OPENER",
-                                  "STRIPS_REPLY", "TRIMS_REPLY", "DROPS_REASONING_TAG",
-                                  "TOOLS_IN_LAST_USER", "EOS_IN_HISTORY", "WHITESPACE_CHANGES"])
+                                  "DROPS_REASONING_TAG", "TOOLS_IN_LAST_USER",
+                                  "EOS_IN_HISTORY", "WHITESPACE_CHANGES"])
 def test_adapter_refuses_with_the_linters_rule_and_reason(tok, name):
     template = getattr(T, name)
     report = probe_template(template, tok.bos_token, tok.eos_token)
@@ -36,13 +36,22 @@ def test_adapter_refuses_with_the_linters_rule_and_reason(tok, name):
         Conversation(tok, system="S", chat_template=template)
 
 
-def test_adapter_refuses_the_reply_trimming_template_it_used_to_accept(tok):
-    # '| trim' renders a reply sampled with whitespace around it otherwise
-    with pytest.raises(TemplateNotAppendOnlyError) as info:
-        HFTemplateFormat(tok, T.TRIMS_REPLY)
-    assert info.value.rule == "PG112"
-    assert "breaks only when (the reply has newlines around it or the reply has spaces" \
-        in info.value.reason
+@pytest.mark.parametrize("name", ["TRIMS_REPLY", "STRIPS_REPLY"])
+def test_reply_trimming_templates_are_a_lint_finding_but_a_conversation_is_unaffected(tok, name):
+    # the linter reports PG112 (re-rendering history trims a reply sampled with
+    # whitespace), but a Conversation keeps the sampled ids, so its prompts still extend
+    template = getattr(T, name)
+    report = probe_template(template, tok.bos_token, tok.eos_token)
+    assert report.first_default_break() is not None
+    assert report.first_default_break().rule == "PG112"
+    conv = Conversation(tok, system="S", chat_template=template)
+    conv.add_user("hi")
+    prompt = conv.generation_prompt()
+    reply = tok.encode("  yes \n", add_special_tokens=False)
+    conv.add_sampled(reply, stop_reason="length")
+    conv.add_user("more")
+    assert conv.generation_prompt().tokens[: prompt.length + len(reply)] == prompt.tokens + reply
+    assert conv.extension_ok
 
 
 def test_break_only_under_a_switch_the_adapter_never_passes_is_accepted(tok):
