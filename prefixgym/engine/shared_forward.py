@@ -7,8 +7,8 @@
    The gathered keys/values stay in the autograd graph of the waves that computed
    them, so the gradient of a shared position flows back through it once, summed
    over the branches that read it.
-2) Per wave, the log-softmax normaliser of every row once; then each datum's target
-   logprob at each of its positions, picked from the row that computed the position.
+2) Per wave, the log-softmax of every row once; then each datum's target logprob at
+   each of its positions, picked from the row that computed the position.
 3) Put the picked values in the chunk's (B, T) grid, zero on the padding.
 
 The result equals the plain forward's target logprobs up to float rounding; the
@@ -102,11 +102,11 @@ def plan_logprobs(
         with autocast():
             logits_N_L_V = model(wave.tokens_N_L.to(device), wave.positions_N_L.to(device),
                                  TrieKV(store, wave, device))
-        # 2) normalise each row once; pick every (datum, position) that this wave computed
-        logits_R_V = logits_N_L_V.reshape(-1, logits_N_L_V.shape[-1])
-        rows = wave.rows_used.to(device)
-        lse_R = torch.logsumexp(logits_R_V, dim=-1)
-        picked.append(logits_R_V[rows, targets[wave.cells_used.to(device)]] - lse_R[rows])
+        # 2) normalise each row once (the fused kernel cross_entropy uses); pick every
+        # (datum, position) that this wave computed
+        logprobs_R_V = torch.log_softmax(logits_N_L_V.reshape(-1, logits_N_L_V.shape[-1]), -1)
+        picked.append(logprobs_R_V[wave.rows_used.to(device),
+                                   targets[wave.cells_used.to(device)]])
     # 3) into the (B, T) grid
     picked.append(torch.zeros(1, device=device, dtype=picked[0].dtype))
     return torch.cat(picked)[plan.order_B_T.to(device)]
