@@ -43,7 +43,8 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None
     )
-    training = service.create_training_client(compute_dtype=compute_dtype(config))
+    training = service.create_training_client(compute_dtype=compute_dtype(config),
+                                              share_prefixes=config.share_prefixes)
     clients = Clients(training, service.create_sampling_client(), service.tokenizer,
                       service.usage)
     if config.sampler_url:  # rollouts and evaluation on a remote server (docs/scaling.md)

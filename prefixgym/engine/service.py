@@ -107,13 +107,17 @@ class EngineService:
             self._inference_model = snapshot
         return self.create_sampling_client()
 
-    def create_training_client(self, compute_dtype: torch.dtype = torch.float32) -> TrainingClient:
+    def create_training_client(
+        self, compute_dtype: torch.dtype = torch.float32, share_prefixes: bool = True
+    ) -> TrainingClient:
         """A trainer on `train_model`; `compute_dtype=torch.bfloat16` runs its matmuls in
-        bf16 under autocast (fp32 master weights and optimizer state)."""
+        bf16 under autocast (fp32 master weights and optimizer state). With
+        `share_prefixes`, a token prefix shared by datums of one call is computed once
+        (same results); False computes every datum's every position (the reference)."""
         from prefixgym.engine.training import TrainingClient
 
         client = TrainingClient(self.train_model, publish=self.publish_weights, ledger=self.ledger,
-                                compute_dtype=compute_dtype)
+                                compute_dtype=compute_dtype, share_prefixes=share_prefixes)
         self._training_clients.append(client)
         return client
 

@@ -81,6 +81,9 @@ class TrainConfig:
     faster where the CPU has bf16 matmuls, about 2x slower where it emulates them), or
     auto: bfloat16 where bf16 matmuls are native (AVX512-BF16 or AMX, a bf16 GPU), else
     float32."""
+    share_prefixes: bool = True
+    """Compute each token prefix shared by a training call's datums once (exact; off runs
+    every datum in full, the reference path)."""
     num_threads: int = 0
     """torch threads (0 = torch's default)."""
     progress: bool = True
