@@ -17,7 +17,8 @@ decode) runs the adapter without knowing it.
    dtype; they run in the input's dtype.
 2) `frozen_copy` snapshots a model for sampling: tensors that do not require grad
    (a LoRA model's base weights, buffers) are shared, the others (the adapters, or
-   every weight of a fully trained model) are copied.
+   every weight of a fully trained model) are copied. `frozen_view` shares them all
+   (the service's version 0, until a full training client unshares it).
 
 This module knows the model's module names and the `LoraSpec`; not optimizers,
 files, or PEFT's names (that is `peft_format.py`).
@@ -38,7 +39,10 @@ from torch import nn
 from prefixgym.engine.layers import Block
 from prefixgym.engine.model import Transformer
 
-__all__ = ["LoraAdapter", "LoraLinear", "LoraSpec", "add_lora", "frozen_copy", "lora_adapters"]
+__all__ = [
+    "LoraAdapter", "LoraLinear", "LoraSpec", "add_lora", "adapter_module", "frozen_copy",
+    "frozen_view", "lora_adapters",
+]
 
 Tensor = torch.Tensor
 HEAD = "head"
@@ -149,12 +153,7 @@ def _targets(model: Transformer, spec: LoraSpec) -> dict[str, tuple[nn.Module, s
 def add_lora(base: Transformer, spec: LoraSpec, seed: int = 0) -> Transformer:
     """A LoRA model on `base`'s weights (shared, frozen); steps in the module docstring."""
     # 1) structure copied, tensors shared: new frozen Parameters on the same storage
-    memo: dict[int, object] = {}
-    for p in base.parameters():
-        memo[id(p)] = nn.Parameter(p.detach(), requires_grad=False)
-    for b in base.buffers():
-        memo[id(b)] = b
-    model = copy.deepcopy(base, memo)
+    model = _share_all(base)
     # 2) adapters swapped in, drawn in model order from one seeded generator
     generator = torch.Generator().manual_seed(seed)
     device = base.tok_embeddings.weight.device
@@ -186,6 +185,21 @@ def adapter_module(model: Transformer) -> nn.Module:
     for key, adapter in lora_adapters(model).items():
         holder.add_module(key.replace(".", "_"), adapter)
     return holder
+
+
+def _share_all(model: Transformer) -> Transformer:
+    """A structural copy whose parameters are new frozen Parameters on the same storage."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach(), requires_grad=False)
+    for b in model.buffers():
+        memo[id(b)] = b
+    return copy.deepcopy(model, memo)
+
+
+def frozen_view(model: Transformer) -> Transformer:
+    """A frozen, eval-mode model on `model`'s storage: it sees in-place changes to it."""
+    return _share_all(model).eval()
 
 
 def frozen_copy(model: Transformer) -> Transformer:

@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Self
 import torch
 
 from prefixgym.engine import peft_format
-from prefixgym.engine.lora import LoraSpec, adapter_module, add_lora, frozen_copy, lora_adapters
+from prefixgym.engine.lora import (
+    LoraSpec,
+    adapter_module,
+    add_lora,
+    frozen_copy,
+    frozen_view,
+    lora_adapters,
+)
 from prefixgym.engine.model import ModelConfig, Transformer, init_weights, load_model
 from prefixgym.engine.prefix_cache import PrefixCache
 from prefixgym.engine.sampling import SamplingClient
@@ -88,7 +95,10 @@ class EngineService:
         self._lock = threading.Lock()
         self._version = 0  # the latest published version
         self._last_version_id = 0  # every version's id is new, published or loaded
-        self._inference_model = self.train_model.clone_for_inference()
+        # Version 0 shares the loaded weights until a full training client is created
+        # (LoRA leaves them untouched): the loaded weights are held once, not twice.
+        self._inference_model = frozen_view(self.train_model)
+        self._weights_shared = True
         self._training_clients: list[TrainingClient] = []
 
     @property
@@ -127,6 +137,15 @@ class EngineService:
         """Snapshot `train_model` as a new frozen weights version; a client for it."""
         return self._publish(self.train_model.clone_for_inference())
 
+    @torch.no_grad()
+    def _unshare_weights(self) -> None:
+        """Give `train_model` storage of its own before anything trains it in place, so
+        version 0 and LoRA models made until now keep the weights as loaded."""
+        if self._weights_shared:
+            for param in self.train_model.parameters():
+                param.data = param.data.clone()
+            self._weights_shared = False
+
     def _publish(self, snapshot: Transformer) -> SamplingClient:
         with self._lock:
             self._last_version_id += 1
@@ -143,6 +162,7 @@ class EngineService:
         (same results); False computes every datum's every position (the reference)."""
         from prefixgym.engine.training import TrainingClient
 
+        self._unshare_weights()
         client = TrainingClient(self.train_model, publish=self.publish_weights, ledger=self.ledger,
                                 compute_dtype=compute_dtype, share_prefixes=share_prefixes)
         self._training_clients.append(client)
