@@ -26,11 +26,10 @@ files, or PEFT's names (that is `peft_format.py`).
 
 from __future__ import annotations
 
-import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import chain
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -187,14 +186,35 @@ def adapter_module(model: Transformer) -> nn.Module:
     return holder
 
 
+M = TypeVar("M", bound=nn.Module)
+
+
+def _copy_structure(module: M, param: Callable[[nn.Parameter], nn.Parameter],
+                    memo: dict[int, object] | None = None) -> M:
+    """A copy of the module tree (new module objects, own child/parameter dicts) whose
+    parameters are `param(p)` (called once per distinct parameter: ties stay tied) and
+    whose buffers are shared. Much faster than `copy.deepcopy` (no pickling protocol)."""
+    memo = {} if memo is None else memo
+    if id(module) in memo:
+        return cast(M, memo[id(module)])
+    new = module.__class__.__new__(module.__class__)
+    memo[id(module)] = new
+    new.__dict__ = {k: (v.copy() if isinstance(v, dict) else v)
+                    for k, v in module.__dict__.items()}
+    for name, p in module._parameters.items():
+        if p is not None:
+            if id(p) not in memo:
+                memo[id(p)] = param(p)
+            new._parameters[name] = cast(nn.Parameter, memo[id(p)])
+    for name, child in module._modules.items():
+        if child is not None:
+            new._modules[name] = _copy_structure(child, param, memo)
+    return new
+
+
 def _share_all(model: Transformer) -> Transformer:
     """A structural copy whose parameters are new frozen Parameters on the same storage."""
-    memo: dict[int, object] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(p.detach(), requires_grad=False)
-    for b in model.buffers():
-        memo[id(b)] = b
-    return copy.deepcopy(model, memo)
+    return _copy_structure(model, lambda p: nn.Parameter(p.detach(), requires_grad=False))
 
 
 def frozen_view(model: Transformer) -> Transformer:
@@ -205,11 +225,10 @@ def frozen_view(model: Transformer) -> Transformer:
 def frozen_copy(model: Transformer) -> Transformer:
     """A frozen, eval-mode copy for sampling: tensors that do not require grad are
     shared, the others copied (a LoRA model's publish copies its adapters only)."""
-    memo: dict[int, object] = {
-        id(t): t for t in chain(model.parameters(), model.buffers()) if not t.requires_grad
-    }
-    clone = copy.deepcopy(model, memo)
-    for p in clone.parameters():
-        p.grad = None
-    clone.requires_grad_(False)
-    return clone.eval()
+
+    def param(p: nn.Parameter) -> nn.Parameter:
+        if not p.requires_grad:
+            return p
+        return nn.Parameter(p.detach().clone(), requires_grad=False)
+
+    return _copy_structure(model, param).eval()

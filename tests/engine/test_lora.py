@@ -186,3 +186,18 @@ def test_adapter_runs_in_a_bf16_base() -> None:
         sampler = lora.save_weights_and_get_sampling_client()
         logprobs = sampler.compute_logprobs(TOKENS).result()
         assert all(lp is None or lp < 0 for lp in logprobs)
+
+
+def test_version_0_shares_the_weights_until_a_full_trainer_unshares_them() -> None:
+    with service() as svc:
+        v0 = svc.create_sampling_client(stop_at_end_of_turn=False)
+        ptrs = {p.data_ptr() for p in svc.train_model.parameters()}
+        assert {p.data_ptr() for p in v0._model.parameters()} == ptrs  # held once
+        lora = svc.create_lora_training_client(rank=4)
+        lp0 = v0.compute_logprobs(TOKENS).result()
+        full = svc.create_training_client()
+        assert ptrs.isdisjoint(p.data_ptr() for p in svc.train_model.parameters())
+        train_steps(full, 2)
+        assert v0.compute_logprobs(TOKENS).result() == lp0
+        out = lora.forward([datum(TOKENS)], "cross_entropy").result()  # on the loaded weights
+        assert out.loss_fn_outputs[0]["logprobs"] == pytest.approx(lp0[1:], abs=1e-6)
