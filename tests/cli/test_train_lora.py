@@ -13,7 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from prefixgym.cli import main
 from prefixgym.local_service import LocalService
-from prefixgym.prompting.tokenizer import resolve_tokenizer
+from prefixgym.prompting.tokenizer import ASSETS_DIR, load_tokenizer
 
 SMALL = ["--env", "tests/Lengthy-v0", "--sft-steps", "1", "--sft-episodes-per-step", "2",
          "--groups-per-step", "2", "--group-size", "2", "--eval-episodes", "2", "--steps", "1",
@@ -26,7 +26,7 @@ LAST_MESSAGE_ONLY = ("{% for m in messages %}{% if loop.last %}<|im_start|>{{ m.
 def save_checkpoint(directory: Path, chat_template: str | None = None) -> None:
     """A tiny random Qwen2 model with the built-in tokenizer, as a local HF directory."""
     torch.manual_seed(0)
-    tokenizer = resolve_tokenizer(None)
+    tokenizer = load_tokenizer(ASSETS_DIR)  # a copy: the shared built-in one stays as is
     config = Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2,
                          vocab_size=len(tokenizer), tie_word_embeddings=True)
