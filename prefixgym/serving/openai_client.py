@@ -173,6 +173,10 @@ class OpenAISamplingClient:
         data = self._call("POST", f"{self.root_url}/update_weights_from_disk",
                           {"model_path": model_path, "weight_version": weight_version},
                           absolute=True)
+        if "success" not in data:  # vLLM has no such route (docs/scaling.md)
+            raise ValueError(f"{self.root_url} cannot load full weights from disk (it has no "
+                             f"/update_weights_from_disk: {str(data)[:200]}); use SGLang or "
+                             "prefixgym serve, or LoRA adapters")
         if data.get("success") is not True:
             raise ValueError(f"{self.root_url} did not load {model_path}: "
                              f"{data.get('message')}")
