@@ -16,7 +16,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -48,7 +48,8 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
         return make_agent_env(config.env, config.env_kwargs)
 
     make().close()  # a bad --env fails before the model loads
-    if config.sampler_url and (config.async_mode or config.kl_coef > 0):
+    full_weights = sync_mode(config) == "full"
+    if config.sampler_url and full_weights and (config.async_mode or config.kl_coef > 0):
         raise ValueError(
             "--sampler-url pushes full weights, and a server holds one weights version at a "
             "time: --async (sampling the next step from the previous version) and --kl-coef "
@@ -70,6 +71,14 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
     return Run(config, clients, make), service
 
 
+def sync_mode(config: TrainConfig) -> Literal["full", "lora"]:
+    """How updates reach remote samplers. The LoRA seam: once the training client trains
+    adapters (issue 15), return "lora" for an adapter run and let `remote_clients` write
+    the PEFT adapter as `write_weights`; RemoteWeightSync, the pool and `prefixgym serve`
+    already push, pin and serve adapters by name."""
+    return "full"
+
+
 def remote_clients(config: TrainConfig, service: LocalService, training: TrainingClient,
                    ranks: Ranks) -> Clients:
     """Samplers on `--sampler-url` servers that receive every published update; the
@@ -86,7 +95,8 @@ def remote_clients(config: TrainConfig, service: LocalService, training: Trainin
     sync = RemoteWeightSync(
         training, pool, Path(config.out) / "sampler_weights",
         write_weights=lambda path: save_hf_checkpoint(model, path),
-        token=shared_token(ranks), is_main=ranks.is_main, barrier=ranks.barrier)
+        token=shared_token(ranks), mode=sync_mode(config), is_main=ranks.is_main,
+        barrier=ranks.barrier)
     first = sync.save_weights_and_get_sampling_client()
     return Clients(sync, first, service.tokenizer, service.usage,
                    sampler_metrics=pool.metrics, ranks=ranks)

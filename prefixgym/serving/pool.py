@@ -94,12 +94,16 @@ class _Affinity:
 class SamplerPool:
     """Several servers as one sampling client; see the module docstring."""
 
-    def __init__(self, clients: Sequence[OpenAISamplingClient], max_concurrency: int = 64) -> None:
+    def __init__(self, clients: Sequence[OpenAISamplingClient], max_concurrency: int = 64,
+                 sticky: bool = True) -> None:
+        """`sticky=False` sends every request to the least loaded server (the baseline
+        that `bench/bench_sampler_pool.py` measures stickiness against)."""
         if not clients:
             raise ValueError("a SamplerPool needs at least one sampling server")
         self.clients = list(clients)
         self.stats = [SamplerStats(c.base_url) for c in self.clients]
         self.retries = 0
+        self.sticky = sticky
         self._affinity = _Affinity()
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -173,7 +177,7 @@ class SamplerPool:
         if not live:
             failures = "; ".join(f"{s.url}: {s.failure or 'tried'}" for s in self.stats)
             raise AllSamplersFailed(f"no sampling server could answer ({failures})")
-        home = self._affinity.lookup(ids)
+        home = self._affinity.lookup(ids) if self.sticky else None
         if home in live:
             return home
         return min(live, key=lambda i: (self.stats[i].in_flight, self.stats[i].requests, i))
