@@ -114,9 +114,11 @@ def read_config_file(cls: type, path: str, flag_names: dict[str, str] | None = N
 
 
 def _typed(path: str, key: str, value: object, kind: object) -> object:
-    if kind == list[str]:
+    if kind == list[str]:  # one string stands for a list of one
+        if isinstance(value, str):
+            return [value]
         if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            raise ValueError(f"{path}: {key} = {value!r} must be a list of strings")
+            raise ValueError(f"{path}: {key} = {value!r} must be a string or a list of strings")
         return value
     ok = {bool: isinstance(value, bool), str: isinstance(value, str),
           int: isinstance(value, int) and not isinstance(value, bool),
