@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,12 +49,15 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
         return make_agent_env(config.env, config.env_kwargs)
 
     make().close()  # a bad --env fails before the model loads
-    full_weights = sync_mode(config) == "full"
-    if config.sampler_url and full_weights and (config.async_mode or config.kl_coef > 0):
+    if config.sampler_url and config.kl_coef > 0:
+        raise ValueError(
+            "--kl-coef needs the warm-start weights as a reference, and remote samplers keep "
+            "only the newest versions: use in-process sampling for a KL penalty")
+    if config.sampler_url and config.async_mode and sync_mode(config) == "full":
         raise ValueError(
             "--sampler-url pushes full weights, and a server holds one weights version at a "
-            "time: --async (sampling the next step from the previous version) and --kl-coef "
-            "(the warm-start reference) need LoRA adapters or in-process sampling")
+            "time: --async (sampling the next step from the previous version) needs LoRA "
+            "adapters (--lora-rank) or in-process sampling")
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None
     )
@@ -72,18 +76,27 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
 
 
 def sync_mode(config: TrainConfig) -> Literal["full", "lora"]:
-    """How updates reach remote samplers. The LoRA seam: once the training client trains
-    adapters (issue 15), return "lora" for an adapter run and let `remote_clients` write
-    the PEFT adapter as `write_weights`; RemoteWeightSync, the pool and `prefixgym serve`
-    already push, pin and serve adapters by name."""
-    return "full"
+    """How updates reach remote samplers: LoRA adapters for a run with `--lora-rank`
+    (issue 15 adds the flag; read with getattr until it is merged), else full weights."""
+    return "lora" if getattr(config, "lora_rank", 0) else "full"
+
+
+def weights_writer(mode: str, training: TrainingClient) -> Callable[[Path], object]:
+    """What writes one published version: the PEFT adapter (LoRA: the training client's
+    `save_weights_for_sampler`, issue 15) or the full model as an HF checkpoint."""
+    if mode == "lora":
+        inner: Any = getattr(training, "client", training)  # DistributedTrainingClient wraps one
+        return lambda path: inner.save_weights_for_sampler(path).result()
+    from prefixgym.engine.hf_export import save_hf_checkpoint
+
+    model = training.model  # type: ignore[attr-defined]
+    return lambda path: save_hf_checkpoint(model, path)
 
 
 def remote_clients(config: TrainConfig, service: LocalService, training: TrainingClient,
                    ranks: Ranks) -> Clients:
     """Samplers on `--sampler-url` servers that receive every published update; the
     starting weights are pushed now, so a server that cannot read them fails here."""
-    from prefixgym.engine.hf_export import save_hf_checkpoint
     from prefixgym.serving.openai_client import OpenAISamplingClient
     from prefixgym.serving.pool import SamplerPool
     from prefixgym.serving.weight_sync import RemoteWeightSync
@@ -91,12 +104,11 @@ def remote_clients(config: TrainConfig, service: LocalService, training: Trainin
     pool = SamplerPool([OpenAISamplingClient(url, tokenizer=service.tokenizer,
                                              ledger=service.ledger)
                         for url in config.sampler_url])
-    model = training.model  # type: ignore[attr-defined]
+    mode = sync_mode(config)
     sync = RemoteWeightSync(
         training, pool, Path(config.out) / "sampler_weights",
-        write_weights=lambda path: save_hf_checkpoint(model, path),
-        token=shared_token(ranks), mode=sync_mode(config), is_main=ranks.is_main,
-        barrier=ranks.barrier)
+        write_weights=weights_writer(mode, training), token=shared_token(ranks), mode=mode,
+        is_main=ranks.is_main, barrier=ranks.barrier)
     first = sync.save_weights_and_get_sampling_client()
     return Clients(sync, first, service.tokenizer, service.usage,
                    sampler_metrics=pool.metrics, ranks=ranks)

@@ -37,8 +37,32 @@ def test_train_samples_on_the_remote_server(start_server, tmp_path: Path) -> Non
     assert all(gap < 1e-3 for gap in on_policy)
 
 
-@pytest.mark.parametrize("flag", [{"async_mode": True}, {"kl_coef": 0.1}])
-def test_full_weight_sync_refuses_what_needs_two_versions(flag, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("flag", "message"), [({"async_mode": True}, "LoRA"),
+                                               ({"kl_coef": 0.1}, "in-process")])
+def test_remote_sync_refuses_what_needs_older_versions(flag, message, tmp_path: Path) -> None:
     config = TrainConfig(out=str(tmp_path), sampler_url=["http://127.0.0.1:9/v1"], **flag)
-    with pytest.raises(ValueError, match="LoRA"):
+    with pytest.raises(ValueError, match=message):
         build_run(config)
+
+
+def test_a_lora_run_pushes_the_adapter_the_training_client_writes(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from prefixgym.cli.train import sync_mode, weights_writer
+    from prefixgym.futures import APIFuture
+
+    written: list[Path] = []
+
+    class AdapterTrainer:  # issue 15's training client, as far as the push needs it
+        def save_weights_for_sampler(self, path):
+            written.append(path)
+            return APIFuture.completed(str(path))
+
+    assert sync_mode(TrainConfig()) == "full"
+    assert sync_mode(SimpleNamespace(lora_rank=8)) == "lora"  # type: ignore[arg-type]
+    write = weights_writer("lora", AdapterTrainer())  # type: ignore[arg-type]
+    write(tmp_path / "v000001")
+    assert written == [tmp_path / "v000001"]
+    ddp = SimpleNamespace(client=AdapterTrainer())  # DistributedTrainingClient wraps one
+    weights_writer("lora", ddp)(tmp_path / "v000002")  # type: ignore[arg-type]
+    assert written[-1] == tmp_path / "v000002"
