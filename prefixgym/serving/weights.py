@@ -116,7 +116,9 @@ class ServedWeights:
         new = dict(loaded.named_parameters())
         with self._lock, torch.no_grad():
             for name, param in target.named_parameters():
-                param.copy_(new[name].to(param.dtype))
+                # new storage, not an in-place copy: a published version that shares the
+                # old tensors (and requests running on it) keeps them
+                param.data = new[name].detach().to(param.dtype)
             self.service.publish_weights()
             version = self.service.weights_version
             self._labels[version] = label if label is not None else str(version)
