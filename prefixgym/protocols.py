@@ -2,9 +2,9 @@
 
 Two implementations stand behind `SamplingClient`: the built-in engine's
 (`prefixgym.engine.sampling`) and the OpenAI-compatible HTTP backend
-(`prefixgym.serving.openai_client`). Behind `TrainingClient`: the engine's
+(`prefixgym.serving.openai_client`, and `serving.pool` over several servers). Behind `TrainingClient`: the engine's
 (`prefixgym.engine.training`), its DDP wrapper (`engine.distributed`), and one that
-samples on a remote server (`serving.openai_client.RemoteSamplingTrainer`).
+pushes every update to remote samplers (`serving.weight_sync.RemoteWeightSync`).
 Rollouts, evaluation and GRPO are typed against these protocols and never import
 `engine/` internals; `UsageSink` is where an HTTP sampler reports what it used.
 """

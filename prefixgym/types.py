@@ -208,6 +208,9 @@ class SampleResponse(_Wire):
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     usage: Usage = Field(default_factory=Usage)
+    weights_version: str | None = None
+    """The label of the weights that sampled it, where the sampler says (a remote
+    server's `metadata.weight_version`); None from the in-process engine."""
 
 
 class ForwardBackwardOutput(_Wire):

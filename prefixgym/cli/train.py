@@ -2,29 +2,38 @@
 
 The only place that turns a TrainConfig into services and clients: a `LocalService`
 for training (and sampling, unless `--sampler-url` points rollouts and evaluation at
-an OpenAI-compatible server), the envs from `--env`/`--env-kwargs`, then
-`trainer.run.Run` with all of them.
+OpenAI-compatible servers, which then receive every update: `serving.weight_sync`),
+the envs from `--env`/`--env-kwargs`, then `trainer.run.Run` with all of them.
+Under torchrun (WORLD_SIZE > 1: `torchrun --nproc-per-node N -m prefixgym train ...`)
+it joins the process group (gloo: the engine trains on CPU), wraps the training
+client in `DistributedTrainingClient`, and hands the run its `Ranks`.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
 from prefixgym.cli.flags import build_config, build_parser, read_config_file, read_json_object
 from prefixgym.engine.device import has_fast_bf16
-from prefixgym.engine.training import TrainingClient
+from prefixgym.engine.training import TrainingClient as LocalTrainingClient
 from prefixgym.envs.registration import absolute_spec, make_agent_env
 from prefixgym.local_service import LocalService
 from prefixgym.prompting.chat_format import ChatMLFormat
 from prefixgym.prompting.conversation import chat_format_for
+from prefixgym.protocols import TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
+from prefixgym.rollouts.types import TrajectoryGroup
 from prefixgym.trainer.config import TrainConfig
-from prefixgym.trainer.run import RUN_CONFIG, Clients, Run, RunResult
-from prefixgym.types import JSONObject
+from prefixgym.trainer.run import RUN_CONFIG, Clients, Ranks, Run, RunResult
+from prefixgym.types import JSONObject, Usage
 
 FLAG_NAMES = {"async_mode": "async", "lr": "lr"}
 
@@ -43,11 +52,22 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
         return make_agent_env(config.env, config.env_kwargs)
 
     make().close()  # a bad --env fails before the model loads
+    if config.sampler_url and config.kl_coef > 0:
+        raise ValueError(
+            "--kl-coef needs the warm-start weights as a reference, and remote samplers keep "
+            "only the newest versions: use in-process sampling for a KL penalty")
+    if config.sampler_url and config.async_mode and sync_mode(config) == "full":
+        raise ValueError(
+            "--sampler-url pushes full weights, and a server holds one weights version at a "
+            "time: --async (sampling the next step from the previous version) needs LoRA "
+            "adapters (--lora-rank) or in-process sampling")
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None
     )
     if Path(config.model).is_dir():
         check_chat_format(config.model, service)
+    ranks = torchrun_ranks(service)
+    training: TrainingClient
     if config.lora_rank:
         targets = {t.strip() for t in config.lora_targets.split(",")}
         training = service.create_lora_training_client(
@@ -57,15 +77,14 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
     else:
         training = service.create_training_client(compute_dtype=compute_dtype(config),
                                                   share_prefixes=config.share_prefixes)
-    clients = Clients(training, service.create_sampling_client(), service.tokenizer,
-                      service.usage)
-    if config.sampler_url:  # rollouts and evaluation on a remote server (docs/scaling.md)
-        from prefixgym.serving.openai_client import OpenAISamplingClient, RemoteSamplingTrainer
+    if ranks.world > 1:
+        from prefixgym.engine.distributed import DistributedTrainingClient
 
-        remote = OpenAISamplingClient(config.sampler_url, tokenizer=service.tokenizer,
-                                      ledger=service.ledger)
-        clients = Clients(RemoteSamplingTrainer(training, remote), remote, service.tokenizer,
-                          service.usage)
+        training = DistributedTrainingClient(training)  # type: ignore[arg-type]
+    clients = Clients(training, service.create_sampling_client(), service.tokenizer,
+                      service.usage, ranks=ranks)
+    if config.sampler_url:  # rollouts and evaluation on remote servers (docs/scaling.md)
+        clients = remote_clients(config, service, training, ranks)
     return Run(config, clients, make), service
 
 
@@ -83,21 +102,94 @@ def check_chat_format(directory: str, service: LocalService) -> None:
 
 def save_lora_adapter(config: TrainConfig, run: Run, out: Path) -> str | None:
     """With a LoRA run, write its adapter to OUT/adapter (PEFT format); its path."""
-    training = run.clients.training
-    if config.sampler_url:
-        from prefixgym.serving.openai_client import RemoteSamplingTrainer
-
-        if isinstance(training, RemoteSamplingTrainer):
-            training = training.training
-    if not config.lora_rank or not isinstance(training, TrainingClient):
+    if not config.lora_rank:
         return None
-    return training.save_weights_for_sampler(out / "adapter").result()
+    return unwrap(run.clients.training).save_weights_for_sampler(out / "adapter").result()
+
+
+def unwrap(training: object) -> LocalTrainingClient:
+    """The engine's training client inside the remote-sync and DDP wrappers."""
+    while not isinstance(training, LocalTrainingClient):
+        training = getattr(training, "training", None) or training.client  # type: ignore[attr-defined]
+    return training
+
+
+def sync_mode(config: TrainConfig) -> Literal["full", "lora"]:
+    """How updates reach remote samplers: LoRA adapters for a run with `--lora-rank`,
+    else full weights."""
+    return "lora" if config.lora_rank else "full"
+
+
+def weights_writer(mode: str, training: TrainingClient) -> Callable[[Path], object]:
+    """What writes one published version: the PEFT adapter (LoRA: the training client's
+    `save_weights_for_sampler`, issue 15) or the full model as an HF checkpoint."""
+    if mode == "lora":
+        inner = unwrap(training)
+        return lambda path: inner.save_weights_for_sampler(path).result()
+    from prefixgym.engine.hf_export import save_hf_checkpoint
+
+    model = training.model  # type: ignore[attr-defined]
+    return lambda path: save_hf_checkpoint(model, path)
+
+
+def remote_clients(config: TrainConfig, service: LocalService, training: TrainingClient,
+                   ranks: Ranks) -> Clients:
+    """Samplers on `--sampler-url` servers that receive every published update; the
+    starting weights are pushed now, so a server that cannot read them fails here."""
+    from prefixgym.serving.openai_client import OpenAISamplingClient
+    from prefixgym.serving.pool import SamplerPool
+    from prefixgym.serving.weight_sync import RemoteWeightSync
+
+    pool = SamplerPool([OpenAISamplingClient(url, tokenizer=service.tokenizer,
+                                             ledger=service.ledger)
+                        for url in config.sampler_url])
+    mode = sync_mode(config)
+    sync = RemoteWeightSync(
+        training, pool, Path(config.out) / "sampler_weights",
+        write_weights=weights_writer(mode, training), token=shared_token(ranks), mode=mode,
+        is_main=ranks.is_main, barrier=ranks.barrier)
+    first = sync.save_weights_and_get_sampling_client()
+    return Clients(sync, first, service.tokenizer, service.usage,
+                   sampler_metrics=pool.metrics, ranks=ranks)
+
+
+def torchrun_ranks(service: LocalService) -> Ranks:
+    """This process's rank under torchrun (WORLD_SIZE > 1), else the only process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Ranks()
+    import torch.distributed as dist
+
+    from prefixgym.engine.distributed import init_distributed
+
+    rank, world = init_distributed("gloo")
+
+    def gather(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+        everyone: list[Any] = [None] * world  # all_gather_object fills in unpickled lists
+        dist.all_gather_object(everyone, groups)
+        for other, theirs in enumerate(everyone):
+            if other != rank:  # this rank's ledger counts the whole job, as for training
+                service.ledger.add(Usage.total(g.usage for g in theirs))
+        return sorted((g for theirs in everyone for g in theirs), key=lambda g: g.seed)
+
+    return Ranks(rank, world, gather, dist.barrier)
+
+
+def shared_token(ranks: Ranks) -> str:
+    """A label prefix unique to this run, the same on every rank."""
+    token = [secrets.token_hex(4)]
+    if ranks.world > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
 
 
 def train(config: TrainConfig, service: LocalService | None = None) -> RunResult:
     """Run `config` end to end; print the evaluations as one JSON line."""
     run, _ = build_run(config, service)
     result = run.run()
+    if not run.main:
+        return result
     adapter = save_lora_adapter(config, run, result.out)
     if adapter is not None:
         print(f"adapter: {adapter}", file=sys.stderr)
@@ -129,7 +221,8 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"prefixgym train: {e}", file=sys.stderr)
         return 2
-    print(f"report: {result.out / 'report.md'}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"report: {result.out / 'report.md'}")
     return 0
 
 

@@ -126,7 +126,7 @@ class Rollouts:
             ids = [ep.traj.episode_id for ep in episodes]
             self.trace.write(ids, episodes[0].traj.group_id, turn, prompt, g, response)
         # a shared request's usage goes to the first episode only
-        return [_Sample(seq, response.usage if i == 0 else Usage(), g)
+        return [_Sample(seq, response.usage if i == 0 else Usage(), g, response.weights_version)
                 for i, seq in enumerate(response.sequences)]
 
     async def _continue(self, ep: Episode, first: _Sample, seed: int) -> None:
@@ -138,6 +138,7 @@ class Rollouts:
             seq = sample.sequence
             turn = ep.add_reply(seq.tokens, seq.logprobs, seq.stop_reason, sample.usage,
                                 sample.shared_by)
+            turn.weights_version = sample.weights_version
             try:
                 obs, reward, terminated, truncated, info = await ep.astep(turn.reply_text)
             except Exception as e:  # an env that raises ends its episode, never the run
@@ -171,6 +172,7 @@ class _Sample:
     sequence: SampledSequence
     usage: Usage
     shared_by: int
+    weights_version: str | None = None
 
 
 def _mix(seed: int, k: int) -> int:

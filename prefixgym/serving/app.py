@@ -1,6 +1,7 @@
 """The HTTP face of the built-in engine: an OpenAI-compatible completions endpoint.
 
-Routes: `POST /v1/completions`, `GET /v1/models`, `GET /health`.
+Routes: `POST /v1/completions`, `GET /v1/models`, `GET /health`, and the weight
+routes of `serving.weights` (`/update_weights_from_disk`, `/v1/load_lora_adapter`, ...).
 
 A completion request goes:
   1) read the body, refusing one larger than `max_body_bytes` (413);
@@ -9,7 +10,7 @@ A completion request goes:
      while the engine thread prefills and decodes (engine ValueError -> 400);
   4) answer in OpenAI's shape, plus what RL needs: each choice's sampled `token_ids`
      and `usage.prompt_tokens_details.cached_tokens` (prompt positions served from
-     the prefix cache).
+     the prefix cache), and `metadata.weight_version`: the weights that sampled it.
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 
 The app knows the engine service's public interface and the tokenizer it is given
@@ -32,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from prefixgym.engine.service import EngineService
 from prefixgym.serving.config import ServeConfig
 from prefixgym.serving.protocol import CompletionRequest, describe_validation_error, error_body
+from prefixgym.serving.weights import ServedWeights, WeightsError, add_weight_routes
 from prefixgym.types import JSONObject, SampleResponse
 
 
@@ -54,6 +56,13 @@ def create_app(
     model_name = config.model_name
     created = int(time.time())
     app = FastAPI(title="prefixgym serve", docs_url=None, redoc_url=None, openapi_url=None)
+    weights = ServedWeights(service, model_name)
+    add_weight_routes(app, weights)
+
+    @app.exception_handler(WeightsError)
+    async def _weights_error(_: Request, e: WeightsError) -> JSONResponse:
+        return JSONResponse(error_body(e.message, "invalid_request_error", e.param, e.status),
+                            e.status)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -76,9 +85,9 @@ def create_app(
     @app.get("/v1/models")
     async def models() -> JSONObject:
         return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "prefixgym",
-            "max_model_len": max_seq_len,
-        }]}
+            "id": name, "object": "model", "created": created, "owned_by": "prefixgym",
+            "max_model_len": max_seq_len, "root": model_name,
+        } for name in [model_name, *weights.adapter_names]]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
@@ -86,7 +95,7 @@ def create_app(
         body = await _read_body(request, config.max_body_bytes)
         # 2) parse and check
         req = _parse(body)
-        if req.model is not None and req.model != model_name:
+        if not weights.serves(req.model):
             raise APIError(404, f"model {req.model!r} does not exist; this server serves "
                                 f"{model_name!r}", "model", "not_found_error")
         if req.n > config.max_n:
@@ -104,7 +113,7 @@ def create_app(
                                 f"server's limit of {max_request_tokens} tokens per request",
                            "max_tokens")
         # 3) sample without blocking the event loop
-        sampler = service.create_sampling_client(stop_at_end_of_turn=not req.ignore_eos)
+        sampler, weight_version = weights.sampler_for(req.model, not req.ignore_eos)
         with_prompt_logprobs = req.echo and req.wants_logprobs
         try:
             response = await sampler.sample(prompt, num_samples=req.n, sampling_params=params,
@@ -112,7 +121,9 @@ def create_app(
         except ValueError as e:
             raise APIError(400, str(e)) from None
         # 4) OpenAI's shape
-        return JSONResponse(_render(req, prompt, response, tokenizer, model_name))
+        answer = _render(req, prompt, response, tokenizer, req.model or model_name)
+        answer["metadata"] = {"weight_version": weight_version}
+        return JSONResponse(answer)
 
     return app
 

@@ -6,7 +6,7 @@ built-in `tiny` model learning the built-in GuessNumber env on two CPU cores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefixgym.types import JSONObject
 
@@ -99,12 +99,18 @@ class TrainConfig:
     """torch threads (0 = torch's default)."""
     progress: bool = True
     """Show a progress bar."""
-    sampler_url: str = ""
-    """OpenAI-compatible completions server for rollouts and evaluation (vLLM, SGLang,
-    prefixgym serve), e.g. http://host:8000/v1; empty samples in-process. The server
-    samples from its own weights: trained weights are not sent to it."""
+    sampler_url: list[str] = field(default_factory=list)
+    """OpenAI-compatible completions server for rollouts and evaluation (SGLang,
+    prefixgym serve; vLLM with LoRA), e.g. http://host:8000/v1; repeat the flag for
+    several (episodes stick to one, groups spread by load, a failed one is left out).
+    Every update is pushed to them from OUT/sampler_weights, which they must be able to
+    read (a shared filesystem). None: sample in-process."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.sampler_url, str):  # a run saved before the flag repeated
+            self.sampler_url = [self.sampler_url] if self.sampler_url else []
+        if not all(isinstance(u, str) and u for u in self.sampler_url):
+            raise ValueError(f"--sampler-url must be URLs, got {self.sampler_url!r}")
         if self.env_kwargs is None:
             self.env_kwargs = default_env_kwargs(self.env)
         if not isinstance(self.env_kwargs, dict):

@@ -66,3 +66,19 @@ def server() -> Iterator[RunningServer]:
     yield running
     running.stop()
     service.close()
+
+
+@pytest.fixture
+def start_server():
+    """`start_server(service, config)`: a running server, stopped (and its service closed)
+    when the test ends."""
+    started: list[RunningServer] = []
+
+    def start(service: LocalService, config: ServeConfig = SERVE_CONFIG) -> RunningServer:
+        started.append(RunningServer(service, config))
+        return started[-1]
+
+    yield start
+    for running in started:
+        running.stop()
+        running.service.close()
