@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Self
 
 import torch
 
+from prefixgym.engine.checkpoint_io import nonfinite_tensor
 from prefixgym.engine.model import ModelConfig, Transformer, init_weights, load_model
 from prefixgym.engine.prefix_cache import PrefixCache
 from prefixgym.engine.sampling import SamplingClient
@@ -100,20 +101,27 @@ class EngineService:
         return SamplingClient(self.scheduler, model, version, default_stop_token_ids=stop_ids)
 
     def publish_weights(self) -> SamplingClient:
-        """Snapshot `train_model` as a new frozen weights version; a client for it."""
+        """Snapshot `train_model` as a new frozen weights version; a client for it.
+        Refuses (ValueError) weights holding NaN or inf: nothing would sample from them."""
+        bad = nonfinite_tensor(self.train_model.named_parameters())
+        if bad is not None:
+            raise ValueError(f"not publishing weights: {bad} holds NaN or inf values")
         snapshot = self.train_model.clone_for_inference()
         with self._lock:
             self._version += 1
             self._inference_model = snapshot
         return self.create_sampling_client()
 
-    def create_training_client(self, compute_dtype: torch.dtype = torch.float32) -> TrainingClient:
+    def create_training_client(
+        self, compute_dtype: torch.dtype = torch.float32, nonfinite_update: str = "skip"
+    ) -> TrainingClient:
         """A trainer on `train_model`; `compute_dtype=torch.bfloat16` runs its matmuls in
-        bf16 under autocast (fp32 master weights and optimizer state)."""
+        bf16 under autocast (fp32 master weights and optimizer state). An update with a
+        non-finite gradient norm is skipped, or with `nonfinite_update="error"` raises."""
         from prefixgym.engine.training import TrainingClient
 
         client = TrainingClient(self.train_model, publish=self.publish_weights, ledger=self.ledger,
-                                compute_dtype=compute_dtype)
+                                compute_dtype=compute_dtype, nonfinite_update=nonfinite_update)
         self._training_clients.append(client)
         return client
 
