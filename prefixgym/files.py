@@ -108,3 +108,17 @@ def verify_checksums(directory: Path, checksums: Mapping[str, object], manifest:
         if file_checksum(path) != expected:
             raise ValueError(f"{path} is damaged: its checksum differs from the one in "
                              f"{manifest} (a changed or truncated file)")
+
+
+def ensure_writable_dir(path: Path) -> None:
+    """Create directory `path` (with its parents) and check that a file can be written
+    in it; ValueError naming it otherwise (a file in the way, no permission, ...)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-check.", suffix=TEMPORARY_SUFFIX, dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{path} is not a writable directory: {e.strerror or e}") from None

@@ -17,6 +17,7 @@ import torch
 from prefixgym.cli.flags import build_config, build_parser, read_config_file, read_json_object
 from prefixgym.engine.device import has_fast_bf16
 from prefixgym.envs.registration import absolute_spec, make_agent_env
+from prefixgym.files import ensure_writable_dir
 from prefixgym.local_service import LocalService
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.trainer.config import TrainConfig
@@ -39,11 +40,13 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
     def make() -> AgentGymEnv:
         return make_agent_env(config.env, config.env_kwargs)
 
-    make().close()  # a bad --env fails before the model loads
+    make().close()  # a bad --env, or an --out that cannot be written, fails before the model loads
+    ensure_writable_dir(Path(config.out))
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None
     )
-    training = service.create_training_client(compute_dtype=compute_dtype(config))
+    training = service.create_training_client(compute_dtype=compute_dtype(config),
+                                               nonfinite_update=config.nonfinite_update)
     clients = Clients(training, service.create_sampling_client(), service.tokenizer,
                       service.usage)
     if config.sampler_url:  # rollouts and evaluation on a remote server (docs/scaling.md)
@@ -85,7 +88,7 @@ def main(argv: list[str]) -> int:
     config.env = absolute_spec(config.env)
     try:
         result = train(config)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad input, or a file that cannot be read or written
         print(f"prefixgym train: {e}", file=sys.stderr)
         return 2
     print(f"report: {result.out / 'report.md'}")

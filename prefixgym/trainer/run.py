@@ -4,7 +4,11 @@
   2) warm start on expert episodes (SFT), evaluate again;
   3) GRPO steps (see grpo.py), evaluating and checkpointing at intervals;
   4) write report.md and the plots.
-A resumed run skips 1-2 and continues from the last checkpoint exactly.
+A resumed run skips 1-2 and continues exactly from the newest intact checkpoint of
+this run (`checkpoint.find_checkpoint`: the warm start's if no GRPO step was saved;
+another run's only with `force_resume`). A run that starts from step 0 moves an
+earlier metrics.jsonl aside instead of deleting it. OUT is checked writable before
+anything runs, and what killed writes left there is removed.
 
 The run is handed its clients (`Clients`) and a way to make envs; it builds neither
 a service nor a client itself (`prefixgym.cli.train` does).
@@ -21,18 +25,21 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from prefixgym.files import write_text_atomically
+from prefixgym.files import ensure_writable_dir, write_text_atomically
 from prefixgym.protocols import SamplingClient, TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.rollout import RolloutConfig
 from prefixgym.trainer.checkpoint import (
     WARM_START,
+    ForeignCheckpointError,
     LoopState,
+    find_checkpoint,
     load_checkpoint,
-    newest_checkpoint,
+    remove_leftovers,
     save_checkpoint,
+    verify_checkpoint,
 )
-from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.config import TrainConfig, run_identity
 from prefixgym.trainer.evaluate import evaluate
 from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step, phase_metrics
 from prefixgym.trainer.plots import write_plots
@@ -72,13 +79,14 @@ class Run:
         self, config: TrainConfig, clients: Clients, make_env: Callable[[], AgentGymEnv]
     ) -> None:
         self.config = config
+        self.identity = run_identity(config)
         self.clients = clients
         self.training = clients.training
         self.tokenizer = clients.tokenizer
+        self.out = Path(config.out)
+        ensure_writable_dir(self.out)
         self.envs = [make_env() for _ in range(config.groups_per_step * config.group_size)]
         self.eval_envs = [make_env() for _ in range(min(config.eval_episodes, 100))]
-        self.out = Path(config.out)
-        self.out.mkdir(parents=True, exist_ok=True)
         self.rollout_config = RolloutConfig(
             max_tokens=config.max_tokens, temperature=config.temperature
         )
@@ -101,20 +109,32 @@ class Run:
         """A fresh run: steps 1-2. A resumed one: its newest checkpoint (the warm start's if
         no GRPO step was saved). Returns the state and the KL reference sampler."""
         c = self.config
-        ckpt = newest_checkpoint(self.out) if c.resume else None
-        if ckpt is not None:
+        removed = remove_leftovers(self.out)
+        if removed:
+            print(f"removed {len(removed)} leftover temporaries of killed writes in {self.out}",
+                  file=sys.stderr)
+        try:
+            found = find_checkpoint(self.out, self.identity, c.force_resume) if c.resume else None
+        except ForeignCheckpointError as e:
+            raise ValueError(f"{e}: not resuming from it. Start without --resume (or with "
+                             "another --out) for a new run, or pass --force-resume to load it "
+                             "anyway") from None
+        for reason in found.passed_over if found else []:
+            print(f"passed over: {reason}", file=sys.stderr)
+        if found is not None and found.path is not None:
             ref = None
             if c.kl_coef > 0:
-                load_checkpoint(self.out / "checkpoints" / WARM_START, self.training)
-                ref = self.training.save_weights_and_get_sampling_client()
-            state = load_checkpoint(ckpt, self.training)
+                ref = self.reference(found.path)
+            state = load_checkpoint(found.path, self.training)
             self.log.truncate_after(state.next_step - 1)
-            print(f"resuming from {ckpt} at GRPO step {state.next_step}", file=sys.stderr)
+            print(f"resuming from {found.path} at GRPO step {state.next_step}", file=sys.stderr)
             return state, ref
         if c.resume:
-            print(f"no checkpoint in {self.out / 'checkpoints'}: starting a new run",
-                  file=sys.stderr)
-        self.log.path.unlink(missing_ok=True)
+            print(f"no intact checkpoint of this run in {self.out / 'checkpoints'}: starting a "
+                  "new run", file=sys.stderr)
+        aside = self.log.set_aside()
+        if aside is not None:
+            print(f"kept the earlier {self.log.path.name} as {aside}", file=sys.stderr)
         write_text_atomically(self.out / RUN_CONFIG, json.dumps(asdict(c), indent=2) + "\n")
         state = LoopState(next_step=0)
         # 1) the starting weights
@@ -139,8 +159,22 @@ class Run:
             ref = self.training.save_weights_and_get_sampling_client()
         state.usage = self.clients.usage() - base_usage
         state.wall_s = time.perf_counter() - t_start
-        save_checkpoint(self.out, self.training, state, name=WARM_START)
+        save_checkpoint(self.out, self.training, state, self.identity, name=WARM_START)
         return state, ref if c.kl_coef > 0 else None
+
+    def reference(self, resumed_from: Path) -> SamplingClient:
+        """The KL reference of a resumed run: its warm-start weights, checked."""
+        warm = self.out / "checkpoints" / WARM_START
+        try:
+            theirs = verify_checkpoint(warm)
+        except ValueError as e:
+            raise ValueError(f"--kl-coef needs the warm-start weights as its reference: {e}") \
+                from None
+        if theirs != self.identity and not self.config.force_resume:
+            raise ValueError(f"{warm} (the KL reference) belongs to another run than "
+                             f"{resumed_from}")
+        load_checkpoint(warm, self.training)
+        return self.training.save_weights_and_get_sampling_client()
 
     def run(self) -> RunResult:
         c = self.config
@@ -176,7 +210,7 @@ class Run:
                 if state.next_step % c.checkpoint_every == 0 or state.next_step == c.steps:
                     state.usage = prior_usage + (self.clients.usage() - base_usage)
                     state.wall_s = prior_wall + time.perf_counter() - t_start
-                    save_checkpoint(self.out, self.training, state)
+                    save_checkpoint(self.out, self.training, state, self.identity)
                 progress.update(1, reward=f"{metrics['reward/mean']:.2f}",
                                 hit=f"{usage.cache_hit_rate:.0%}")
         finally:
