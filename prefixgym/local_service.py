@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.engine.model import PRESETS, ModelConfig, Transformer
+from prefixgym.engine.requests import DEFAULT_MAX_KV_BYTES
 from prefixgym.engine.service import EngineService
 from prefixgym.prompting.tokenizer import end_of_turn_ids, resolve_tokenizer
 
@@ -31,7 +32,8 @@ class LocalService(EngineService):
     Other arguments are the engine's (`EngineService`): `prefix_cache=False` runs the
     same engine without cache reads or writes; `num_threads` sets torch's intra-op
     threads (process-wide) only when given; `thread_tuning` lets the engine pick each
-    kind of step's thread count by timing it.
+    kind of step's thread count by timing it; `max_running` and `max_kv_bytes` bound
+    what one request may ask for (its samples, its running KV).
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class LocalService(EngineService):
         num_threads: int | None = None,
         max_running: int = 256,
         thread_tuning: bool = True,
+        max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
     ) -> None:
         # An unknown model name is the engine's error to report, not the tokenizer's.
         checkpoint_dir = None
@@ -60,6 +63,6 @@ class LocalService(EngineService):
             model, seed=seed, prefix_cache=prefix_cache, block_size=block_size,
             cache_bytes=cache_bytes, dtype=dtype, end_of_turn_ids=end_of_turn_ids(tok),
             decode=decode, num_threads=num_threads, max_running=max_running,
-            thread_tuning=thread_tuning,
+            thread_tuning=thread_tuning, max_kv_bytes=max_kv_bytes,
         )
         self.tokenizer: PreTrainedTokenizerBase = tok

@@ -24,6 +24,7 @@ import torch
 from prefixgym.engine.checkpoint_io import nonfinite_tensor
 from prefixgym.engine.model import ModelConfig, Transformer, init_weights, load_model
 from prefixgym.engine.prefix_cache import PrefixCache
+from prefixgym.engine.requests import DEFAULT_MAX_KV_BYTES
 from prefixgym.engine.sampling import SamplingClient
 from prefixgym.engine.scheduler import Scheduler
 from prefixgym.engine.usage import UsageLedger
@@ -45,6 +46,8 @@ class EngineService:
     `num_threads` sets torch's intra-op threads (process-wide) only when given.
     `thread_tuning` lets the engine run each kind of step on the thread count (up to
     torch's count at construction) that it measured fastest (`engine/threads.py`).
+    `max_running` bounds the sequences decoding at once, and so a request's samples;
+    `max_kv_bytes` the running KV one request may need (`engine/requests.py`).
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class EngineService:
         num_threads: int | None = None,
         max_running: int = 256,
         thread_tuning: bool = True,
+        max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -75,7 +79,8 @@ class EngineService:
         )
         self.ledger = UsageLedger()
         self.scheduler = Scheduler(self._cache, decode=decode, ledger=self.ledger, seed=seed,
-                                   max_running=max_running, thread_tuning=thread_tuning)
+                                   max_running=max_running, thread_tuning=thread_tuning,
+                                   max_kv_bytes=max_kv_bytes)
         self._default_stop_ids = tuple(
             dict.fromkeys(int(i) for i in end_of_turn_ids if 0 <= int(i) < cfg.vocab_size))
         self._lock = threading.Lock()
