@@ -62,13 +62,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_tokenizer_dir(path: str) -> PreTrainedTokenizerBase:
-    """A transformers tokenizer from a local directory, or LintInputError."""
-    try:
-        from transformers import AutoTokenizer
+    """A transformers tokenizer from a local directory (never running its code), or
+    LintInputError."""
+    from prefixgym.prompting.tokenizer import load_tokenizer_dir as load
 
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001  (transformers raises many kinds here)
-        raise LintInputError(f"{path}: cannot load a tokenizer: {type(exc).__name__}: {exc}") from None
+    try:
+        return load(path)
+    except ValueError as exc:
+        raise LintInputError(str(exc)) from None
 
 
 def _builtin_tokenizer() -> PreTrainedTokenizerBase:
