@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from prefixgym.engine.hf_checkpoint import read_hf_config
 from prefixgym.engine.model import PRESETS, ModelConfig, Transformer
 from prefixgym.engine.requests import DEFAULT_MAX_KV_BYTES
 from prefixgym.engine.service import EngineService
@@ -50,10 +51,12 @@ class LocalService(EngineService):
         thread_tuning: bool = True,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
     ) -> None:
-        # An unknown model name is the engine's error to report, not the tokenizer's.
+        # An unknown model name, or a broken config.json, is the engine's error to report,
+        # not the tokenizer's (transformers reads config.json too, and words it worse).
         checkpoint_dir = None
         if isinstance(model, str) and model not in PRESETS and Path(model).is_dir():
             checkpoint_dir = model
+            read_hf_config(checkpoint_dir)
         tok = resolve_tokenizer(tokenizer, checkpoint_dir)
 
         def decode(ids: list[int]) -> str:

@@ -28,7 +28,7 @@ from prefixgym.engine.checkpoint_io import nonfinite_tensor
 from prefixgym.engine.model import ModelConfig, Transformer
 from prefixgym.types import JSONObject
 
-__all__ = ["config_from_hf", "load_hf_checkpoint"]
+__all__ = ["config_from_hf", "load_hf_checkpoint", "read_hf_config"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DEFAULT_MAX_SEQ_LEN_CAP = 32768
@@ -231,15 +231,11 @@ def _state_dict_from_hf(
     return sd
 
 
-def load_hf_checkpoint(
-    directory: str | os.PathLike[str],
-    dtype: torch.dtype = torch.float32,
-    max_seq_len: int | None = None,
-) -> Transformer:
-    """Build a `Transformer` from a local HF Llama/Qwen2 directory (train mode)."""
-    root = Path(directory)
-    # 1) config.json
-    config_path = root / "config.json"
+def read_hf_config(directory: str | os.PathLike[str], max_seq_len: int | None = None
+                   ) -> ModelConfig:
+    """Steps 1-2 alone: the directory's config.json as a `ModelConfig` (cheap; no tensor
+    is read). FileNotFoundError without one, ValueError naming the file and field."""
+    config_path = Path(directory) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: not found (expected an HF checkpoint directory)")
     try:
@@ -248,8 +244,18 @@ def load_hf_checkpoint(
         raise ValueError(f"{config_path}: not valid JSON ({err})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{config_path}: expected a JSON object")  # noqa: TRY004
-    # 2) our config
-    config = config_from_hf(raw, config_path, max_seq_len)
+    return config_from_hf(raw, config_path, max_seq_len)
+
+
+def load_hf_checkpoint(
+    directory: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    max_seq_len: int | None = None,
+) -> Transformer:
+    """Build a `Transformer` from a local HF Llama/Qwen2 directory (train mode)."""
+    root = Path(directory)
+    # 1) + 2) config.json, as our config
+    config = read_hf_config(root, max_seq_len)
     # 3) + 4) tensors, renamed and fused
     state_dict = _state_dict_from_hf(_TensorIndex(root), config, dtype)
     # 5) no random init for weights that are about to be replaced
