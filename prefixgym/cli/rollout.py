@@ -138,11 +138,11 @@ def run_checkpoint(run: Path) -> Path:
     saved = run / RUN_CONFIG
     identity = saved_run_identity(read_json_object(saved)) if saved.exists() else None
     found = find_checkpoint(run, identity)
+    if found.path is None:
+        why = "; ".join(found.passed_over) or "the run saves one after its warm start"
+        raise ValueError(f"no intact checkpoint under {run}/checkpoints ({why})")
     for reason in found.passed_over:
         print(f"passed over: {reason}", file=sys.stderr)
-    if found.path is None:
-        raise ValueError(f"no intact checkpoint under {run}/checkpoints (the run saves one "
-                         "after its warm start)")
     return found.path
 
 

@@ -97,9 +97,16 @@ def save_checkpoint(
         (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True))
 
     write_dir_atomically(root / name, fill)
-    if name.startswith("step-"):
-        write_text_atomically(root / LATEST, name)
+    mark_latest(root / name)
     return root / name
+
+
+def mark_latest(checkpoint: Path) -> None:
+    """Point `latest` at a step checkpoint (the warm start is never `latest`)."""
+    pointer = checkpoint.parent / LATEST
+    if _STEP_NAME.fullmatch(checkpoint.name) and not (
+            pointer.is_file() and pointer.read_bytes() == checkpoint.name.encode()):
+        write_text_atomically(pointer, checkpoint.name)
 
 
 def remove_leftovers(out: Path) -> list[str]:

@@ -35,6 +35,7 @@ from prefixgym.trainer.checkpoint import (
     LoopState,
     find_checkpoint,
     load_checkpoint,
+    mark_latest,
     remove_leftovers,
     save_checkpoint,
     verify_checkpoint,
@@ -126,6 +127,7 @@ class Run:
             if c.kl_coef > 0:
                 ref = self.reference(found.path)
             state = load_checkpoint(found.path, self.training)
+            mark_latest(found.path)  # a damaged `latest` names what was resumed from again
             self.log.truncate_after(state.next_step - 1)
             print(f"resuming from {found.path} at GRPO step {state.next_step}", file=sys.stderr)
             return state, ref
