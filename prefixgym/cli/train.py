@@ -9,6 +9,7 @@ an OpenAI-compatible server), the envs from `--env`/`--env-kwargs`, then
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from prefixgym.envs.registration import absolute_spec, make_agent_env
 from prefixgym.files import ensure_writable_dir
 from prefixgym.local_service import LocalService
 from prefixgym.rollouts.episode import AgentGymEnv
+from prefixgym.serving.config import API_KEY_VARIABLE
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.run import RUN_CONFIG, Clients, Run, RunResult
 from prefixgym.types import JSONObject
@@ -53,7 +55,8 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
         from prefixgym.serving.openai_client import OpenAISamplingClient, RemoteSamplingTrainer
 
         remote = OpenAISamplingClient(config.sampler_url, tokenizer=service.tokenizer,
-                                      ledger=service.ledger)
+                                      ledger=service.ledger,
+                                      api_key=os.environ.get(API_KEY_VARIABLE) or "EMPTY")
         clients = Clients(RemoteSamplingTrainer(training, remote), remote, service.tokenizer,
                           service.usage)
     return Run(config, clients, make), service
