@@ -1,13 +1,18 @@
-"""The default multi-turn GRPO loop with the prefix cache on and off, in one run.
+"""The default multi-turn GRPO loop: prefix cache on and off, shared training prefixes
+on and off, in one run.
 
 Usage: `OMP_NUM_THREADS=2 python bench/bench_grpo.py [--steps 6] [--sft-steps 65]`.
 
-One warm start (the default SFT) is computed once and loaded into two services,
-`LocalService(prefix_cache=True)` and `LocalService(prefix_cache=False)`. Then the
-two run the same GRPO steps (the default TrainConfig: 16 groups x 8 episodes of
-GuessNumber, 4 turns), interleaved step by step so machine load hits both alike.
-Printed per mode: wall seconds per step (sampling and whole step), prefill tokens
-computed and served from the cache. Knows the trainer's functions; no engine internals.
+One warm start (the default SFT) is computed once and loaded into three services:
+the default (prefix cache on, training client sharing prefixes), the cache off
+(`LocalService(prefix_cache=False)`), and sharing off
+(`create_training_client(share_prefixes=False)`, cache on). Then they run the same
+GRPO steps (the default TrainConfig: 16 groups x 8 episodes of GuessNumber, 4 turns),
+interleaved step by step so machine load hits all alike. Printed per mode: wall
+seconds per step (whole step, sampling, and the rest: datums, update, publish),
+prefill tokens computed and served from the cache, train tokens computed and what
+training would have computed without sharing. Knows the trainer's functions; no
+engine internals.
 """
 
 from __future__ import annotations
@@ -59,19 +64,21 @@ def main() -> None:
         training.save_state(state_dir).result()
         print(f"warm start: {config.sft_steps} steps in {time.perf_counter() - t0:.1f} s")
 
-    # 2) two services from the same state, the same steps, interleaved
-    modes = {"cache on": True, "cache off": False}
+    # 2) three services from the same state, the same steps, interleaved
+    modes = {"cache on, sharing on": (True, True), "cache off": (False, True),
+             "sharing off": (True, False)}
     runs = {}
-    for name, cache in modes.items():
+    for name, (cache, share) in modes.items():
         service = LocalService(seed=config.seed, prefix_cache=cache)
-        training = service.create_training_client()
+        training = service.create_training_client(share_prefixes=share)
         training.compute_dtype = dtype
         training.load_state(state_dir).result()
         runs[name] = {
             "service": service, "training": training,
             "sampler": training.save_weights_and_get_sampling_client(),
             "envs": make_envs(config, config.groups_per_step * config.group_size),
-            "step_s": [], "sample_s": [], "computed": 0, "cached": 0, "train": 0,
+            "step_s": [], "sample_s": [], "rest_s": [], "computed": 0, "cached": 0, "train": 0,
+            "train_unshared": 0,
         }
     for step in range(config.steps):
         for r in runs.values():
@@ -82,21 +89,24 @@ def main() -> None:
             r["sampler"] = r["training"].save_weights_and_get_sampling_client()
             r["step_s"].append(time.perf_counter() - t0)
             r["sample_s"].append(sample_s)
+            r["rest_s"].append(r["step_s"][-1] - sample_s)
             r["computed"] += usage.prefill_computed_tokens
             r["cached"] += usage.prefill_cached_tokens
             r["train"] += usage.train_computed_tokens
+            r["train_unshared"] += usage.train_tokens
 
     print(machine_facts())
     print(f"{config.steps} GRPO steps, {config.groups_per_step} groups x {config.group_size}, "
           f"GuessNumber {config.env_kwargs}, compute {config.compute_dtype}")
-    print("| mode | step s (median) | sampling s (median) | prefill computed | "
-          "prefill cached | train computed |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| mode | step s (median) | sampling s | rest s (update) | prefill computed | "
+          "prefill cached | train computed | train without sharing |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in runs.items():
         print(f"| {name} | {statistics.median(r['step_s']):.2f} | "
-              f"{statistics.median(r['sample_s']):.2f} | {r['computed']:,} | {r['cached']:,} | "
-              f"{r['train']:,} |")
+              f"{statistics.median(r['sample_s']):.2f} | {statistics.median(r['rest_s']):.2f} | "
+              f"{r['computed']:,} | {r['cached']:,} | {r['train']:,} | {r['train_unshared']:,} |")
         r["service"].close()
+    print(machine_facts())
 
 
 if __name__ == "__main__":

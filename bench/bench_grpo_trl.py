@@ -28,6 +28,11 @@ rewards, loss, backward, optimizer); its per-step logging is outside. The first 
 of each side is a warm-up and is dropped. Per-process CPU seconds are reported too
 (all threads; less disturbed by other processes' load than wall time).
 
+Our training client shares token prefixes (the default; each group's prompt and the
+system prompt computed once per update); `--no-share-prefixes` runs the plain path.
+Printed for ours: train tokens computed per step and without sharing, and the update
+(step - generation - publish).
+
 TRL is not a prefixgym dependency: `.venv/bin/pip install trl` first. Run by hand:
 
     .venv/bin/python bench/bench_grpo_trl.py            # B=8, G=8, N=32, 6 timed steps
@@ -100,6 +105,8 @@ class Record:
     gen_s: list[float] = field(default_factory=list)
     publish_s: list[float] = field(default_factory=list)
     load: list[float] = field(default_factory=list)
+    train_computed: list[int] = field(default_factory=list)
+    train_unshared: list[int] = field(default_factory=list)
 
 
 class Ours:
@@ -110,7 +117,7 @@ class Ours:
             groups_per_step=a.prompts, group_size=a.group, lr=a.lr, loss="importance_sampling",
             max_tokens=a.max_tokens, temperature=a.temperature, compute_dtype="float32",
         )
-        self.training = service.create_training_client()
+        self.training = service.create_training_client(share_prefixes=a.share_prefixes)
         self.training.compute_dtype = torch.float32
         self.sampler = self.training.save_weights_and_get_sampling_client()
         self.tokenizer = service.tokenizer
@@ -143,6 +150,8 @@ class Ours:
         self.record.cpu_s.append(time.process_time() - c0)
         self.record.gen_s.append(gen)
         self.record.load.append(os.getloadavg()[0])
+        self.record.train_computed.append(usage.train_computed_tokens)
+        self.record.train_unshared.append(usage.train_tokens)
         self.datums.append(metrics["datums/count"])
 
 
@@ -245,6 +254,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-share-prefixes", dest="share_prefixes", action="store_false",
+                   help="train without shared prefixes (the plain path)")
     a = p.parse_args()
     if a.quick:
         a.prompts, a.group, a.max_tokens, a.steps = 4, 4, 16, 2
@@ -292,6 +303,10 @@ def main() -> None:
     cpu_ratios = [x / y for x, y in zip(t.cpu_s[1:], o.cpu_s[1:])]
     print(f"\nprefixgym step s  median (min-max): {summary(ow)}  generation {summary(o.gen_s[1:])}"
           f"  publish {summary(o.publish_s[1:])}")
+    update = [w - g - u for w, g, u in zip(ow, o.gen_s[1:], o.publish_s[1:])]
+    print(f"prefixgym update s (step - generation - publish): {summary(update)}; train tokens "
+          f"computed per step {statistics.median(o.train_computed[1:]):,.0f} (without sharing "
+          f"{statistics.median(o.train_unshared[1:]):,.0f}); share_prefixes={a.share_prefixes}")
     print(f"TRL step s        median (min-max): {summary(tw)}  generation {summary(t.gen_s[1:])}")
     print(f"TRL / prefixgym wall, per step: median {statistics.median(ratios):.2f}x "
           f"(range {min(ratios):.2f}-{max(ratios):.2f}); CPU-s: median "

@@ -1,4 +1,4 @@
-"""A stateful game to train on: Nim against a random opponent.
+"""A stateful game to train on: Nim against an opponent that never misses a win.
 
 A pile of stones; each turn you take 1, 2 or 3, then the opponent does; whoever
 takes the last stone wins. The position changes with every move of both players,
@@ -9,11 +9,12 @@ and its figures are in docs/training-your-env.md:
 
     prefixgym train --env examples/nim.py:Nim --sft-steps 10 --steps 40 --out runs/nim
 
-Rules: the pile starts with 5-15 stones, never a multiple of 4 (so the first player
+Rules: the pile starts with 5-11 stones, never a multiple of 4 (so the first player
 can always win). A reply is one number, 1, 2 or 3 (at most
 the stones left); anything else is an invalid move: the feedback asks again and the
-step costs `invalid_penalty`. The opponent takes a random 1-3. Reward: 1.0 for taking
-the last stone (success), 0 for a loss.
+step costs `invalid_penalty`. The opponent takes the winning number when there is one
+(leaving you a multiple of 4) and a random 1-3 when there is none, so one wrong move
+loses the game. Reward: 1.0 for taking the last stone (success), 0 for a loss.
 
 Run: python examples/nim.py   (checks the env and plays one expert episode)
 """
@@ -31,7 +32,7 @@ class Nim(AgentEnv):
         "wins. Reply with the number of stones you take, and nothing else."
     )
 
-    def __init__(self, min_stones: int = 5, max_stones: int = 15, max_turns: int = 8,
+    def __init__(self, min_stones: int = 5, max_stones: int = 11, max_turns: int = 6,
                  render_mode: str | None = None) -> None:
         super().__init__(max_turns=max_turns, render_mode=render_mode)
         self.starts = [n for n in range(max(1, min_stones), max_stones + 1) if n % 4]
@@ -53,7 +54,8 @@ class Nim(AgentEnv):
         if self.stones == 0:
             return Outcome("You took the last stone. You win!", rewards={"win": 1.0},
                            done=True, success=True)
-        mine = min(self.stones, int(self.np_random.integers(1, 4)))
+        mine = self.stones % 4 or int(self.np_random.integers(1, 4))
+        mine = min(mine, self.stones)
         self.stones -= mine
         if self.stones == 0:
             return Outcome(f"I take {mine}, the last stone. I win.", done=True)

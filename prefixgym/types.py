@@ -165,6 +165,9 @@ class Usage(_Wire):
     sampled_tokens: int = 0
     train_computed_tokens: int = 0
     train_loss_tokens: int = 0
+    train_shared_tokens: int = 0
+    """Datum positions not computed because another datum of the same forward/backward
+    chunk had the same token prefix (see `train_tokens`)."""
 
     def __add__(self, other: Usage) -> Usage:
         return Usage(**{k: getattr(self, k) + getattr(other, k) for k in Usage.model_fields})
@@ -183,6 +186,12 @@ class Usage(_Wire):
     def prefill_tokens(self) -> int:
         """What prefill would have computed without a prefix cache."""
         return self.prefill_computed_tokens + self.prefill_cached_tokens
+
+    @property
+    def train_tokens(self) -> int:
+        """What training would have computed without shared prefixes: every datum's every
+        position."""
+        return self.train_computed_tokens + self.train_shared_tokens
 
     @property
     def cache_hit_rate(self) -> float:

@@ -48,7 +48,8 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
         model=config.model, seed=config.seed, num_threads=config.num_threads or None
     )
     training = service.create_training_client(compute_dtype=compute_dtype(config),
-                                               nonfinite_update=config.nonfinite_update)
+                                               nonfinite_update=config.nonfinite_update,
+                                               share_prefixes=config.share_prefixes)
     clients = Clients(training, service.create_sampling_client(), service.tokenizer,
                       service.usage)
     if config.sampler_url:  # rollouts and evaluation on a remote server (docs/scaling.md)

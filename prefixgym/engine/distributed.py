@@ -5,7 +5,10 @@ process meaning of every call: `forward_backward(datums)` on W ranks leaves the 
 accumulated gradients as one process would (the losses are sums, so the gradient of
 the whole batch is the sum of the ranks' gradients), and `optim_step` then gives
 every rank the same weights. Each rank is given the *same* list of datums; it trains
-on its shard `datums[rank::W]`. One `forward_backward`:
+on its shard: with shared prefixes (the client's `share_prefixes`), a run of the
+datums in prefix-trie order with about 1/W of the distinct positions
+(`prefix_trie.shard_by_prefix`), so the datums that share a prefix share it on one
+rank; without, `datums[rank::W]`. One `forward_backward`:
   1) validate the whole request on every rank -- the same verdict everywhere, before
      any collective, so a bad datum raises on all ranks and changes nothing;
   2) set this rank's accumulated gradients aside and run its shard;
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from prefixgym.engine.prefix_trie import shard_by_prefix
 from prefixgym.engine.training import TrainingClient
 from prefixgym.futures import APIFuture
 from prefixgym.types import (
@@ -45,7 +49,7 @@ from prefixgym.types import (
 if TYPE_CHECKING:
     from prefixgym.engine.sampling import SamplingClient
 
-_SUMMED_METRICS = ("loss", "train_computed_tokens", "train_loss_tokens")
+_SUMMED_METRICS = ("loss", "train_computed_tokens", "train_loss_tokens", "train_shared_tokens")
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int]:
@@ -129,8 +133,9 @@ class DistributedTrainingClient:
     def _run(self, datums: Sequence[Datum], loss_fn: str,
              loss_fn_config: Mapping[str, float] | None, backward: bool) -> ForwardBackwardOutput:
         # 1) the same validation on every rank
-        self.client._validate(datums, loss_fn, loss_fn_config)
-        indices = list(range(self.rank, len(datums), self.world_size))
+        prepared, _, _ = self.client._validate(datums, loss_fn, loss_fn_config)
+        shards = self.shards([p.tokens_T.tolist() for p in prepared])
+        indices = shards[self.rank]
         params = [p for p in self.client.model.parameters() if p.requires_grad]
         # 2) this rank's shard, with the accumulated gradients set aside
         saved = [p.grad for p in params]
@@ -168,10 +173,16 @@ class DistributedTrainingClient:
         # 5) the merged output
         outputs = [(r, ForwardBackwardOutput.model_validate(o[1]))
                    for r, (o, _) in enumerate(gathered) if o[1] is not None]
-        merged = _merge(outputs, len(datums), self.world_size)
+        merged = _merge(outputs, shards, len(datums))
         others = sum((out.usage for r, out in outputs if r != self.rank), Usage())
         self.client.ledger.add(others)
         return merged
+
+    def shards(self, tokens: list[list[int]]) -> list[list[int]]:
+        """Which datums (given by their input tokens) each rank trains, in its order."""
+        if self.client.share_prefixes:
+            return shard_by_prefix(tokens, self.world_size)
+        return [list(range(r, len(tokens), self.world_size)) for r in range(self.world_size)]
 
     def _all_reduce_grads(self, params: list[torch.nn.Parameter], any_grad: list[bool]) -> None:
         buckets: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
@@ -196,15 +207,15 @@ class DistributedTrainingClient:
                                if self.group is not None else 0, group=self.group)
 
 
-def _merge(outputs: list[tuple[int, ForwardBackwardOutput]], n: int,
-           world_size: int) -> ForwardBackwardOutput:
-    """The single-process output: rank r's j-th datum is datum r + j * world_size."""
+def _merge(outputs: list[tuple[int, ForwardBackwardOutput]], shards: list[list[int]],
+           n: int) -> ForwardBackwardOutput:
+    """The single-process output: rank r's j-th datum is datum shards[r][j]."""
     loss_fn_outputs: list[dict[str, list[float]]] = [{} for _ in range(n)]
     usage = Usage()
     sums: dict[str, float] = {}
     for rank, out in outputs:
         for j, item in enumerate(out.loss_fn_outputs):
-            loss_fn_outputs[rank + j * world_size] = item
+            loss_fn_outputs[shards[rank][j]] = item
         usage = usage + out.usage
         n_loss_local = max(out.usage.train_loss_tokens, 1)
         for key, value in out.metrics.items():

@@ -27,7 +27,8 @@ __all__ = ["Attention", "Block", "KVView", "RMSNorm", "SwiGLU"]
 
 
 class KVView(Protocol):
-    """Where one forward's keys and values go, owned by the caller (the scheduler).
+    """Where one forward's keys and values go, owned by the caller (the scheduler's KV
+    slots, or the training client's `shared_forward.TrieKV`).
 
     `update` is called once per attention layer, in layer order, with the new keys
     (already rotated by RoPE) and values of the tokens in this forward. It stores them

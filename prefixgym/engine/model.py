@@ -1,8 +1,10 @@
 """The built-in LLaMA-style decoder: embeddings, RoPE tables, a stack of blocks, the head.
 
 One `Transformer` serves three callers: the trainer (a plain causal forward with
-gradients), the sampler's prefill and its decode steps (a forward that hands each
-layer's new keys/values to a `KVView` and attends to whatever the view returns).
+gradients, or, for datums sharing token prefixes, one forward per wave of a prefix
+trie through a `KVView` that keeps keys/values in the autograd graph), the sampler's
+prefill and its decode steps (a forward that hands each layer's new keys/values to a
+`KVView` and attends to whatever the view returns).
 The numerics match Hugging Face Llama/Qwen2 (rotate-half RoPE, fp32 RMSNorm), so a
 local checkpoint of either loads 1:1 (see `hf_checkpoint.py`). The layers live in
 `layers.py`, the config and presets in `model_config.py`; both are re-exported here.

@@ -118,15 +118,19 @@ class EngineService:
         return self.create_sampling_client()
 
     def create_training_client(
-        self, compute_dtype: torch.dtype = torch.float32, nonfinite_update: str = "skip"
+        self, compute_dtype: torch.dtype = torch.float32, nonfinite_update: str = "skip",
+        share_prefixes: bool = True,
     ) -> TrainingClient:
         """A trainer on `train_model`; `compute_dtype=torch.bfloat16` runs its matmuls in
         bf16 under autocast (fp32 master weights and optimizer state). An update with a
-        non-finite gradient norm is skipped, or with `nonfinite_update="error"` raises."""
+        non-finite gradient norm is skipped, or with `nonfinite_update="error"` raises.
+        With `share_prefixes`, a token prefix shared by datums of one call is computed
+        once (same results); False computes every datum's every position (the reference)."""
         from prefixgym.engine.training import TrainingClient
 
         client = TrainingClient(self.train_model, publish=self.publish_weights, ledger=self.ledger,
-                                compute_dtype=compute_dtype, nonfinite_update=nonfinite_update)
+                                compute_dtype=compute_dtype, nonfinite_update=nonfinite_update,
+                                share_prefixes=share_prefixes)
         self._training_clients.append(client)
         return client
 

@@ -6,8 +6,10 @@
    (`types.check_loss_fn_inputs`: one finite value per position), and returns it as
    1-D CPU tensors, with weights defaulting to 1. A problem raises ValueError naming
    the datum index and key.
-2) `make_chunks` groups consecutive datums so that B x T_max <= max_tokens, right-pads
-   each group with zeros (padded positions thus get weight 0) and moves it to a device.
+2) `make_chunks` groups consecutive datums so that B x T_max <= max_tokens (the plain
+   path); `make_shared_chunks` takes the groups of a prefix-trie plan
+   (`prefix_trie.plan_chunks`). Both right-pad each group with `pad_chunk`: zeros, so
+   padded positions get weight 0, moved to a device.
 
 This module knows nothing of models, gradients or optimizers; of losses it knows only
 which input keys they read (`losses.LossSpec`).
@@ -21,9 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from prefixgym.engine import losses
+from prefixgym.engine.prefix_trie import TriePlan, plan_chunks
 from prefixgym.types import Datum, check_loss_fn_inputs
 
-__all__ = ["Chunk", "PreparedDatum", "make_chunks", "prepare_datum"]
+__all__ = [
+    "Chunk", "PreparedDatum", "make_chunks", "make_shared_chunks", "pad_chunk", "prepare_datum",
+]
 
 Tensor = torch.Tensor
 
@@ -115,9 +120,13 @@ def prepare_datum(
 
 @dataclass
 class Chunk:
+    """Datums trained in one forward/backward: their inputs padded to (B, T)."""
+
     indices: list[int]
     tokens_B_T: Tensor
     inputs: dict[str, Tensor]  # each (B, T), zero-padded on the right
+    plan: TriePlan | None = None  # how to compute them with shared prefixes, or plainly
+    computed_tokens: int = 0  # positions run through the model (padding not counted)
 
 
 def make_chunks(
@@ -132,22 +141,38 @@ def make_chunks(
                 groups[-1].append(i)
                 continue
         groups.append([i])
-    chunks = []
-    for group in groups:
-        T = max(prepared[j].length for j in group)
-        tokens_B_T = torch.zeros(len(group), T, dtype=torch.long)
-        keys = prepared[group[0]].inputs.keys()
-        inputs = {
-            k: torch.zeros(len(group), T, dtype=prepared[group[0]].inputs[k].dtype) for k in keys
-        }
-        for b, j in enumerate(group):
-            n = prepared[j].length
-            tokens_B_T[b, :n] = prepared[j].tokens_T
-            for k in keys:
-                inputs[k][b, :n] = prepared[j].inputs[k]
-        on_device = {
-            k: v.to(device) if k == "target_tokens" else v.to(device, torch.float32)
-            for k, v in inputs.items()
-        }
-        chunks.append(Chunk(group, tokens_B_T.to(device), on_device))
-    return chunks
+    return [pad_chunk(prepared, group, device) for group in groups]
+
+
+def make_shared_chunks(
+    prepared: Sequence[PreparedDatum], max_tokens: int, context_weight: float,
+    device: torch.device,
+) -> list[Chunk]:
+    """Chunks of a prefix-trie plan: each shared position computed once per chunk."""
+    tokens = [p.tokens_T.tolist() for p in prepared]
+    return [pad_chunk(prepared, plan.indices, device, plan)
+            for plan in plan_chunks(tokens, max_tokens, context_weight)]
+
+
+def pad_chunk(
+    prepared: Sequence[PreparedDatum], group: list[int], device: torch.device,
+    plan: TriePlan | None = None,
+) -> Chunk:
+    """Datums `group`, in that order, right-padded with zeros to their longest, on `device`."""
+    T = max(prepared[j].length for j in group)
+    tokens_B_T = torch.zeros(len(group), T, dtype=torch.long)
+    keys = prepared[group[0]].inputs.keys()
+    inputs = {
+        k: torch.zeros(len(group), T, dtype=prepared[group[0]].inputs[k].dtype) for k in keys
+    }
+    for b, j in enumerate(group):
+        n = prepared[j].length
+        tokens_B_T[b, :n] = prepared[j].tokens_T
+        for k in keys:
+            inputs[k][b, :n] = prepared[j].inputs[k]
+    on_device = {
+        k: v.to(device) if k == "target_tokens" else v.to(device, torch.float32)
+        for k, v in inputs.items()
+    }
+    computed = plan.computed_tokens if plan is not None else sum(prepared[j].length for j in group)
+    return Chunk(group, tokens_B_T.to(device), on_device, plan, computed)

@@ -3,13 +3,18 @@
 1) Validate the whole request before any compute (loss name and config, then every
    datum via `train_batch.prepare_datum`): a bad request raises ValueError naming the
    datum and key, and changes nothing.
-2) Right-pad datums of different lengths into (B, T) chunks of at most
-   `max_tokens_per_forward` tokens (`train_batch.make_chunks`); padded positions get
-   weight 0. Causal attention makes the results equal to running datums one by one.
+2) Group the datums into chunks within the `max_tokens_per_forward` budget. With
+   `share_prefixes` (the default) a chunk is a prefix trie (`prefix_trie.py`): the
+   token prefixes its datums share are computed once, in waves whose later branches
+   attend to the earlier ones' keys/values (`shared_forward.py`). Without, datums are
+   right-padded into (B, T) batches (`train_batch.make_chunks`). Causal attention
+   makes both equal to running datums one by one; padded positions get weight 0.
 3) Per chunk: forward, per-token target logprobs, the loss (a **sum** of weight x
    per-token loss, see `losses.py`), gradients. Gradients are staged and added to
    the parameters' `.grad` only when the whole call succeeded with finite values,
-   so accumulated gradients are never half-updated.
+   so accumulated gradients are never half-updated. `train_computed_tokens` counts
+   the positions run through the model (a shared prefix once per chunk, padding not
+   at all); `train_shared_tokens` the positions that sharing spared.
 4) `optim_step` applies AdamW to the accumulated gradients and zeroes them. A
    non-finite gradient norm (finite gradients can still overflow it) skips the
    update -- weights and Adam moments untouched, `skipped_nonfinite` 1 in its
@@ -41,7 +46,14 @@ from prefixgym.engine.checkpoint_io import (
     save_checkpoint,
 )
 from prefixgym.engine.model import Transformer
-from prefixgym.engine.train_batch import PreparedDatum, make_chunks, prepare_datum
+from prefixgym.engine.shared_forward import context_weight, plan_logprobs
+from prefixgym.engine.train_batch import (
+    Chunk,
+    PreparedDatum,
+    make_chunks,
+    make_shared_chunks,
+    prepare_datum,
+)
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.futures import APIFuture
 from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput, Usage
@@ -62,7 +74,8 @@ class TrainingClient:
     master weights (a bf16 model simply trains in bf16). `seed` seeds a generator
     owned by this client (saved with the state) for stochastic training ops.
     `nonfinite_update`: "skip" (count it, go on) or "error" for an update whose
-    gradient norm is not finite.
+    gradient norm is not finite. `share_prefixes=False` computes every datum's every
+    position (the reference path).
     """
 
     def __init__(
@@ -74,6 +87,7 @@ class TrainingClient:
         compute_dtype: torch.dtype = torch.float32,
         max_tokens_per_forward: int = 8192,
         nonfinite_update: str = "skip",
+        share_prefixes: bool = True,
     ) -> None:
         if compute_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
@@ -91,6 +105,7 @@ class TrainingClient:
         self.nonfinite_update = nonfinite_update
         self.skipped_updates = 0
         """Updates skipped for a non-finite gradient norm (not restored by `load_state`)."""
+        self.share_prefixes = share_prefixes
         self._publish = publish
         self._optimizer: torch.optim.AdamW | None = None
         self._step = 0
@@ -186,6 +201,21 @@ class TrainingClient:
             return contextlib.nullcontext()
         return torch.autocast(param.device.type, dtype=self.compute_dtype)
 
+    def _chunks(self, prepared: list[PreparedDatum], device: torch.device) -> list[Chunk]:
+        if self.share_prefixes:
+            weight = context_weight(self.model.config)
+            return make_shared_chunks(prepared, self.max_tokens_per_forward, weight, device)
+        return make_chunks(prepared, self.max_tokens_per_forward, device)
+
+    def _logprobs(self, chunk: Chunk) -> Tensor:
+        """(B, T) logprobs of the chunk's targets, through the trie plan or plainly."""
+        targets_B_T = chunk.inputs["target_tokens"]
+        if chunk.plan is not None:
+            return plan_logprobs(self.model, chunk.plan, targets_B_T, self._autocast)
+        with self._autocast():
+            logits_B_T_V = self.model(chunk.tokens_B_T)
+        return losses.target_logprobs(logits_B_T_V, targets_B_T)
+
     def _run(
         self,
         prepared: list[PreparedDatum],
@@ -199,11 +229,10 @@ class TrainingClient:
         loss_total = 0.0
         metric_sums: dict[str, float] = {}
         logprobs_out: list[list[float]] = [[] for _ in prepared]
-        for chunk in make_chunks(prepared, self.max_tokens_per_forward, device):
+        chunks = self._chunks(prepared, device)
+        for chunk in chunks:
             with torch.set_grad_enabled(backward):
-                with self._autocast():
-                    logits_B_T_V = self.model(chunk.tokens_B_T)
-                logprobs_B_T = losses.target_logprobs(logits_B_T_V, chunk.inputs["target_tokens"])
+                logprobs_B_T = self._logprobs(chunk)
                 loss, sums = spec.fn(logprobs_B_T, chunk.inputs, config)
             if backward:
                 chunk_grads = torch.autograd.grad(loss, params, allow_unused=True)
@@ -227,8 +256,10 @@ class TrainingClient:
         for param, staged_grad in zip(params, staged):
             if staged_grad is not None:
                 param.grad = staged_grad if param.grad is None else param.grad.add_(staged_grad)
+        computed = sum(chunk.computed_tokens for chunk in chunks)
         usage = Usage(
-            train_computed_tokens=sum(p.length for p in prepared),
+            train_computed_tokens=computed,
+            train_shared_tokens=sum(p.length for p in prepared) - computed,
             train_loss_tokens=sum(p.num_loss_tokens for p in prepared),
         )
         self.ledger.add(usage)
@@ -237,6 +268,7 @@ class TrainingClient:
             "loss": loss_total,
             "loss/mean_per_loss_token": loss_total / n_loss,
             "train_computed_tokens": float(usage.train_computed_tokens),
+            "train_shared_tokens": float(usage.train_shared_tokens),
             "train_loss_tokens": float(usage.train_loss_tokens),
             **{key: value / n_loss for key, value in metric_sums.items()},
         }

@@ -24,11 +24,12 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 NONFINITE_UPDATES = ("skip", "error")
 RESUMABLE_CHANGES = (
     "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
-    "num_threads", "progress", "sampler_url", "nonfinite_update",
+    "num_threads", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
 )
 """Fields a resumed run may set differently from the run it continues. `steps` extends
 (or shortens) a run; with the cosine schedule the remaining steps then follow the new
 length. `sampler_url` moves sampling to another server, whose weights are its own.
+`share_prefixes`, like `num_threads`, changes how the same sums are computed, not what.
 Every other field determines results (`eval_episodes` too: evaluations before and
 after the change would not compare)."""
 
@@ -104,6 +105,9 @@ class TrainConfig:
     nonfinite_update: str = "skip"
     """An update whose gradient norm is NaN or inf: skip (weights unchanged, counted as
     optim/skipped_nonfinite in metrics.jsonl) or error (stop the run)."""
+    share_prefixes: bool = True
+    """Compute each token prefix shared by a training call's datums once (exact; off runs
+    every datum in full, the reference path)."""
     num_threads: int = 0
     """torch threads (0 = torch's default)."""
     progress: bool = True

@@ -145,6 +145,7 @@ def phase_metrics(usage: Usage) -> dict[str, float]:
         "tokens/sampled": float(usage.sampled_tokens),
         "tokens/train_computed": float(usage.train_computed_tokens),
         "tokens/train_loss": float(usage.train_loss_tokens),
+        "tokens/train_shared": float(usage.train_shared_tokens),
         "cache/hit_rate": usage.cache_hit_rate,
     }
 

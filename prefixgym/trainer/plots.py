@@ -6,8 +6,8 @@ step k at S + k + 1 (the shaded part is the warm start).
   success and eval mean reward with their standard errors, at every evaluation
   (before training at 0, after the warm start at S).
 - tokens.png: one panel per phase -- prefill computed, prefill cached, sampled, train
-  computed, train in the loss -- and the cache hit rate, each on its own scale, so no
-  series hides another.
+  computed, train positions a shared prefix saved, train in the loss -- and the cache
+  hit rate, each on its own scale, so no series hides another.
 Knows metric names; not how they were produced.
 """
 
@@ -22,11 +22,12 @@ from prefixgym.types import JSONObject
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-TOKEN_PANELS = (
+TOKEN_PANELS = (  # the grid's first row, then its second
     ("tokens/prefill_computed", "prefill, computed"),
     ("tokens/prefill_cached", "prefill, from the cache"),
     ("tokens/sampled", "sampled (decoded)"),
     ("tokens/train_computed", "train, computed"),
+    ("tokens/train_shared", "train, shared prefix (not computed)"),
     ("tokens/train_loss", "train, in the loss"),
 )
 
@@ -104,17 +105,20 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     fig.savefig(paths[0], dpi=100)
     plt.close(fig)
 
-    fig, grid = plt.subplots(2, 3, figsize=(10, 5.5), sharex=True)
+    fig, grid = plt.subplots(2, 4, figsize=(13, 5.5), sharex=True)
     steps = [*t.sft, *t.grpo]
     xs = [*t.sft_x(), *t.grpo_x()]
-    for ax, (key, name) in zip(grid.flat, TOKEN_PANELS):
+    panels = [*grid[0][:3], *grid[1][:3]]
+    for ax, (key, name) in zip(panels, TOKEN_PANELS):
         points = [(x, r[key]) for x, r in zip(xs, steps) if key in r]
         if points:
             ax.plot(*zip(*points), marker=".", ms=3, lw=1)
             ax.set_ylim(bottom=0)
-        _label(ax, "tokens per step", bool(points), "no GRPO steps")
+        _label(ax, "tokens per step", bool(points),
+               "no GRPO steps" if key.startswith(("tokens/prefill", "tokens/sampled")) else "none")
         ax.set_title(name, fontsize=10)
-    hit_ax = grid.flat[-1]
+    grid[1][3].axis("off")
+    hit_ax = grid[0][3]
     points = [(x, r["cache/hit_rate"]) for x, r in zip(t.grpo_x(), t.grpo)]
     if points:
         hit_ax.plot(*zip(*points), marker=".", ms=3, lw=1, color="tab:green")
@@ -122,10 +126,11 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
         hit_ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     _label(hit_ax, "of prompt tokens", bool(points), "no GRPO steps")
     hit_ax.set_title("prefix-cache hit rate", fontsize=10)
-    for ax in grid.flat:
+    for ax in (*panels, hit_ax):
         _shade_warm_start(ax, t.warm_steps)
-    for ax in grid[1]:
+    for ax in (*grid[1][:3], hit_ax):
         ax.set_xlabel("training step")
+    hit_ax.tick_params(labelbottom=True)
     fig.suptitle("Tokens per phase, per training step")
     fig.tight_layout()
     fig.savefig(paths[1], dpi=100)

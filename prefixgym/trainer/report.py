@@ -1,9 +1,9 @@
 """What a run leaves behind: metrics.jsonl and report.md (the plots are plots.py's).
 
 `report.md` lists the whole run's tokens per phase, as the source document asks:
-prefill computed and cached, sampled, train computed and train loss tokens, and what
-prefill would have cost without the cache. Knows metric dicts and `Usage`; not how
-they were produced.
+prefill computed and cached, sampled, train computed and shared and train loss tokens,
+and what prefill and training would have computed without the cache and without shared
+prefixes. Knows metric dicts and `Usage`; not how they were produced.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def phase_table(usage: Usage) -> str:
         ("prefill, computed", usage.prefill_computed_tokens),
         ("prefill, served from the prefix cache", usage.prefill_cached_tokens),
         ("sample (decoded tokens)", usage.sampled_tokens),
-        ("train, computed (every position)", usage.train_computed_tokens),
+        ("train, computed (every distinct position of a call)", usage.train_computed_tokens),
+        ("train, shared prefix (computed once for several datums)", usage.train_shared_tokens),
         ("train, in the loss (non-zero weight)", usage.train_loss_tokens),
     ]
     lines = ["| phase | tokens |", "|---|---:|"]
@@ -97,6 +98,10 @@ def phase_table(usage: Usage) -> str:
         f"Without the prefix cache, prefill would have computed {_fmt(without_cache)} tokens "
         f"instead of {_fmt(usage.prefill_computed_tokens)} (cache hit rate "
         f"{usage.cache_hit_rate:.1%})."
+    )
+    lines.append(
+        f"Without shared prefixes, training would have computed {_fmt(usage.train_tokens)} "
+        f"tokens instead of {_fmt(usage.train_computed_tokens)}."
     )
     return "\n".join(lines)
 
@@ -154,7 +159,8 @@ def write_report(
         phase_table(grpo_usage),
         "",
         "Train tokens are counted at every computed position, not only the positions in the "
-        "loss: the forward and backward passes pay for all of them.",
+        "loss: the forward and backward passes pay for all of them. A token prefix shared by "
+        "datums of one forward_backward is computed, and counted, once.",
         "",
     ]
     path = out / "report.md"

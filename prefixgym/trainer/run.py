@@ -148,7 +148,8 @@ class Run:
                 def on_step(i: int, metrics: dict[str, float], usage: Usage) -> None:
                     self.log.write({"step": 0, "phase": "sft", "sft_step": i, **metrics,
                                     "tokens/train_computed": usage.train_computed_tokens,
-                                    "tokens/train_loss": usage.train_loss_tokens})
+                                    "tokens/train_loss": usage.train_loss_tokens,
+                                    "tokens/train_shared": usage.train_shared_tokens})
                     progress.update(1, loss=f"{metrics['sft/loss']:.3f}")
 
                 state.sft_usage = warm_start(

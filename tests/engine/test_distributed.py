@@ -18,22 +18,31 @@ import torch.distributed as dist
 
 from prefixgym.engine.distributed import DistributedTrainingClient, init_distributed
 from prefixgym.engine.model import load_model
+from prefixgym.engine.prefix_trie import shard_by_prefix
 from prefixgym.engine.training import TrainingClient
 from prefixgym.types import AdamParams, Datum, ModelInput
 
 ADAM = AdamParams(learning_rate=1e-3)  # default eps=1e-8
-LENGTHS = (12, 7, 20, 9, 15)  # five datums: ranks get 3 and 2
+LENGTHS = (12, 7, 20, 9, 15, 11)  # six datums; the first four start with one 6-token prefix
+SHARED = 6
 
 
 def make_datums() -> list[Datum]:
     gen = torch.Generator().manual_seed(7)
+    prefix = torch.randint(0, 4096, (SHARED,), generator=gen).tolist()
     datums = []
-    for n in LENGTHS:
+    for i, n in enumerate(LENGTHS):
         ids = torch.randint(0, 4096, (n + 1,), generator=gen).tolist()
+        if i < 4:
+            ids[:SHARED] = prefix
         weights = [0.0] * (n // 2) + [1.0] * (n - n // 2)
         datums.append(Datum(model_input=ModelInput.from_ints(ids[:-1]),
                             loss_fn_inputs={"target_tokens": ids[1:], "weights": weights}))
     return datums
+
+
+def shards() -> list[list[int]]:
+    return shard_by_prefix([d.model_input.tokens for d in make_datums()], 2)
 
 
 def worker(out: Path) -> None:
@@ -54,6 +63,7 @@ def worker(out: Path) -> None:
             "logprobs": [o["logprobs"] for o in result.loss_fn_outputs],
             "train_loss_tokens": result.usage.train_loss_tokens,
             "ledger_computed": trainer.client.ledger.total().train_computed_tokens,
+            "ledger_shared": trainer.client.ledger.total().train_shared_tokens,
         }))
     dist.destroy_process_group()
 
@@ -79,8 +89,10 @@ def test_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
     model = load_model("tiny", seed=0)
     single = TrainingClient(model)
     datums = make_datums()
-    for shard in (datums[0::2], datums[1::2]):
-        single.forward_backward(shard, "cross_entropy").result()
+    computed = 0
+    for shard in shards():
+        computed += single.forward_backward([datums[i] for i in shard],
+                                            "cross_entropy").result().usage.train_computed_tokens
     single.optim_step(ADAM).result()
     single.close()
 
@@ -88,7 +100,9 @@ def test_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
     assert result["world"] == 2
     assert result["loss"] == pytest.approx(expected.metrics["loss"], rel=1e-5)
     assert result["train_loss_tokens"] == expected.usage.train_loss_tokens
-    assert result["ledger_computed"] == sum(LENGTHS)  # rank 0's ledger counts both ranks
+    # rank 0's ledger counts both ranks; a prefix shared within a rank is computed once
+    assert result["ledger_computed"] == computed < sum(LENGTHS)
+    assert result["ledger_shared"] == sum(LENGTHS) - computed
     for got, want in zip(result["logprobs"], expected.loss_fn_outputs):
         assert got == pytest.approx(want["logprobs"], abs=1e-5)  # in the caller's order
     reference = model.state_dict()

@@ -77,3 +77,21 @@ def test_published_weights_never_hit_kv_cached_under_old_weights(service: LocalS
     assert service.cache_stats()["hit_tokens"] == hits_before
     assert service.usage().train_computed_tokens == len(PROMPT) - 1
     service.check_cache_integrity()
+
+
+def test_training_clients_share_prefixes_unless_told_not_to(service: LocalService) -> None:
+    response = _sample(service.create_sampling_client(stop_at_end_of_turn=False)).result()
+    datums = [_datum(PROMPT, s.tokens, s.logprobs) for s in response.sequences]
+    inputs = [d.model_input.tokens for d in datums]
+    distinct = len({tuple(t[: k + 1]) for t in inputs for k in range(len(t))})
+    before = service.usage()
+    shared = service.create_training_client().forward(datums, "importance_sampling").result()
+    plain = service.create_training_client(share_prefixes=False).forward(
+        datums, "importance_sampling").result()
+    assert shared.usage.train_computed_tokens == distinct <= sum(map(len, inputs)) - len(PROMPT)
+    assert plain.usage.train_computed_tokens == shared.usage.train_tokens == sum(map(len, inputs))
+    for a, b in zip(shared.loss_fn_outputs, plain.loss_fn_outputs):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+    spent = service.usage() - before
+    assert spent.train_shared_tokens == shared.usage.train_shared_tokens > 0
+    assert spent.train_tokens == 2 * sum(map(len, inputs))

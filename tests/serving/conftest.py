@@ -12,9 +12,9 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-from prefixgym.local_service import LocalService
-from prefixgym.serving.app import create_app
-from prefixgym.serving.config import ServeConfig
+from prefixgym.local_service import LocalService  # noqa: E402
+from prefixgym.serving.app import create_app  # noqa: E402
+from prefixgym.serving.config import ServeConfig  # noqa: E402
 
 
 class RunningServer:

@@ -1,4 +1,5 @@
-from prefixgym.trainer.report import improvement_lines
+from prefixgym.trainer.report import improvement_lines, phase_table
+from prefixgym.types import Usage
 
 
 def test_report_states_the_gain_over_the_warm_start_with_its_error():
@@ -10,3 +11,12 @@ def test_report_states_the_gain_over_the_warm_start_with_its_error():
     [line, _] = improvement_lines(evals)
     assert "+20.0 points of success ± 5.0" in line and "+4.0 SE" in line
     assert improvement_lines(evals[:1]) == []
+
+
+def test_phase_table_shows_what_training_would_have_computed_without_sharing():
+    table = phase_table(Usage(prefill_computed_tokens=100, prefill_cached_tokens=900,
+                              sampled_tokens=50, train_computed_tokens=3_000,
+                              train_shared_tokens=9_000, train_loss_tokens=400))
+    assert "| train, shared prefix (computed once for several datums) | 9,000 |" in table
+    assert "training would have computed 12,000 tokens instead of 3,000" in table
+    assert "**3,150**" in table  # computed in all: prefill + sample + train, as computed

@@ -46,7 +46,12 @@ def test_accounting_identities():
         t.prompt_length for t in requests)
     assert len(requests) == len(groups) * (1 + config.group_size)  # 1 shared + 1 each
     assert usage.sampled_tokens == sum(t.num_sampled_tokens for t in turns)
-    assert usage.train_computed_tokens == sum(d.model_input.length for d in datums)
+    # a token prefix shared by datums (the group's prompt) is computed once
+    inputs = [d.model_input.tokens for d in datums]
+    assert usage.train_computed_tokens == len(
+        {tuple(t[: k + 1]) for t in inputs for k in range(len(t))})
+    assert usage.train_tokens == sum(d.model_input.length for d in datums)
+    assert usage.train_shared_tokens > 0
     assert usage.train_loss_tokens == sum(
         sum(1 for w in d.loss_fn_inputs["weights"] if w) for d in datums)
     # weights are 1 exactly on the sampled tokens of each trained episode

@@ -171,9 +171,11 @@ class _Analyzer:
             char_at = first_divergence(left, right) or 0
             kind = volatile_kind(left, right, char_at)
             user = USER_TURN.search(left)
+            if user is not None and char_at >= user.start():
+                continue  # the episodes' tasks differ after the fixed prefix: expected
             if kind is not None:
                 rule, reason = "PG203", f"volatile content ({kind}) differs between episodes' prompts"
-            elif user is not None and char_at < user.start():
+            elif user is not None:
                 rule, reason = "PG202", "the system prompt or tools differ between episodes"
             else:
                 continue

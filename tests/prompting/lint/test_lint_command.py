@@ -141,7 +141,10 @@ def _builtin_trace(path: Path, retokenize: bool) -> None:
     from prefixgym.prompting.tokenizer import load_tokenizer
 
     tok = load_tokenizer("builtin")
-    enc = lambda text: tok.encode(text, add_special_tokens=False)
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
     system = "<|im_start|>system\nYou play a guessing game.<|im_end|>\n"
     first = enc(system + "<|im_start|>user\nGuess a number between 1 and 16.<|im_end|>\n<|im_start|>assistant\n")
     reply = "I think the hidden number is eight, so: 8"

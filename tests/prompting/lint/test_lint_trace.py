@@ -150,3 +150,16 @@ def test_group_sent_as_separate_requests_fires_pg206() -> None:
     together = [L.line("e0", 0, ids, None, group="g0", num_samples=3,
                        completion_tokens=[L.encode("50"), L.encode("25"), L.encode("75")])]
     assert rules(together) == []
+
+
+def test_tasks_with_different_numbers_across_episodes_are_not_volatile_prefixes() -> None:
+    # the first user message is the episode's task: numbers differing there are expected
+    lines = (L.two_turn_episode("e0", "Say 85.", REPLY, "Go on.")
+             + L.two_turn_episode("e1", "Say 47.", REPLY, "Go on."))
+    assert rules(lines) == []
+    # the same counter inside the system prompt is a volatile prefix
+    lines = (L.two_turn_episode("e0", "Say it.", REPLY, "Go on.",
+                                system=L.msg("system", "You are agent 85. Reply."))
+             + L.two_turn_episode("e1", "Say it.", REPLY, "Go on.",
+                                  system=L.msg("system", "You are agent 47. Reply.")))
+    assert "PG203" in rules(lines)
