@@ -275,4 +275,8 @@ def _main(stdin: BinaryIO, stdout: BinaryIO) -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.stdin.buffer, sys.stdout.buffer)
+    # Run the module under its own name: as __main__, its RenderError would be another
+    # class than the one render.py raises, and a template's error would kill the worker.
+    from prefixgym.prompting.lint import render_worker
+
+    render_worker._main(sys.stdin.buffer, sys.stdout.buffer)

@@ -4,6 +4,7 @@ probe is not append-only; the adapter refuses a runaway template."""
 
 from __future__ import annotations
 
+import threading
 from datetime import datetime
 from pathlib import Path
 
@@ -11,7 +12,12 @@ import pytest
 
 from prefixgym.cli.lint import main as lint_main
 from prefixgym.prompting.hf_template import HFTemplateFormat
-from prefixgym.prompting.lint.render import RenderLimitError, RenderLimits, TemplateRenderer
+from prefixgym.prompting.lint.render import (
+    RenderError,
+    RenderLimitError,
+    RenderLimits,
+    TemplateRenderer,
+)
 from prefixgym.prompting.lint.template import probe_template
 from prefixgym.prompting.tokenizer import builtin_chat_template, load_tokenizer
 
@@ -73,3 +79,30 @@ def test_lint_template_reports_a_runaway_template_and_exits_1(
     assert lint_main(["template", str(path)]) == 1
     out = capsys.readouterr().out
     assert "PG113" in out and "append_only=no" in out
+
+
+def test_a_spawned_worker_reports_a_template_error_and_lives_on() -> None:
+    # With other threads running the worker is a new interpreter (`-m render_worker`),
+    # not a fork; a template's error there was once another RenderError class, which
+    # killed the worker and read as a limit hit.
+    from prefixgym.prompting.lint import render_worker
+
+    limits = RenderLimits(seconds=30.0, output_chars=100_000, memory_bytes=256 << 20)
+    messages = [{"role": "user", "content": "hi"}]
+    clock = datetime(2024, 1, 1)
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        with pytest.raises(RenderError, match="TemplateError: never") as raised:
+            render_worker.render("{{ raise_exception('never') }}", messages, False, None, clock,
+                                 {}, limits)
+        assert not isinstance(raised.value, RenderLimitError)
+        worker = render_worker._worker
+        assert worker is not None and worker.process is not None  # spawned, not forked
+        assert render_worker.render(OK, messages, False, None, clock, {}, limits) == \
+            "<user>hi</user>"
+        assert render_worker._worker is worker  # the same worker answered
+    finally:
+        release.set()
+        other.join()
