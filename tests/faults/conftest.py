@@ -1,5 +1,7 @@
 """Fixtures of the fault suite: one finished tiny run, and fresh copies of it to damage.
-Every test here is marked `faults` (`pytest -m "not faults"` leaves the suite out)."""
+Every test here is marked `faults` (`pytest -m "not faults"` leaves the suite out).
+Runs in this process write no plots (tests/trainer holds those; here they were a third
+of each finished run's time)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 from faultkit import TINY, assert_complete
 
+import prefixgym.trainer.run as run_module
 from prefixgym.cli import main
 
 
@@ -20,10 +23,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.faults)
 
 
+def no_plots(out: Path, records: object) -> list[Path]:
+    return []
+
+
+@pytest.fixture(autouse=True)
+def _no_plots(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_module, "write_plots", no_plots)
+
+
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("faults") / "run"
-    assert main(["train", "--out", str(out), *TINY]) == 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_module, "write_plots", no_plots)
+        assert main(["train", "--out", str(out), *TINY]) == 0
     assert_complete(out)
     return out
 
