@@ -176,4 +176,5 @@ def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
     shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    return f"{where}: {first.get('msg', 'invalid value')} (got {shown}){more}", param
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # pydantic's
+    return f"{where}: {msg} (got {shown}){more}", param
