@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import json_object
 from prefixgym.prompting.lint.config import LintConfig, load_config
 from prefixgym.prompting.lint.findings import LintInputError, filter_findings, parse_codes
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         config.__post_init__()
         report = _run(args, config)
     except (LintInputError, ValueError) as exc:
-        print(f"prefixgym lint: error: {exc}", file=sys.stderr)
+        print(f"prefixgym lint: error: {error_line(exc)}", file=sys.stderr)
         return 2
     report.findings = filter_findings(report.findings, config.select, config.ignore)
     try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import build_config, build_parser, read_json_object
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 from prefixgym.rollouts.types import TrajectoryGroup
@@ -107,7 +108,7 @@ def main(argv: list[str]) -> int:
             trace_file.close()
         if service is not None:
             service.close()
-        print(f"prefixgym rollout: {e}", file=sys.stderr)
+        print(f"prefixgym rollout: {error_line(e)}", file=sys.stderr)
         return 2
     try:
         rollouts = Rollouts(

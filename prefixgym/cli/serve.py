@@ -13,6 +13,7 @@ import dataclasses
 import os
 import sys
 
+from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import parse_config
 from prefixgym.serving.config import API_KEY_VARIABLE, ServeConfig
 
@@ -43,7 +44,8 @@ def main(argv: list[str]) -> int:
         service = LocalService(model=config.model, seed=config.seed,
                                prefix_cache=config.prefix_cache)
     except (ValueError, OSError) as e:
-        print(f"prefixgym serve: cannot load model {config.model!r}: {e}", file=sys.stderr)
+        print(f"prefixgym serve: cannot load model {config.model!r}: {error_line(e)}",
+              file=sys.stderr)
         return 2
     try:
         app = create_app(service, service.tokenizer, config)

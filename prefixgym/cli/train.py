@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import build_config, build_parser, read_config_file, read_json_object
 from prefixgym.engine.device import has_fast_bf16
 from prefixgym.envs.registration import absolute_spec, make_agent_env
@@ -93,7 +94,7 @@ def main(argv: list[str]) -> int:
     try:
         result = train(config)
     except (ValueError, OSError) as e:  # bad input, or a file that cannot be read or written
-        print(f"prefixgym train: {e}", file=sys.stderr)
+        print(f"prefixgym train: {error_line(e)}", file=sys.stderr)
         return 2
     print(f"report: {result.out / 'report.md'}")
     return 0

@@ -12,6 +12,7 @@ with another identity.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 from prefixgym.types import JSONObject
@@ -146,6 +147,9 @@ class TrainConfig:
                             "num_threads": self.num_threads}.items():
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        for name, value in asdict(self).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
         for name, rate in {"lr": self.lr, "sft_lr": self.sft_lr}.items():
             if not rate > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {rate}")

@@ -139,3 +139,18 @@ def test_nonfinite_update_reaches_the_training_client(tmp_path: Path,
         main(["train", "--nonfinite-update", "ignore"])
     assert exit_info.value.code == 2
     assert "--nonfinite-update must be one of skip, error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--sft-lr", "--kl-coef", "--temperature"])
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_a_non_finite_number_is_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_model_loads: None, flag: str,
+    value: str,
+) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--out", str(out), flag, value])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        f"prefixgym train: error: {flag} must be a finite number, got {value}"
+    assert not out.exists()
