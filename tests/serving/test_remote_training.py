@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from prefixgym.cli.train import build_run
+from prefixgym.serving.openai_client import OpenAISamplingClient
 from prefixgym.trainer.config import TrainConfig
 
 
@@ -22,3 +25,17 @@ def test_train_samples_on_the_remote_server(server, tmp_path: Path) -> None:
     assert result.usage.sampled_tokens == served
     phases = [json.loads(line)["phase"] for line in (tmp_path / "metrics.jsonl").open()]
     assert "grpo" in phases and "eval" in phases
+
+
+def test_train_sends_the_api_key_from_the_environment(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIXGYM_API_KEY", "s3cret")
+    config = TrainConfig(out=str(tmp_path), sampler_url="http://127.0.0.1:9/v1",
+                         eval_episodes=1, progress=False)
+    run, service = build_run(config)
+    try:
+        sampler = run.clients.sampler
+        assert isinstance(sampler, OpenAISamplingClient)
+        assert sampler._http.headers["Authorization"] == "Bearer s3cret"
+    finally:
+        service.close()
