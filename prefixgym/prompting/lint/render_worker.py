@@ -91,6 +91,7 @@ class _Worker:
         os.close(to_child_r)
         os.close(from_child_w)
         self.pid, self.write_fd, self.read_fd = pid, to_child_w, from_child_r
+        self._wait_ready()
 
     def _spawn(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -102,7 +103,15 @@ class _Worker:
         assert self.process.stdin is not None and self.process.stdout is not None
         self.pid = self.process.pid
         self.write_fd, self.read_fd = self.process.stdin.fileno(), self.process.stdout.fileno()
-        ready = self._read(time.monotonic() + START_SECONDS)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """Wait for the worker's first frame, sent once its renderer is imported and
+        warm: a render's time limit then covers the template alone."""
+        try:
+            ready = self._read(time.monotonic() + START_SECONDS)
+        except (TimeoutError, EOFError, OSError) as e:
+            ready = {"error": type(e).__name__}
         if ready != {"ready": True}:
             self.kill()
             raise RuntimeError(f"the chat-template render worker did not start: {ready}")
@@ -193,7 +202,13 @@ def serve(read_fd: int, write_fd: int, limits: RenderLimits) -> None:
     """Answer render requests until the parent closes the pipe."""
     from prefixgym.prompting.lint.render import render_in_process
 
+    try:  # import and warm the renderer before the limits start to count
+        render_in_process("{{ messages[0].content }}", [{"role": "user", "content": "x"}],
+                          False, None, datetime.now(), {})
+    except RenderError:
+        pass
     _cap_memory(limits.memory_bytes)
+    _write_frame(write_fd, {"ready": True})
     while True:
         try:
             request = _read_frame(read_fd)
@@ -267,10 +282,6 @@ def _read_all(fd: int, n: int) -> bytes:
 
 def _main(stdin: BinaryIO, stdout: BinaryIO) -> None:
     limits = RenderLimits(**json.loads(sys.argv[1]))
-    from prefixgym.prompting.lint.render import render_in_process  # import before "ready"
-
-    _ = render_in_process
-    _write_frame(stdout.fileno(), {"ready": True})
     serve(stdin.fileno(), stdout.fileno(), limits)
 
 
