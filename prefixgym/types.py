@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 StopReason = Literal["stop", "length"]
 JSONObject = dict[str, Any]
@@ -30,9 +30,10 @@ class _Wire(BaseModel):
 
 
 class ModelInput(_Wire):
-    """A token sequence given to the model: a prompt, or a datum's inputs."""
+    """A token sequence given to the model: a prompt, or a datum's inputs. Ids are
+    ints as given: `True`, `"7"` or `7.0` are refused, not read as 1 and 7."""
 
-    tokens: list[int] = Field(min_length=1, description="Token ids, at least one.")
+    tokens: list[StrictInt] = Field(min_length=1, description="Token ids, at least one.")
 
     @field_validator("tokens")
     @classmethod

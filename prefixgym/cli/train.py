@@ -21,16 +21,19 @@ from typing import Any, Literal
 
 import torch
 
+from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import build_config, build_parser, read_config_file, read_json_object
 from prefixgym.engine.device import has_fast_bf16
 from prefixgym.engine.training import TrainingClient as LocalTrainingClient
 from prefixgym.envs.registration import absolute_spec, make_agent_env
+from prefixgym.files import ensure_writable_dir
 from prefixgym.local_service import LocalService
 from prefixgym.prompting.chat_format import ChatMLFormat
 from prefixgym.prompting.conversation import chat_format_for
 from prefixgym.protocols import TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.types import TrajectoryGroup
+from prefixgym.serving.config import API_KEY_VARIABLE
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.run import RUN_CONFIG, Clients, Ranks, Run, RunResult
 from prefixgym.types import JSONObject, Usage
@@ -51,7 +54,8 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
     def make() -> AgentGymEnv:
         return make_agent_env(config.env, config.env_kwargs)
 
-    make().close()  # a bad --env fails before the model loads
+    make().close()  # a bad --env, or an --out that cannot be written, fails before the model loads
+    ensure_writable_dir(Path(config.out))
     if config.sampler_url and config.kl_coef > 0:
         raise ValueError(
             "--kl-coef needs the warm-start weights as a reference, and remote samplers keep "
@@ -73,9 +77,11 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
         training = service.create_lora_training_client(
             rank=config.lora_rank, alpha=config.lora_alpha, train_attn="attn" in targets,
             train_mlp="mlp" in targets, train_unembed="unembed" in targets, seed=config.seed,
-            compute_dtype=compute_dtype(config), share_prefixes=config.share_prefixes)
+            compute_dtype=compute_dtype(config), nonfinite_update=config.nonfinite_update,
+            share_prefixes=config.share_prefixes)
     else:
         training = service.create_training_client(compute_dtype=compute_dtype(config),
+                                                  nonfinite_update=config.nonfinite_update,
                                                   share_prefixes=config.share_prefixes)
     if ranks.world > 1:
         from prefixgym.engine.distributed import DistributedTrainingClient
@@ -140,8 +146,9 @@ def remote_clients(config: TrainConfig, service: LocalService, training: Trainin
     from prefixgym.serving.pool import SamplerPool
     from prefixgym.serving.weight_sync import RemoteWeightSync
 
+    api_key = os.environ.get(API_KEY_VARIABLE) or "EMPTY"
     pool = SamplerPool([OpenAISamplingClient(url, tokenizer=service.tokenizer,
-                                             ledger=service.ledger)
+                                             ledger=service.ledger, api_key=api_key)
                         for url in config.sampler_url])
     mode = sync_mode(config)
     sync = RemoteWeightSync(
@@ -218,8 +225,8 @@ def main(argv: list[str]) -> int:
     config.env = absolute_spec(config.env)
     try:
         result = train(config)
-    except ValueError as e:
-        print(f"prefixgym train: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # bad input, or a file that cannot be read or written
+        print(f"prefixgym train: {error_line(e)}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"report: {result.out / 'report.md'}")

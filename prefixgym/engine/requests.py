@@ -4,8 +4,10 @@ A `Request` is what `Scheduler.submit` queues: a prompt, decoding settings, the 
 of one weights version and the future to complete. Each of its `num_samples`
 `Sequence`s tracks one continuation: tokens, logprobs, how much of it has KV in its
 slot, and its own random generator. `validate_request` refuses bad input with a
-ValueError naming the field; `build_response` turns a finished request into the wire
-`SampleResponse` and its `Usage`.
+ValueError naming the field, and a request beyond the engine's `RequestLimits`: more
+samples than may run at once, or running KV that cannot fit in the byte budget (10,000
+samples once tried to allocate 42 GB); `build_response` turns a finished request
+into the wire `SampleResponse` and its `Usage`.
 
 This module knows nothing of slots, batching or the prefix cache.
 """
@@ -19,6 +21,30 @@ from prefixgym.engine.model import Transformer
 from prefixgym.engine.prefix_cache import Block
 from prefixgym.futures import APIFuture
 from prefixgym.types import SampledSequence, SampleResponse, SamplingParams, Usage
+
+DEFAULT_MAX_KV_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the engine."""
+
+    max_samples: int = 256
+    """Samples of one request at most: the engine's max running sequences, so a request
+    never runs past that bound (admission never splits a request's samples)."""
+    max_kv_bytes: int = DEFAULT_MAX_KV_BYTES
+    """Bytes of running KV one request may need: samples x (prompt + max_tokens)
+    positions x the slot KV's bytes per position (fp32 keys and values, every layer)."""
+
+    def __post_init__(self) -> None:
+        if self.max_samples < 1 or self.max_kv_bytes < 1:
+            raise ValueError(f"request limits must be positive, got {self}")
+
+
+def kv_bytes_per_position(model: Transformer) -> int:
+    """Bytes of running (slot) KV one position takes: fp32 keys and values (kv_slots.py)."""
+    cfg = model.config
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
 
 
 @dataclass(eq=False)
@@ -92,9 +118,11 @@ def build_response(req: Request) -> SampleResponse:
 
 
 def validate_request(
-    prompt: list[int], model: Transformer, params: SamplingParams, num_samples: int, can_decode: bool
+    prompt: list[int], model: Transformer, params: SamplingParams, num_samples: int,
+    can_decode: bool, limits: RequestLimits | None = None,
 ) -> None:
     cfg = model.config
+    limits = limits or RequestLimits()
     if not prompt:
         raise ValueError("prompt has no tokens; a prompt needs at least one token id")
     lo, hi = min(prompt), max(prompt)
@@ -104,13 +132,24 @@ def validate_request(
             f"prompt token id {bad} at index {prompt.index(bad)} is outside the model's "
             f"vocabulary [0, {cfg.vocab_size})"
         )
-    if not isinstance(num_samples, int) or num_samples < 1:
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    if num_samples > limits.max_samples:
+        raise ValueError(f"num_samples {num_samples} exceeds this engine's limit of "
+                         f"{limits.max_samples} sequences running at once; send fewer samples "
+                         "per request")
     total = len(prompt) + params.max_tokens
     if total > cfg.max_seq_len:
         raise ValueError(
             f"prompt length {len(prompt)} + max_tokens {params.max_tokens} = {total} exceeds the "
             f"model's max_seq_len {cfg.max_seq_len}; shorten the prompt or lower max_tokens"
+        )
+    kv_bytes = num_samples * total * kv_bytes_per_position(model)
+    if kv_bytes > limits.max_kv_bytes:
+        raise ValueError(
+            f"{num_samples} samples x {total} positions need {kv_bytes / 2**20:,.0f} MiB of KV, "
+            f"more than this engine's {limits.max_kv_bytes / 2**20:,.0f} MiB per request; lower "
+            "num_samples or max_tokens (or raise max_kv_bytes)"
         )
     for t in params.stop_token_ids:
         if t < 0 or t >= cfg.vocab_size:

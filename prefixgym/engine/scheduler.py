@@ -35,7 +35,9 @@ from prefixgym.engine.admission import Admission, Batch
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.prefix_cache import PrefixCache
 from prefixgym.engine.requests import (
+    DEFAULT_MAX_KV_BYTES,
     Request,
+    RequestLimits,
     Sequence,
     build_response,
     validate_request,
@@ -57,6 +59,7 @@ class Scheduler:
         max_running: int = 256,
         max_prefill_tokens: int = 2048,
         thread_tuning: bool = True,
+        max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
     ) -> None:
         self.cache = cache
         self.cache_lock = threading.Lock()
@@ -65,6 +68,7 @@ class Scheduler:
         self._seed_rng = random.Random(seed)
         self._submit_lock = threading.Lock()  # guards the seed generator and closing
         self.max_running = max_running
+        self.limits = RequestLimits(max_samples=max_running, max_kv_bytes=max_kv_bytes)
         # padded positions per prefill forward: 2048 ran tiny 8x512 prefills ~10% faster
         # than one 4096-position forward (bench_prefill.py), smaller ones fit the caches
         self.max_prefill_tokens = max_prefill_tokens
@@ -101,7 +105,8 @@ class Scheduler:
         include_prompt_logprobs: bool = False,
     ) -> APIFuture[SampleResponse]:
         """Validate and queue one request. Raises ValueError for bad input."""
-        validate_request(prompt, model, params, num_samples, self._decode is not None)
+        validate_request(prompt, model, params, num_samples, self._decode is not None,
+                         self.limits)
         with self._submit_lock:
             if self._closed:
                 raise RuntimeError("the engine is closed; create a new LocalService")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Self
 import torch
 
 from prefixgym.engine import peft_format
+from prefixgym.engine.checkpoint_io import nonfinite_tensor
 from prefixgym.engine.lora import (
     LoraSpec,
     adapter_module,
@@ -36,6 +37,7 @@ from prefixgym.engine.lora import (
 )
 from prefixgym.engine.model import ModelConfig, Transformer, init_weights, load_model
 from prefixgym.engine.prefix_cache import PrefixCache
+from prefixgym.engine.requests import DEFAULT_MAX_KV_BYTES
 from prefixgym.engine.sampling import SamplingClient
 from prefixgym.engine.scheduler import Scheduler
 from prefixgym.engine.usage import UsageLedger
@@ -57,6 +59,8 @@ class EngineService:
     `num_threads` sets torch's intra-op threads (process-wide) only when given.
     `thread_tuning` lets the engine run each kind of step on the thread count (up to
     torch's count at construction) that it measured fastest (`engine/threads.py`).
+    `max_running` bounds the sequences decoding at once, and so a request's samples;
+    `max_kv_bytes` the running KV one request may need (`engine/requests.py`).
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class EngineService:
         num_threads: int | None = None,
         max_running: int = 256,
         thread_tuning: bool = True,
+        max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -89,7 +94,8 @@ class EngineService:
         )
         self.ledger = UsageLedger()
         self.scheduler = Scheduler(self._cache, decode=decode, ledger=self.ledger, seed=seed,
-                                   max_running=max_running, thread_tuning=thread_tuning)
+                                   max_running=max_running, thread_tuning=thread_tuning,
+                                   max_kv_bytes=max_kv_bytes)
         self._default_stop_ids = tuple(
             dict.fromkeys(int(i) for i in end_of_turn_ids if 0 <= int(i) < cfg.vocab_size))
         self._lock = threading.Lock()
@@ -134,7 +140,8 @@ class EngineService:
         return SamplingClient(self.scheduler, model, version, default_stop_token_ids=stop_ids)
 
     def publish_weights(self) -> SamplingClient:
-        """Snapshot `train_model` as a new frozen weights version; a client for it."""
+        """Snapshot `train_model` as a new frozen weights version; a client for it.
+        Refuses (ValueError) weights holding NaN or inf: nothing would sample from them."""
         return self._publish(self.train_model.clone_for_inference())
 
     @torch.no_grad()
@@ -147,6 +154,9 @@ class EngineService:
             self._weights_shared = False
 
     def _publish(self, snapshot: Transformer) -> SamplingClient:
+        bad = nonfinite_tensor(snapshot.named_parameters())
+        if bad is not None:
+            raise ValueError(f"not publishing weights: {bad} holds NaN or inf values")
         with self._lock:
             self._last_version_id += 1
             self._version = self._last_version_id
@@ -154,24 +164,28 @@ class EngineService:
         return self.create_sampling_client()
 
     def create_training_client(
-        self, compute_dtype: torch.dtype = torch.float32, share_prefixes: bool = True
+        self, compute_dtype: torch.dtype = torch.float32, nonfinite_update: str = "skip",
+        share_prefixes: bool = True,
     ) -> TrainingClient:
         """A trainer on `train_model`; `compute_dtype=torch.bfloat16` runs its matmuls in
-        bf16 under autocast (fp32 master weights and optimizer state). With
-        `share_prefixes`, a token prefix shared by datums of one call is computed once
-        (same results); False computes every datum's every position (the reference)."""
+        bf16 under autocast (fp32 master weights and optimizer state). An update with a
+        non-finite gradient norm is skipped, or with `nonfinite_update="error"` raises.
+        With `share_prefixes`, a token prefix shared by datums of one call is computed
+        once (same results); False computes every datum's every position (the reference)."""
         from prefixgym.engine.training import TrainingClient
 
         self._unshare_weights()
         client = TrainingClient(self.train_model, publish=self.publish_weights, ledger=self.ledger,
-                                compute_dtype=compute_dtype, share_prefixes=share_prefixes)
+                                compute_dtype=compute_dtype, nonfinite_update=nonfinite_update,
+                                share_prefixes=share_prefixes)
         self._training_clients.append(client)
         return client
 
     def create_lora_training_client(
         self, rank: int = 32, alpha: float = 32.0, train_attn: bool = True,
         train_mlp: bool = True, train_unembed: bool = False, seed: int | None = None,
-        compute_dtype: torch.dtype = torch.float32, share_prefixes: bool = True,
+        compute_dtype: torch.dtype = torch.float32, nonfinite_update: str = "skip",
+        share_prefixes: bool = True,
     ) -> TrainingClient:
         """A trainer of LoRA adapters of `rank` on `train_model`, whose weights stay frozen
         and shared (not copied): on the attention projections (q, k, v, o) with
@@ -193,7 +207,8 @@ class EngineService:
 
         client = TrainingClient(
             lora, publish=lambda: self._publish(frozen_copy(lora)), ledger=self.ledger,
-            compute_dtype=compute_dtype, share_prefixes=share_prefixes,
+            compute_dtype=compute_dtype, nonfinite_update=nonfinite_update,
+            share_prefixes=share_prefixes,
             params=[p for a in lora_adapters(lora).values() for p in a.parameters()],
             state_module=adapters, save_for_sampler=save_for_sampler,
         )

@@ -15,7 +15,11 @@
    so accumulated gradients are never half-updated. `train_computed_tokens` counts
    the positions run through the model (a shared prefix once per chunk, padding not
    at all); `train_shared_tokens` the positions that sharing spared.
-4) `optim_step` applies AdamW to the accumulated gradients and zeroes them.
+4) `optim_step` applies AdamW to the accumulated gradients and zeroes them. A
+   non-finite gradient norm (finite gradients can still overflow it) skips the
+   update -- weights and Adam moments untouched, `skipped_nonfinite` 1 in its
+   metrics -- or, with `nonfinite_update="error"`, raises. An update that leaves
+   NaN/inf weights raises: such weights are never published or saved.
 
 What trains is given: by default every parameter of the model that requires grad
 (full training); a LoRA client (`EngineService.create_lora_training_client`) passes
@@ -42,6 +46,7 @@ from prefixgym.engine import losses
 from prefixgym.engine.checkpoint_io import (
     capture_rng_state,
     load_checkpoint,
+    nonfinite_tensor,
     restore_rng_state,
     save_checkpoint,
 )
@@ -64,6 +69,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 Tensor = torch.Tensor
+NONFINITE_UPDATES = ("skip", "error")
 
 
 class TrainingClient:
@@ -72,7 +78,9 @@ class TrainingClient:
     `compute_dtype=torch.bfloat16` runs forward/backward under autocast with fp32
     master weights (a bf16 model simply trains in bf16). `seed` seeds a generator
     owned by this client (saved with the state) for stochastic training ops.
-    `share_prefixes=False` computes every datum's every position (the reference path).
+    `nonfinite_update`: "skip" (count it, go on) or "error" for an update whose
+    gradient norm is not finite. `share_prefixes=False` computes every datum's every
+    position (the reference path).
     `params`: the parameters the optimizer updates (default: every one that requires
     grad); `state_module`: the module whose tensors `save_state` writes and
     `load_state` reads (default: the model); `save_for_sampler(name) -> path` backs
@@ -87,6 +95,7 @@ class TrainingClient:
         seed: int = 0,
         compute_dtype: torch.dtype = torch.float32,
         max_tokens_per_forward: int = 8192,
+        nonfinite_update: str = "skip",
         share_prefixes: bool = True,
         params: Sequence[torch.nn.Parameter] | None = None,
         state_module: torch.nn.Module | None = None,
@@ -96,12 +105,18 @@ class TrainingClient:
             raise ValueError(
                 f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}"
             )
+        if nonfinite_update not in NONFINITE_UPDATES:
+            raise ValueError(f"nonfinite_update must be one of {NONFINITE_UPDATES}, got "
+                             f"{nonfinite_update!r}")
         if max_tokens_per_forward < 1:
             raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
         self.model = model
         self.ledger = ledger if ledger is not None else UsageLedger()
         self.compute_dtype = compute_dtype
         self.max_tokens_per_forward = max_tokens_per_forward
+        self.nonfinite_update = nonfinite_update
+        self.skipped_updates = 0
+        """Updates skipped for a non-finite gradient norm (not restored by `load_state`)."""
         self.share_prefixes = share_prefixes
         self._publish = publish
         self._params = (list(params) if params is not None
@@ -290,6 +305,11 @@ class TrainingClient:
         )
 
     def _optim_step(self, adam: AdamParams) -> OptimStepOutput:
+        # AdamW's first step moves by lr / (1 - beta1) and decays by 1 - lr * weight_decay
+        lr = adam.learning_rate
+        if max(lr / (1 - adam.beta1), lr * adam.weight_decay) > torch.finfo(torch.float32).max:
+            raise ValueError(f"learning rate {adam.learning_rate:g} overflows float32 in AdamW's "
+                             "update; nothing changed")
         params = self._params
         betas = (adam.beta1, adam.beta2)
         if self._optimizer is None:
@@ -306,6 +326,8 @@ class TrainingClient:
             )
         grads = [g for g in (p.grad for p in params) if g is not None]
         grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if not math.isfinite(grad_norm):
+            return self._skip_update(grad_norm, adam)
         if adam.grad_clip_norm > 0 and grads:
             torch.nn.utils.clip_grads_with_norm_(
                 params, adam.grad_clip_norm, torch.tensor(grad_norm)
@@ -313,11 +335,36 @@ class TrainingClient:
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._step += 1
+        bad = nonfinite_tensor(self.model.named_parameters())
+        if bad is not None:
+            raise ValueError(
+                f"optim_step {self._step} (learning rate {adam.learning_rate:g}) left NaN or inf "
+                f"in {bad}: these weights will not be published or saved; load a checkpoint"
+            )
         return OptimStepOutput(
             metrics={
                 "grad_norm": grad_norm,
                 "step": float(self._step),
                 "learning_rate": adam.learning_rate,
+                "skipped_nonfinite": 0.0,
+            }
+        )
+
+    def _skip_update(self, grad_norm: float, adam: AdamParams) -> OptimStepOutput:
+        """Drop the accumulated gradients; weights and optimizer state stay as they are."""
+        self.model.zero_grad(set_to_none=True)
+        self.skipped_updates += 1
+        if self.nonfinite_update == "error":
+            raise ValueError(
+                f"the gradient norm is {grad_norm} (not finite): update skipped, weights and "
+                "optimizer state unchanged, gradients dropped"
+            )
+        return OptimStepOutput(
+            metrics={
+                "grad_norm": grad_norm,
+                "step": float(self._step),
+                "learning_rate": adam.learning_rate,
+                "skipped_nonfinite": 1.0,
             }
         )
 

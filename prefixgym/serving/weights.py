@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,8 +170,10 @@ def readable_directory(path: str, param: str) -> Path:
     return directory
 
 
-def add_weight_routes(app: FastAPI, weights: ServedWeights) -> None:
-    """The routes of the module docstring, on `app`."""
+def add_weight_routes(app: FastAPI, weights: ServedWeights,
+                      authorize: Callable[[Request], None]) -> None:
+    """The routes of the module docstring, on `app`; each first calls `authorize`
+    (the app's API-key check), so no one without the key changes what is served."""
 
     async def body_of(request: Request) -> JSONObject:
         try:
@@ -191,6 +194,7 @@ def add_weight_routes(app: FastAPI, weights: ServedWeights) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
+        authorize(request)
         try:
             body = await body_of(request)
             path = text_field(body, "model_path")
@@ -205,12 +209,14 @@ def add_weight_routes(app: FastAPI, weights: ServedWeights) -> None:
                                         f"updated to {label}."})
 
     @app.get("/get_weight_version")
-    async def get_weight_version() -> JSONObject:
+    async def get_weight_version(request: Request) -> JSONObject:
+        authorize(request)
         return {"weight_version": weights.label}
 
     @app.post("/v1/load_lora_adapter")
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        authorize(request)
         body = await body_of(request)
         name, path = text_field(body, "lora_name"), text_field(body, "lora_path")
         assert name is not None and path is not None
@@ -220,6 +226,7 @@ def add_weight_routes(app: FastAPI, weights: ServedWeights) -> None:
     @app.post("/v1/unload_lora_adapter")
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        authorize(request)
         name = text_field(await body_of(request), "lora_name")
         assert name is not None
         weights.unload_adapter(name)

@@ -2,11 +2,18 @@
 
 Every field's docstring is its `--help` text. The defaults are the main job: the
 built-in `tiny` model learning the built-in GuessNumber env on two CPU cores.
+
+`run_identity(config)` is the part of a config that determines a run's results:
+every field but those in `RESUMABLE_CHANGES`, which a `--resume` may change (how far
+the run goes, how often it evaluates and checkpoints, where samples come from, how it
+shows progress). A checkpoint records its run's identity; `--resume` refuses one
+with another identity.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields
 
 from prefixgym.types import JSONObject
 
@@ -16,6 +23,17 @@ DEFAULT_ENV = "prefixgym/GuessNumber-v0"
 DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 LORA_TARGETS = ("attn", "mlp", "unembed")
+NONFINITE_UPDATES = ("skip", "error")
+RESUMABLE_CHANGES = (
+    "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
+    "num_threads", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
+)
+"""Fields a resumed run may set differently from the run it continues. `steps` extends
+(or shortens) a run; with the cosine schedule the remaining steps then follow the new
+length. `sampler_url` moves sampling to another server, whose weights are its own.
+`share_prefixes`, like `num_threads`, changes how the same sums are computed, not what.
+Every other field determines results (`eval_episodes` too: evaluations before and
+after the change would not compare)."""
 
 
 def default_env_kwargs(env: str) -> JSONObject:
@@ -84,7 +102,11 @@ class TrainConfig:
     async_mode: bool = False
     """Sample step t+1 while step t trains (at most one step off-policy)."""
     resume: bool = False
-    """Continue from the last checkpoint in OUT/checkpoints."""
+    """Continue from the newest intact checkpoint of this run in OUT/checkpoints (a run
+    with nothing to continue from starts anew)."""
+    force_resume: bool = False
+    """With --resume, also load a checkpoint of another run (one whose config differs
+    in a field that determines results)."""
     checkpoint_every: int = 10
     """Save resumable state every this many GRPO steps."""
     compute_dtype: str = "auto"
@@ -92,6 +114,9 @@ class TrainConfig:
     faster where the CPU has bf16 matmuls, about 2x slower where it emulates them), or
     auto: bfloat16 where bf16 matmuls are native (AVX512-BF16 or AMX, a bf16 GPU), else
     float32."""
+    nonfinite_update: str = "skip"
+    """An update whose gradient norm is NaN or inf: skip (weights unchanged, counted as
+    optim/skipped_nonfinite in metrics.jsonl) or error (stop the run)."""
     share_prefixes: bool = True
     """Compute each token prefix shared by a training call's datums once (exact; off runs
     every datum in full, the reference path)."""
@@ -127,6 +152,9 @@ class TrainConfig:
         if self.lora_rank < 0 or not self.lora_alpha > 0:
             raise ValueError(f"--lora-rank must be >= 0 and --lora-alpha positive, got "
                              f"{self.lora_rank} and {self.lora_alpha}")
+        if self.nonfinite_update not in NONFINITE_UPDATES:
+            raise ValueError(f"--nonfinite-update must be one of {', '.join(NONFINITE_UPDATES)}, "
+                             f"got {self.nonfinite_update!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")
@@ -143,6 +171,9 @@ class TrainConfig:
                             "num_threads": self.num_threads}.items():
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        for name, value in asdict(self).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
         for name, rate in {"lr": self.lr, "sft_lr": self.sft_lr}.items():
             if not rate > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {rate}")
@@ -153,3 +184,18 @@ class TrainConfig:
                 f"--group-size must be at least 2 (group-relative advantages), got "
                 f"{self.group_size}"
             )
+
+
+def run_identity(config: TrainConfig) -> JSONObject:
+    """The fields that determine the run's results (all but `RESUMABLE_CHANGES`)."""
+    return {k: v for k, v in asdict(config).items() if k not in RESUMABLE_CHANGES}
+
+
+def saved_run_identity(saved: JSONObject) -> JSONObject:
+    """The identity of a run from its saved config.json (fields it lacks take their
+    defaults; ValueError when the saved values are not a valid config)."""
+    names = {f.name for f in fields(TrainConfig)}
+    try:
+        return run_identity(TrainConfig(**{k: v for k, v in saved.items() if k in names}))
+    except TypeError as e:
+        raise ValueError(f"not a prefixgym train config: {e}") from None

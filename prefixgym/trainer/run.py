@@ -4,7 +4,11 @@
   2) warm start on expert episodes (SFT), evaluate again;
   3) GRPO steps (see grpo.py), evaluating and checkpointing at intervals;
   4) write report.md and the plots.
-A resumed run skips 1-2 and continues from the last checkpoint exactly.
+A resumed run skips 1-2 and continues exactly from the newest intact checkpoint of
+this run (`checkpoint.find_checkpoint`: the warm start's if no GRPO step was saved;
+another run's only with `force_resume`). A run that starts from step 0 moves an
+earlier metrics.jsonl aside instead of deleting it. OUT is checked writable before
+anything runs, and what killed writes left there is removed.
 Under torchrun (`Ranks`) every rank runs this same loop: each samples its share of a
 step's groups, the groups are gathered so that every rank trains on all of them (the
 training client shards and all-reduces), and only rank 0 evaluates and writes logs,
@@ -25,19 +29,23 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from prefixgym.files import write_text_atomically
+from prefixgym.files import ensure_writable_dir, write_text_atomically
 from prefixgym.protocols import SamplingClient, TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.rollout import RolloutConfig
 from prefixgym.rollouts.types import TrajectoryGroup
 from prefixgym.trainer.checkpoint import (
     WARM_START,
+    ForeignCheckpointError,
     LoopState,
+    find_checkpoint,
     load_checkpoint,
-    newest_checkpoint,
+    mark_latest,
+    remove_leftovers,
     save_checkpoint,
+    verify_checkpoint,
 )
-from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.config import TrainConfig, run_identity
 from prefixgym.trainer.evaluate import evaluate
 from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step, phase_metrics
 from prefixgym.trainer.plots import write_plots
@@ -96,15 +104,16 @@ class Run:
         self, config: TrainConfig, clients: Clients, make_env: Callable[[], AgentGymEnv]
     ) -> None:
         self.config = config
+        self.identity = run_identity(config)
         self.clients = clients
         self.training = clients.training
         self.tokenizer = clients.tokenizer
         self.ranks = clients.ranks
         self.main = clients.ranks.is_main
+        self.out = Path(config.out)
+        ensure_writable_dir(self.out)
         self.envs = [make_env() for _ in range(config.groups_per_step * config.group_size)]
         self.eval_envs = [make_env() for _ in range(min(config.eval_episodes, 100))]
-        self.out = Path(config.out)
-        self.out.mkdir(parents=True, exist_ok=True)
         self.rollout_config = RolloutConfig(
             max_tokens=config.max_tokens, temperature=config.temperature
         )
@@ -117,7 +126,7 @@ class Run:
     def checkpoint(self, state: LoopState, name: str | None = None) -> None:
         """Rank 0 writes; the other ranks meet it at the barrier its write holds."""
         if self.main:
-            save_checkpoint(self.out, self.training, state, name=name)
+            save_checkpoint(self.out, self.training, state, self.identity, name=name)
         elif self.ranks.barrier is not None:
             self.ranks.barrier()
 
@@ -140,22 +149,36 @@ class Run:
         """A fresh run: steps 1-2. A resumed one: its newest checkpoint (the warm start's if
         no GRPO step was saved). Returns the state and the KL reference sampler."""
         c = self.config
-        ckpt = newest_checkpoint(self.out) if c.resume else None
-        if ckpt is not None:
+        removed = remove_leftovers(self.out) if self.main else []
+        if removed:
+            print(f"removed {len(removed)} leftover temporaries of killed writes in {self.out}",
+                  file=sys.stderr)
+        try:
+            found = find_checkpoint(self.out, self.identity, c.force_resume) if c.resume else None
+        except ForeignCheckpointError as e:
+            raise ValueError(f"{e}: not resuming from it. Start without --resume (or with "
+                             "another --out) for a new run, or pass --force-resume to load it "
+                             "anyway") from None
+        for reason in found.passed_over if found else []:
+            print(f"passed over: {reason}", file=sys.stderr)
+        if found is not None and found.path is not None:
             ref = None
             if c.kl_coef > 0:
-                load_checkpoint(self.out / "checkpoints" / WARM_START, self.training)
-                ref = self.training.save_weights_and_get_sampling_client()
-            state = load_checkpoint(ckpt, self.training)
+                ref = self.reference(found.path)
+            state = load_checkpoint(found.path, self.training)
             if self.main:
+                mark_latest(found.path)  # a damaged `latest` names what was resumed from again
                 self.log.truncate_after(state.next_step - 1)
-                print(f"resuming from {ckpt} at GRPO step {state.next_step}", file=sys.stderr)
+                print(f"resuming from {found.path} at GRPO step {state.next_step}",
+                      file=sys.stderr)
             return state, ref
         if c.resume and self.main:
-            print(f"no checkpoint in {self.out / 'checkpoints'}: starting a new run",
-                  file=sys.stderr)
+            print(f"no intact checkpoint of this run in {self.out / 'checkpoints'}: starting a "
+                  "new run", file=sys.stderr)
         if self.main:
-            self.log.path.unlink(missing_ok=True)
+            aside = self.log.set_aside()
+            if aside is not None:
+                print(f"kept the earlier {self.log.path.name} as {aside}", file=sys.stderr)
             write_text_atomically(self.out / RUN_CONFIG, json.dumps(asdict(c), indent=2) + "\n")
         state = LoopState(next_step=0)
         # 1) the starting weights
@@ -184,6 +207,20 @@ class Run:
         state.wall_s = time.perf_counter() - t_start
         self.checkpoint(state, name=WARM_START)
         return state, ref if c.kl_coef > 0 else None
+
+    def reference(self, resumed_from: Path) -> SamplingClient:
+        """The KL reference of a resumed run: its warm-start weights, checked."""
+        warm = self.out / "checkpoints" / WARM_START
+        try:
+            theirs = verify_checkpoint(warm)
+        except ValueError as e:
+            raise ValueError(f"--kl-coef needs the warm-start weights as its reference: {e}") \
+                from None
+        if theirs != self.identity and not self.config.force_resume:
+            raise ValueError(f"{warm} (the KL reference) belongs to another run than "
+                             f"{resumed_from}")
+        load_checkpoint(warm, self.training)
+        return self.training.save_weights_and_get_sampling_client()
 
     def run(self) -> RunResult:
         c = self.config

@@ -59,6 +59,12 @@ def wait_healthy_fixture():
     return wait_healthy
 
 
+@pytest.fixture(name="running_server")
+def running_server_fixture():
+    """The RunningServer class, for a test that needs a server of its own."""
+    return RunningServer
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
     service = LocalService(model="tiny", seed=0)

@@ -10,6 +10,7 @@ import pytest
 
 from prefixgym.cli.train import build_run
 from prefixgym.local_service import LocalService
+from prefixgym.serving.config import ServeConfig
 from prefixgym.trainer.config import TrainConfig
 
 
@@ -66,3 +67,21 @@ def test_a_lora_run_pushes_adapters_and_samples_one_version_behind(start_server,
     pushed = sorted(p.name for p in (tmp_path / "sampler_weights").iterdir())
     assert pushed and all((tmp_path / "sampler_weights" / p / "adapter_config.json").is_file()
                           for p in pushed)
+
+
+
+def test_train_sends_the_api_key_from_the_environment(start_server, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    server = start_server(LocalService(model="tiny", seed=0),
+                          ServeConfig(model="tiny", api_key="s3cret"))
+    config = TrainConfig(out=str(tmp_path), sampler_url=[server.url + "/v1"],
+                         eval_episodes=1, progress=False)
+    with pytest.raises(ValueError, match="401|API key"):  # the first push is refused
+        build_run(config)
+    assert server.service.weights_version == 0  # nothing was loaded
+    monkeypatch.setenv("PREFIXGYM_API_KEY", "s3cret")
+    run, service = build_run(config)  # the starting weights are pushed with the key
+    try:
+        assert server.service.weights_version == 1  # the starting weights arrived
+    finally:
+        service.close()

@@ -145,3 +145,18 @@ def test_adapters_are_served_by_name_and_unloaded(tmp_path: Path) -> None:
         assert client.post("/v1/completions",
                            json={"prompt": [1], "model": "step-1"}).status_code == 404
     service.close()
+
+
+def test_weight_routes_want_the_api_key(tmp_path: Path) -> None:
+    service = LocalService(model="tiny", seed=0)
+    app = create_app(service, service.tokenizer, ServeConfig(api_key="s3cret"))
+    with TestClient(app) as client:
+        for route, body in [("/update_weights_from_disk", {"model_path": str(tmp_path)}),
+                            ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "."}),
+                            ("/v1/unload_lora_adapter", {"lora_name": "a"})]:
+            assert client.post(route, json=body).status_code == 401, route
+        assert client.get("/get_weight_version").status_code == 401
+        keyed = client.get("/get_weight_version", headers={"Authorization": "Bearer s3cret"})
+        assert keyed.status_code == 200
+    assert service.weights_version == 0
+    service.close()
