@@ -22,7 +22,8 @@ StopReason = Literal["stop", "length"]
 JSONObject = dict[str, Any]
 """A parsed JSON object (a metrics line, a request body, env kwargs): its values may be
 any JSON type, hence `Any`."""
-LossFnName = Literal["cross_entropy", "importance_sampling", "ppo"]
+LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo",
+                     "stable_reinforce"]
 
 
 class _Wire(BaseModel):
@@ -131,6 +132,20 @@ def check_loss_fn_inputs(inputs: Mapping[str, Sequence[float]], n: int) -> None:
             )
 
 
+def loss_positions(
+    weights: Sequence[float] | None, advantages: Sequence[float] | None, n: int
+) -> list[bool]:
+    """The positions a datum trains on: non-zero weight where it has weights; without
+    weights, non-zero advantage where it has advantages (an RL datum built the hosted
+    service's way has advantage 0 on its prompt, which must not count in ratio/KL metrics
+    or loss-token counts); otherwise all `n`."""
+    if weights is not None:
+        return [w != 0 for w in weights]
+    if advantages is not None:
+        return [a != 0 for a in advantages]
+    return [True] * n
+
+
 class Datum(_Wire):
     """One training sequence: inputs, and per-position loss inputs of the same length.
 
@@ -149,11 +164,10 @@ class Datum(_Wire):
 
     @property
     def num_loss_tokens(self) -> int:
-        """Positions with a non-zero weight (all of them when there are no weights)."""
-        weights = self.loss_fn_inputs.get("weights")
-        if weights is None:
-            return self.model_input.length
-        return sum(1 for w in weights if w != 0)
+        """Its loss positions (`loss_positions`)."""
+        inputs = self.loss_fn_inputs
+        return sum(loss_positions(inputs.get("weights"), inputs.get("advantages"),
+                                  self.model_input.length))
 
 
 class Usage(_Wire):

@@ -264,10 +264,10 @@ class RemoteSamplingTrainer:
         self.sampler = sampler
 
     def forward_backward(
-        self, datums: Sequence[Datum], loss_fn: str,
+        self, data: Sequence[Datum], loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        return self.training.forward_backward(datums, loss_fn, loss_fn_config)
+        return self.training.forward_backward(data, loss_fn, loss_fn_config)
 
     def optim_step(self, adam: AdamParams) -> APIFuture[OptimStepOutput]:
         return self.training.optim_step(adam)

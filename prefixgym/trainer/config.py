@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from prefixgym.types import JSONObject
 
-LOSSES = ("importance_sampling", "ppo")
+LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_ENV = "prefixgym/GuessNumber-v0"
 DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4}
@@ -57,7 +57,7 @@ class TrainConfig:
     """GRPO learning-rate schedule: constant, or cosine (decay from --lr to --lr/10 over
     the steps, so the final weights are not a snapshot of a noisy large step)."""
     loss: str = "ppo"
-    """GRPO loss: importance_sampling or ppo."""
+    """GRPO loss: importance_sampling, ppo, cispo, dro, gspo or stable_reinforce."""
     kl_coef: float = 0.0
     """Penalty on the sampled tokens' log-ratio to the warm-start weights (0 = off)."""
     normalize_std: bool = True
