@@ -212,16 +212,29 @@ class Usage(_Wire):
         return self.prefill_cached_tokens / total if total else 0.0
 
 
+TopkLogprobs = list[tuple[int, float]]
+"""The k most likely next tokens at one position: (token id, logprob), most likely first."""
+
+
 class SampledSequence(_Wire):
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
+    sequence_id: str | None = None
+    """Names this sequence in later requests (the hosted service's field); unique in the
+    service that sampled it."""
 
 
 class SampleResponse(_Wire):
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     usage: Usage = Field(default_factory=Usage)
+    prompt_cache_hit_tokens: int = 0
+    """Prompt tokens served from the prefix cache, counted once per request (the hosted
+    service's field; the same number as `usage.prefill_cached_tokens`)."""
+    topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
+    """With `topk_prompt_logprobs=k`: per prompt position, its k most likely tokens
+    (None where not scored: position 0, and before `prompt_logprobs_last_n`)."""
 
 
 class ForwardBackwardOutput(_Wire):

@@ -151,7 +151,8 @@ class OpenAISamplingClient:
         usage = _usage(data.get("usage") or {}, len(ids), sequences)
         if self.ledger is not None:
             self.ledger.add(usage)
-        return SampleResponse(sequences=sequences, prompt_logprobs=prompt_logprobs, usage=usage)
+        return SampleResponse(sequences=sequences, prompt_logprobs=prompt_logprobs, usage=usage,
+                              prompt_cache_hit_tokens=usage.prefill_cached_tokens)
 
     def _prompt_logprobs(self, ids: list[int]) -> list[float | None]:
         body: JSONObject = {"model": self.model, "prompt": ids, "max_tokens": 0,
