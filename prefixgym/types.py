@@ -96,7 +96,9 @@ class SamplingParams(_Wire):
 class AdamParams(_Wire):
     """One AdamW update. `grad_clip_norm=0` turns clipping off."""
 
-    learning_rate: float = Field(default=1e-4, gt=0.0)
+    learning_rate: float = Field(default=1e-4, ge=0.0,
+                                 description="0 is allowed (a schedule's last step), as the "
+                                 "hosted service allows it.")
     beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
     beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
     eps: float = Field(default=1e-8, gt=0.0)

@@ -177,9 +177,13 @@ class TrainingClient:
         self._submit(self._save_state, os.fspath(path)).result()
         return APIFuture.completed(os.fspath(path))
 
-    def load_state(self, path: str | os.PathLike[str]) -> APIFuture[int]:
-        """Restore what `save_state` wrote (model of the same architecture); drops pending grads."""
-        step = self._submit(self._load_state, os.fspath(path)).result()
+    def load_state(
+        self, path: str | os.PathLike[str], with_optimizer: bool = True
+    ) -> APIFuture[int]:
+        """Restore what `save_state` wrote (model of the same architecture); drops pending
+        grads. `with_optimizer=False` restores the weights only and starts the optimizer
+        afresh at step 0 (the hosted service's `load_state`)."""
+        step = self._submit(self._load_state, os.fspath(path), with_optimizer).result()
         return APIFuture.completed(step)
 
     def close(self) -> None:
@@ -371,9 +375,12 @@ class TrainingClient:
         }
         save_checkpoint(path, self.model, state)
 
-    def _load_state(self, path: str) -> int:
+    def _load_state(self, path: str, with_optimizer: bool = True) -> int:
         state = load_checkpoint(path, self.model)
         self.model.zero_grad(set_to_none=True)
+        if not with_optimizer:
+            self._optimizer, self._step = None, 0
+            return 0
         if state["optimizer"] is not None:
             params = [p for p in self.model.parameters() if p.requires_grad]
             self._optimizer = torch.optim.AdamW(params)
