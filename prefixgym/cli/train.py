@@ -2,15 +2,18 @@
 
 The only place that turns a TrainConfig into services and clients: a `LocalService`
 for training (and sampling, unless `--sampler-url` points rollouts and evaluation at
-an OpenAI-compatible server), the envs from `--env`/`--env-kwargs`, then
-`trainer.run.Run` with all of them.
+an OpenAI-compatible server), or with `--backend tinker` the hosted service's clients
+behind our protocols (`prefixgym.tinker.backend`), the envs from `--env`/`--env-kwargs`,
+then `trainer.run.Run` with all of them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,13 +36,17 @@ def compute_dtype(config: TrainConfig) -> torch.dtype:
     return torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
 
 
-def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple[Run, LocalService]:
-    """The run of `config` and the service it trains on (built here unless given)."""
+def build_run(config: TrainConfig, service: LocalService | None = None,
+              tinker_service: Any = None) -> tuple[Run, LocalService | None]:
+    """The run of `config` and the service it trains on (built here unless given; none
+    with `--backend tinker`, whose tinker `ServiceClient` may be given instead)."""
 
     def make() -> AgentGymEnv:
         return make_agent_env(config.env, config.env_kwargs)
 
     make().close()  # a bad --env fails before the model loads
+    if config.backend == "tinker":
+        return Run(config, tinker_clients(config, tinker_service), make), None
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None
     )
@@ -55,6 +62,24 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
         clients = Clients(RemoteSamplingTrainer(training, remote), remote, service.tokenizer,
                           service.usage)
     return Run(config, clients, make), service
+
+
+def tinker_clients(config: TrainConfig, service_client: Any = None) -> Clients:
+    """Clients on the hosted service (docs/tinker.md): a LoRA trainer of `--model`."""
+    from prefixgym.engine.usage import UsageLedger
+    from prefixgym.tinker.backend import connect
+
+    if service_client is None:
+        if not os.environ.get("TINKER_API_KEY"):
+            raise ValueError("--backend tinker needs the service's API key in TINKER_API_KEY")
+        import tinker
+
+        service_client = tinker.ServiceClient()
+    ledger = UsageLedger()
+    rank = int(getattr(config, "lora_rank", 0) or 32)
+    trainer, sampler, tokenizer = connect(service_client, config.model, rank, config.seed,
+                                          ledger)
+    return Clients(trainer, sampler, tokenizer, ledger.total)
 
 
 def train(config: TrainConfig, service: LocalService | None = None) -> RunResult:

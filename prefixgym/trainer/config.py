@@ -15,6 +15,7 @@ LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_ENV = "prefixgym/GuessNumber-v0"
 DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+BACKENDS = ("local", "tinker")
 
 
 def default_env_kwargs(env: str) -> JSONObject:
@@ -92,6 +93,10 @@ class TrainConfig:
     """OpenAI-compatible completions server for rollouts and evaluation (vLLM, SGLang,
     prefixgym serve), e.g. http://host:8000/v1; empty samples in-process. The server
     samples from its own weights: trained weights are not sent to it."""
+    backend: str = "local"
+    """Where training and sampling run: local (the built-in engine) or tinker (the hosted
+    service, docs/tinker.md: API key from TINKER_API_KEY, --model names its base model,
+    LoRA rank 32 unless --lora-rank says otherwise)."""
 
     def __post_init__(self) -> None:
         if self.env_kwargs is None:
@@ -103,6 +108,12 @@ class TrainConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, "
                              f"got {self.lr_schedule!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, "
+                             f"got {self.backend!r}")
+        if self.backend == "tinker" and self.sampler_url:
+            raise ValueError("--sampler-url and --backend tinker do not go together: the "
+                             "hosted service samples")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")
