@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 
-tinker = pytest.importorskip("tinker")
+# "tinker.types", not "tinker": without the SDK, this folder itself (tests/tinker/)
+# imports as a namespace package called tinker
+pytest.importorskip("tinker.types")
 from tinker import types as tt  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 

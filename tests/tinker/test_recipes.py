@@ -17,7 +17,11 @@ from typing import Any
 
 import pytest
 
-tinker = pytest.importorskip("tinker")
+# "tinker.types", not "tinker": without the SDK, this folder itself (tests/tinker/)
+# imports as a namespace package called tinker
+pytest.importorskip("tinker.types")
+import tinker  # noqa: E402
+
 chz = pytest.importorskip("chz")
 pytest.importorskip("tinker_cookbook")
 datasets = pytest.importorskip("datasets")

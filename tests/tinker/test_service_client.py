@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-tinker = pytest.importorskip("tinker")
+# "tinker.types", not "tinker": without the SDK, this folder itself (tests/tinker/)
+# imports as a namespace package called tinker
+pytest.importorskip("tinker.types")
 from tinker import types  # noqa: E402
 
 from prefixgym.local_service import LocalService  # noqa: E402
