@@ -19,8 +19,11 @@ import torch
 
 from prefixgym.cli.flags import build_config, build_parser, read_config_file, read_json_object
 from prefixgym.engine.device import has_fast_bf16
+from prefixgym.engine.training import TrainingClient
 from prefixgym.envs.registration import absolute_spec, make_agent_env
 from prefixgym.local_service import LocalService
+from prefixgym.prompting.chat_format import ChatMLFormat
+from prefixgym.prompting.conversation import chat_format_for
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.run import RUN_CONFIG, Clients, Run, RunResult
@@ -50,8 +53,17 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None
     )
-    training = service.create_training_client(compute_dtype=compute_dtype(config),
-                                              share_prefixes=config.share_prefixes)
+    if Path(config.model).is_dir():
+        check_chat_format(config.model, service)
+    if config.lora_rank:
+        targets = {t.strip() for t in config.lora_targets.split(",")}
+        training = service.create_lora_training_client(
+            rank=config.lora_rank, alpha=config.lora_alpha, train_attn="attn" in targets,
+            train_mlp="mlp" in targets, train_unembed="unembed" in targets, seed=config.seed,
+            compute_dtype=compute_dtype(config), share_prefixes=config.share_prefixes)
+    else:
+        training = service.create_training_client(compute_dtype=compute_dtype(config),
+                                                  share_prefixes=config.share_prefixes)
     clients = Clients(training, service.create_sampling_client(), service.tokenizer,
                       service.usage)
     if config.sampler_url:  # rollouts and evaluation on a remote server (docs/scaling.md)
@@ -76,16 +88,44 @@ def tinker_clients(config: TrainConfig, service_client: Any = None) -> Clients:
 
         service_client = tinker.ServiceClient()
     ledger = UsageLedger()
-    rank = int(getattr(config, "lora_rank", 0) or 32)
+    rank = config.lora_rank or 32
     trainer, sampler, tokenizer = connect(service_client, config.model, rank, config.seed,
                                           ledger)
     return Clients(trainer, sampler, tokenizer, ledger.total)
+
+
+def check_chat_format(directory: str, service: LocalService) -> None:
+    """Say which chat format a checkpoint's runs use; ValueError if its template is not
+    append-only (prompts are built by appending tokens; docs/lora.md)."""
+    try:
+        fmt = chat_format_for(service.tokenizer)
+    except ValueError as e:  # TemplateNotAppendOnlyError, or no template at all
+        raise ValueError(f"--model {directory}: its chat template cannot be used: {e}") from None
+    kind = ("the built-in ChatML format" if isinstance(fmt, ChatMLFormat)
+            else "its tokenizer's chat template (append-only)")
+    print(f"--model {directory}: conversations use {kind}", file=sys.stderr)
+
+
+def save_lora_adapter(config: TrainConfig, run: Run, out: Path) -> str | None:
+    """With a LoRA run, write its adapter to OUT/adapter (PEFT format); its path."""
+    training = run.clients.training
+    if config.sampler_url:
+        from prefixgym.serving.openai_client import RemoteSamplingTrainer
+
+        if isinstance(training, RemoteSamplingTrainer):
+            training = training.training
+    if not config.lora_rank or not isinstance(training, TrainingClient):
+        return None
+    return training.save_weights_for_sampler(out / "adapter").result()
 
 
 def train(config: TrainConfig, service: LocalService | None = None) -> RunResult:
     """Run `config` end to end; print the evaluations as one JSON line."""
     run, _ = build_run(config, service)
     result = run.run()
+    adapter = save_lora_adapter(config, run, result.out)
+    if adapter is not None:
+        print(f"adapter: {adapter}", file=sys.stderr)
     print(json.dumps({f"{e['when']} (step {e['step']})": round(e["eval/success"], 3)
                       for e in result.evals}))
     return result

@@ -17,6 +17,11 @@
    at all); `train_shared_tokens` the positions that sharing spared.
 4) `optim_step` applies AdamW to the accumulated gradients and zeroes them.
 
+What trains is given: by default every parameter of the model that requires grad
+(full training); a LoRA client (`EngineService.create_lora_training_client`) passes
+its adapters' parameters, the module that holds them (what `save_state` writes), and
+the callable that writes them for a sampler (`save_weights_for_sampler`).
+
 Calls run in order on one worker thread and return `APIFuture`s, so they are safe to
 issue from any thread, e.g. while another thread samples. This module knows nothing
 of tokenizers, caches or the sampler: publishing weights is a callable it is given.
@@ -68,6 +73,10 @@ class TrainingClient:
     master weights (a bf16 model simply trains in bf16). `seed` seeds a generator
     owned by this client (saved with the state) for stochastic training ops.
     `share_prefixes=False` computes every datum's every position (the reference path).
+    `params`: the parameters the optimizer updates (default: every one that requires
+    grad); `state_module`: the module whose tensors `save_state` writes and
+    `load_state` reads (default: the model); `save_for_sampler(name) -> path` backs
+    `save_weights_for_sampler`.
     """
 
     def __init__(
@@ -79,6 +88,9 @@ class TrainingClient:
         compute_dtype: torch.dtype = torch.float32,
         max_tokens_per_forward: int = 8192,
         share_prefixes: bool = True,
+        params: Sequence[torch.nn.Parameter] | None = None,
+        state_module: torch.nn.Module | None = None,
+        save_for_sampler: Callable[[str], str] | None = None,
     ) -> None:
         if compute_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
@@ -92,6 +104,10 @@ class TrainingClient:
         self.max_tokens_per_forward = max_tokens_per_forward
         self.share_prefixes = share_prefixes
         self._publish = publish
+        self._params = (list(params) if params is not None
+                        else [p for p in model.parameters() if p.requires_grad])
+        self._state_module = state_module if state_module is not None else model
+        self._save_for_sampler = save_for_sampler
         self._optimizer: torch.optim.AdamW | None = None
         self._step = 0
         self._generator = torch.Generator().manual_seed(seed)
@@ -169,6 +185,18 @@ class TrainingClient:
             )
         return self._submit(self._publish).result()
 
+    def save_weights_for_sampler(self, name: str | os.PathLike[str]) -> APIFuture[str]:
+        """Write the trained weights where a sampler can load them (a LoRA client: a
+        PEFT adapter directory at path `name`); the future's result is its absolute path."""
+        if self._save_for_sampler is None:
+            raise RuntimeError(
+                "save_weights_for_sampler writes LoRA adapters; this client trains every "
+                "weight (use save_state, or create_lora_training_client)"
+            )
+        if not os.fspath(name):
+            raise ValueError("save_weights_for_sampler needs a non-empty name")
+        return self._submit(self._save_for_sampler, os.fspath(name))
+
     def save_state(self, path: str | os.PathLike[str]) -> APIFuture[str]:
         """Save weights, optimizer state, step and RNG states to directory `path`, atomically.
 
@@ -242,7 +270,7 @@ class TrainingClient:
         backward: bool,
         record_usage: bool = True,
     ) -> ForwardBackwardOutput:
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self._params
         device = params[0].device if params else torch.device("cpu")
         staged: list[Tensor | None] = [None] * len(params)
         loss_total = 0.0
@@ -335,7 +363,7 @@ class TrainingClient:
                                      usage=usage)
 
     def _optim_step(self, adam: AdamParams) -> OptimStepOutput:
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self._params
         betas = (adam.beta1, adam.beta2)
         if self._optimizer is None:
             self._optimizer = torch.optim.AdamW(
@@ -373,17 +401,16 @@ class TrainingClient:
             "rng": capture_rng_state(),
             "generator": self._generator.get_state(),
         }
-        save_checkpoint(path, self.model, state)
+        save_checkpoint(path, self._state_module, state)
 
     def _load_state(self, path: str, with_optimizer: bool = True) -> int:
-        state = load_checkpoint(path, self.model)
+        state = load_checkpoint(path, self._state_module)
         self.model.zero_grad(set_to_none=True)
         if not with_optimizer:
             self._optimizer, self._step = None, 0
             return 0
         if state["optimizer"] is not None:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            self._optimizer = torch.optim.AdamW(params)
+            self._optimizer = torch.optim.AdamW(self._params)
             self._optimizer.load_state_dict(state["optimizer"])
         else:
             self._optimizer = None

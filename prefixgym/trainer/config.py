@@ -16,6 +16,7 @@ DEFAULT_ENV = "prefixgym/GuessNumber-v0"
 DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 BACKENDS = ("local", "tinker")
+LORA_TARGETS = ("attn", "mlp", "unembed")
 
 
 def default_env_kwargs(env: str) -> JSONObject:
@@ -33,7 +34,17 @@ class TrainConfig:
     default GuessNumber (binary search then wins 94%, so there is room to learn), {} for
     any other env."""
     model: str = "tiny"
-    """A built-in preset (tiny, small) or a local Hugging Face checkpoint directory."""
+    """A built-in preset (tiny, small) or a local Hugging Face Llama/Qwen2 checkpoint
+    directory (config.json, *.safetensors and its tokenizer); its chat template is used
+    when it is append-only, and the run stops with the reason when it is not."""
+    lora_rank: int = 0
+    """Train LoRA adapters of this rank on the frozen model instead of every weight (0:
+    full training). The adapter is written to OUT/adapter in PEFT's format."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator: the update is scaled by alpha / rank."""
+    lora_targets: str = "attn,mlp"
+    """Comma-separated layers that get adapters: attn (q, k, v, o projections), mlp
+    (gate, up, down), unembed (the output head)."""
     out: str = "runs/latest"
     """Directory for metrics.jsonl, report.md, plots and checkpoints."""
     seed: int = 0
@@ -114,6 +125,13 @@ class TrainConfig:
         if self.backend == "tinker" and self.sampler_url:
             raise ValueError("--sampler-url and --backend tinker do not go together: the "
                              "hosted service samples")
+        targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        if not targets or set(targets) - set(LORA_TARGETS):
+            raise ValueError(f"--lora-targets must be a comma-separated subset of "
+                             f"{', '.join(LORA_TARGETS)}, got {self.lora_targets!r}")
+        if self.lora_rank < 0 or not self.lora_alpha > 0:
+            raise ValueError(f"--lora-rank must be >= 0 and --lora-alpha positive, got "
+                             f"{self.lora_rank} and {self.lora_alpha}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")
