@@ -42,7 +42,7 @@ class SamplingClient(Protocol):
 
 class TrainingClient(Protocol):
     def forward_backward(
-        self, datums: Sequence[Datum], loss_fn: str,
+        self, data: Sequence[Datum], loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]: ...
 

@@ -22,7 +22,8 @@ StopReason = Literal["stop", "length"]
 JSONObject = dict[str, Any]
 """A parsed JSON object (a metrics line, a request body, env kwargs): its values may be
 any JSON type, hence `Any`."""
-LossFnName = Literal["cross_entropy", "importance_sampling", "ppo"]
+LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo",
+                     "stable_reinforce"]
 
 
 class _Wire(BaseModel):
@@ -96,7 +97,9 @@ class SamplingParams(_Wire):
 class AdamParams(_Wire):
     """One AdamW update. `grad_clip_norm=0` turns clipping off."""
 
-    learning_rate: float = Field(default=1e-4, gt=0.0)
+    learning_rate: float = Field(default=1e-4, ge=0.0,
+                                 description="0 is allowed (a schedule's last step), as the "
+                                 "hosted service allows it.")
     beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
     beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
     eps: float = Field(default=1e-8, gt=0.0)
@@ -132,6 +135,20 @@ def check_loss_fn_inputs(inputs: Mapping[str, Sequence[float]], n: int) -> None:
             )
 
 
+def loss_positions(
+    weights: Sequence[float] | None, advantages: Sequence[float] | None, n: int
+) -> list[bool]:
+    """The positions a datum trains on: non-zero weight where it has weights; without
+    weights, non-zero advantage where it has advantages (an RL datum built the hosted
+    service's way has advantage 0 on its prompt, which must not count in ratio/KL metrics
+    or loss-token counts); otherwise all `n`."""
+    if weights is not None:
+        return [w != 0 for w in weights]
+    if advantages is not None:
+        return [a != 0 for a in advantages]
+    return [True] * n
+
+
 class Datum(_Wire):
     """One training sequence: inputs, and per-position loss inputs of the same length.
 
@@ -150,11 +167,10 @@ class Datum(_Wire):
 
     @property
     def num_loss_tokens(self) -> int:
-        """Positions with a non-zero weight (all of them when there are no weights)."""
-        weights = self.loss_fn_inputs.get("weights")
-        if weights is None:
-            return self.model_input.length
-        return sum(1 for w in weights if w != 0)
+        """Its loss positions (`loss_positions`)."""
+        inputs = self.loss_fn_inputs
+        return sum(loss_positions(inputs.get("weights"), inputs.get("advantages"),
+                                  self.model_input.length))
 
 
 class Usage(_Wire):
@@ -199,10 +215,17 @@ class Usage(_Wire):
         return self.prefill_cached_tokens / total if total else 0.0
 
 
+TopkLogprobs = list[tuple[int, float]]
+"""The k most likely next tokens at one position: (token id, logprob), most likely first."""
+
+
 class SampledSequence(_Wire):
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
+    sequence_id: str | None = None
+    """Names this sequence in later requests (the hosted service's field); unique in the
+    service that sampled it."""
 
 
 class SampleResponse(_Wire):
@@ -212,6 +235,12 @@ class SampleResponse(_Wire):
     weights_version: str | None = None
     """The label of the weights that sampled it, where the sampler says (a remote
     server's `metadata.weight_version`); None from the in-process engine."""
+    prompt_cache_hit_tokens: int = 0
+    """Prompt tokens served from the prefix cache, counted once per request (the hosted
+    service's field; the same number as `usage.prefill_cached_tokens`)."""
+    topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
+    """With `topk_prompt_logprobs=k`: per prompt position, its k most likely tokens
+    (None where not scored: position 0, and before `prompt_logprobs_last_n`)."""
 
 
 class ForwardBackwardOutput(_Wire):

@@ -7,6 +7,8 @@ the envs from `--env`/`--env-kwargs`, then `trainer.run.Run` with all of them.
 Under torchrun (WORLD_SIZE > 1: `torchrun --nproc-per-node N -m prefixgym train ...`)
 it joins the process group (gloo: the engine trains on CPU), wraps the training
 client in `DistributedTrainingClient`, and hands the run its `Ranks`.
+With `--backend tinker` the hosted service's clients stand behind our protocols
+(`prefixgym.tinker.backend`) instead of a LocalService.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ def compute_dtype(config: TrainConfig) -> torch.dtype:
     return torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
 
 
-def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple[Run, LocalService]:
-    """The run of `config` and the service it trains on (built here unless given)."""
+def build_run(config: TrainConfig, service: LocalService | None = None,
+              tinker_service: Any = None) -> tuple[Run, LocalService | None]:
+    """The run of `config` and the service it trains on (built here unless given; none
+    with `--backend tinker`, whose tinker `ServiceClient` may be given instead)."""
 
     def make() -> AgentGymEnv:
         return make_agent_env(config.env, config.env_kwargs)
@@ -65,6 +69,8 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
             "--sampler-url pushes full weights, and a server holds one weights version at a "
             "time: --async (sampling the next step from the previous version) needs LoRA "
             "adapters (--lora-rank) or in-process sampling")
+    if config.backend == "tinker":
+        return Run(config, tinker_clients(config, tinker_service), make), None
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None
     )
@@ -94,6 +100,24 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
     return Run(config, clients, make), service
 
 
+def tinker_clients(config: TrainConfig, service_client: Any = None) -> Clients:
+    """Clients on the hosted service (docs/tinker.md): a LoRA trainer of `--model`."""
+    from prefixgym.engine.usage import UsageLedger
+    from prefixgym.tinker.backend import connect
+
+    if service_client is None:
+        if not os.environ.get("TINKER_API_KEY"):
+            raise ValueError("--backend tinker needs the service's API key in TINKER_API_KEY")
+        import tinker
+
+        service_client = tinker.ServiceClient()
+    ledger = UsageLedger()
+    rank = config.lora_rank or 32
+    trainer, sampler, tokenizer = connect(service_client, config.model, rank, config.seed,
+                                          ledger)
+    return Clients(trainer, sampler, tokenizer, ledger.total)
+
+
 def check_chat_format(directory: str, service: LocalService) -> None:
     """Say which chat format a checkpoint's runs use; ValueError if its template is not
     append-only (prompts are built by appending tokens; docs/lora.md)."""
@@ -107,8 +131,9 @@ def check_chat_format(directory: str, service: LocalService) -> None:
 
 
 def save_lora_adapter(config: TrainConfig, run: Run, out: Path) -> str | None:
-    """With a LoRA run, write its adapter to OUT/adapter (PEFT format); its path."""
-    if not config.lora_rank:
+    """With a local LoRA run, write its adapter to OUT/adapter (PEFT format); its path.
+    (With `--backend tinker` the adapter stays on the service, in its checkpoints.)"""
+    if not config.lora_rank or config.backend != "local":
         return None
     return unwrap(run.clients.training).save_weights_for_sampler(out / "adapter").result()
 

@@ -116,13 +116,20 @@ class Admission:
 
     def _match(self, req: Request, claimed: set[int]) -> bool:
         """1) pin the longest cached prefix (at most len(prompt)-1 tokens, since the
-        last prompt token must be computed for its logits); False = wait a wave."""
+        last prompt token must be computed for its logits; a request that scores its
+        prompt reads none, or, with `prompt_logprobs_last_n`, only the prefix before the
+        positions it scores); False = wait a wave."""
         req.num_cached_tokens = 0
-        if self.cache is None or req.include_prompt_logprobs:
+        P = len(req.prompt)
+        limit = P - 1
+        if req.include_prompt_logprobs:
+            last_n = req.prompt_logprobs_last_n
+            limit = 0 if last_n is None else P - last_n - 1
+        if self.cache is None or limit <= 0:
             return True
-        P, bs = len(req.prompt), self.cache.block_size
+        bs = self.cache.block_size
         with self.cache_lock:
-            match = self.cache.match_prefix(req.prompt, req.version, max_tokens=P - 1)
+            match = self.cache.match_prefix(req.prompt, req.version, max_tokens=limit)
             key = match.blocks[-1].key if match.blocks else ROOT_KEY
             computed_keys = []  # the full blocks this request will compute and cache
             for start in range(match.num_tokens, P - bs + 1, bs):
@@ -183,10 +190,7 @@ class Admission:
         self._counters["prefill_calls"] += 1
         self._counters["prefill_positions"] += sum(lengths)
         if full_logits:
-            req = reqs[0]
-            logp_T_V = torch.log_softmax(logits[0, :-1].float(), dim=-1)
-            targets = torch.tensor(req.prompt[1:]).unsqueeze(1)
-            req.prompt_logprobs = [None, *logp_T_V.gather(1, targets).squeeze(1).tolist()]
+            _score_prompt(reqs[0], logits[0, :-1])
         last_R_V = logits[:, -1]
         # 3) cache each prompt's full blocks and pin them
         for r, req in enumerate(reqs):
@@ -232,6 +236,22 @@ class Admission:
                 self.cache.acquire(chain)
                 self.cache.release(req.pinned)
                 req.pinned = chain
+
+
+def _score_prompt(req: Request, logits_T_V: torch.Tensor) -> None:
+    """The prompt's logprobs (and top-k) from the logits of its computed positions
+    (`num_cached_tokens` onwards); None before the scored part."""
+    P, start = len(req.prompt), req.num_cached_tokens
+    first_scored = P - (req.prompt_logprobs_last_n or P - 1)  # position 0 is never scored
+    logp_T_V = torch.log_softmax(logits_T_V.float(), dim=-1)  # predicts prompt[start + 1:]
+    targets = torch.tensor(req.prompt[start + 1:]).unsqueeze(1)
+    values = logp_T_V.gather(1, targets).squeeze(1).tolist()
+    unscored: list[None] = [None] * first_scored
+    req.prompt_logprobs = [*unscored, *values[first_scored - start - 1:]]
+    if req.topk_k:
+        top = logp_T_V[first_scored - start - 1:].topk(req.topk_k, dim=-1)
+        rows = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        req.topk_prompt_logprobs = [*unscored, *(list(zip(i, v, strict=True)) for i, v in rows)]
 
 
 def _chunks(reqs: list[Request], max_tokens: int) -> list[list[Request]]:

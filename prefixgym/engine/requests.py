@@ -14,13 +14,16 @@ This module knows nothing of slots, batching or the prefix cache.
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.prefix_cache import Block
 from prefixgym.futures import APIFuture
-from prefixgym.types import SampledSequence, SampleResponse, SamplingParams, Usage
+from prefixgym.types import SampledSequence, SampleResponse, SamplingParams, TopkLogprobs, Usage
+
+_REQUEST_IDS = itertools.count()
 
 DEFAULT_MAX_KV_BYTES = 4 * 2**30
 
@@ -49,7 +52,9 @@ def kv_bytes_per_position(model: Transformer) -> int:
 
 @dataclass(eq=False)
 class Request:
-    """A queued or running request; the fields after `future` are engine state."""
+    """A queued or running request; the fields after `request_id` are engine state.
+    `include_prompt_logprobs` here means "score the prompt" (full logits, no cache read
+    before `prompt_logprobs_last_n`): asked for by prompt logprobs or top-k."""
 
     prompt: list[int]
     num_samples: int
@@ -59,9 +64,14 @@ class Request:
     version: int
     seed: int
     future: APIFuture[SampleResponse] = field(default_factory=APIFuture)
+    topk_k: int = 0  # topk_prompt_logprobs asked for
+    prompt_logprobs_last_n: int | None = None  # score only the last n prompt tokens
+    return_prompt_logprobs: bool = True  # False when only the top-k were asked for
+    request_id: int = field(default_factory=lambda: next(_REQUEST_IDS))
     pinned: list[Block] = field(default_factory=list)
     num_cached_tokens: int = 0
     prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
     sequences: list[Sequence] = field(default_factory=list)
     unfinished: int = 0
 
@@ -108,12 +118,15 @@ def build_response(req: Request) -> SampleResponse:
     )
     sequences = [
         SampledSequence.model_construct(
-            tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason or "length"
+            tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason or "length",
+            sequence_id=f"{req.request_id}:{i}",
         )
-        for s in req.sequences
+        for i, s in enumerate(req.sequences)
     ]
     return SampleResponse.model_construct(
-        sequences=sequences, prompt_logprobs=req.prompt_logprobs, usage=usage
+        sequences=sequences, usage=usage, prompt_cache_hit_tokens=req.num_cached_tokens,
+        prompt_logprobs=req.prompt_logprobs if req.return_prompt_logprobs else None,
+        topk_prompt_logprobs=req.topk_prompt_logprobs,
     )
 
 
@@ -158,3 +171,20 @@ def validate_request(
             )
     if params.stop and not can_decode:
         raise ValueError("stop strings need a tokenizer to decode with; this engine has none")
+
+
+def validate_prompt_scoring(
+    prompt_len: int, include_prompt_logprobs: bool, topk: int, last_n: int | None, vocab: int
+) -> None:
+    """`topk_prompt_logprobs` is 0 (off) or in [1, vocab]; `prompt_logprobs_last_n` needs
+    prompt logprobs or top-k and is in [1, len(prompt) - 1] (the hosted service's rules)."""
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 0 <= topk <= vocab:
+        raise ValueError(f"topk_prompt_logprobs must be an int in [0, {vocab}], got {topk!r}")
+    if last_n is None:
+        return
+    if not (include_prompt_logprobs or topk):
+        raise ValueError("prompt_logprobs_last_n needs include_prompt_logprobs=True or "
+                         "topk_prompt_logprobs > 0")
+    if isinstance(last_n, bool) or not isinstance(last_n, int) or not 1 <= last_n < prompt_len:
+        raise ValueError(f"prompt_logprobs_last_n must be an int in [1, len(prompt) - 1 = "
+                         f"{prompt_len - 1}], got {last_n!r}")

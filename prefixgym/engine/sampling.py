@@ -46,12 +46,18 @@ class SamplingClient:
         num_samples: int = 1,
         sampling_params: SamplingParams | None = None,
         include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[SampleResponse]:
         """Decode `num_samples` continuations of `prompt` (one shared prefill).
 
         With `include_prompt_logprobs=True` the whole prompt is recomputed (no cache
         read) and `response.prompt_logprobs[i]` is log p(prompt[i] | prompt[:i]),
-        None for i = 0.
+        None for i = 0. `topk_prompt_logprobs=k` gives each prompt position's k most
+        likely tokens (`response.topk_prompt_logprobs`), computed the same way.
+        `prompt_logprobs_last_n=n` scores only the last n prompt tokens (the entries
+        before them are None), so the prefix before them may be served from the cache
+        (the hosted service's parameters, with its rules).
         """
         tokens = _ids(prompt)
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -61,6 +67,8 @@ class SamplingClient:
         return self._scheduler.submit(
             tokens, self._model, self.weights_version, params,
             num_samples=num_samples, include_prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
         )
 
     def compute_logprobs(self, prompt: ModelInput | list[int]) -> APIFuture[list[float | None]]:

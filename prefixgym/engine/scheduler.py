@@ -40,6 +40,7 @@ from prefixgym.engine.requests import (
     RequestLimits,
     Sequence,
     build_response,
+    validate_prompt_scoring,
     validate_request,
 )
 from prefixgym.engine.threads import ThreadTuner, size_bucket
@@ -103,16 +104,23 @@ class Scheduler:
         params: SamplingParams,
         num_samples: int = 1,
         include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[SampleResponse]:
         """Validate and queue one request. Raises ValueError for bad input."""
         validate_request(prompt, model, params, num_samples, self._decode is not None,
                          self.limits)
+        validate_prompt_scoring(len(prompt), include_prompt_logprobs, topk_prompt_logprobs,
+                                prompt_logprobs_last_n, model.config.vocab_size)
         with self._submit_lock:
             if self._closed:
                 raise RuntimeError("the engine is closed; create a new LocalService")
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            request = Request(list(prompt), num_samples, params, include_prompt_logprobs, model,
-                              version, seed)
+            request = Request(list(prompt), num_samples, params,
+                              include_prompt_logprobs or topk_prompt_logprobs > 0, model,
+                              version, seed, topk_k=topk_prompt_logprobs,
+                              prompt_logprobs_last_n=prompt_logprobs_last_n,
+                              return_prompt_logprobs=include_prompt_logprobs)
             self._queue.put(request)
         return request.future
 

@@ -112,6 +112,11 @@ class EngineService:
         return self._version
 
     @property
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """The ids every sampling client stops at by default (`end_of_turn_ids` given)."""
+        return self._default_stop_ids
+
+    @property
     def max_seq_len(self) -> int:
         """The longest sequence (prompt + sampled tokens) the model takes."""
         return int(self.train_model.config.max_seq_len)

@@ -139,23 +139,51 @@ class TrainingClient:
 
     def forward_backward(
         self,
-        datums: Sequence[Datum],
-        loss_fn: str,
+        data: Sequence[Datum] | None = None,
+        loss_fn: str | None = None,
         loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        datums: Sequence[Datum] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        """Add d(loss)/d(params) to the accumulated gradients; return logprobs, metrics, usage."""
-        request = self._validate(datums, loss_fn, loss_fn_config)
+        """Add d(loss)/d(params) to the accumulated gradients; return logprobs, metrics, usage.
+
+        `data` is the hosted service's name; `datums=` (the old name) still works."""
+        request = self._validate(_data_arg(data, datums), _loss_arg(loss_fn), loss_fn_config)
         return self._submit(self._run, *request, True)
 
     def forward(
         self,
-        datums: Sequence[Datum],
-        loss_fn: str,
+        data: Sequence[Datum] | None = None,
+        loss_fn: str | None = None,
         loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        datums: Sequence[Datum] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """`forward_backward` without gradients (evaluation); counted as train compute."""
-        request = self._validate(datums, loss_fn, loss_fn_config)
+        request = self._validate(_data_arg(data, datums), _loss_arg(loss_fn), loss_fn_config)
         return self._submit(self._run, *request, False)
+
+    def forward_backward_custom(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Train on a loss of your own over the per-token logprobs, as the hosted service's
+        `forward_backward_custom`: `loss_fn(data, logprobs)` gets `logprobs[i]`, a 1-D
+        float32 tensor (requires_grad) of datum i's target logprobs, and returns
+        `(loss, metrics)`: a scalar tensor and a dict of floats.
+
+        Exact by autograd (the chain rule, not an approximation): 1) a forward pass gives
+        the logprobs; 2) `loss_fn` and autograd give g = d(loss)/d(logprobs); 3) a
+        forward/backward of the linear loss sum_i g_i . logprobs_i (cross_entropy with
+        weights -g) adds d(loss)/d(params) to the gradients -- two forwards, as the
+        service does. Only `target_tokens` is needed (and `weights`, which count as the
+        loss positions); every input goes to `loss_fn` unchanged. Metrics: `loss:sum` is
+        `loss`'s value, then `loss_fn`'s own."""
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn must be a callable (data, logprobs) -> (loss, metrics), "
+                             f"got {type(loss_fn).__name__}")
+        data = _data_arg(data, None)
+        request = self._validate(data, "cross_entropy", None, any_keys=True)
+        return self._submit(self._run_custom, data, request[0], loss_fn)
 
     def optim_step(self, adam: AdamParams) -> APIFuture[OptimStepOutput]:
         """One AdamW update from the accumulated gradients, then zero them."""
@@ -192,9 +220,13 @@ class TrainingClient:
         self._submit(self._save_state, os.fspath(path)).result()
         return APIFuture.completed(os.fspath(path))
 
-    def load_state(self, path: str | os.PathLike[str]) -> APIFuture[int]:
-        """Restore what `save_state` wrote (model of the same architecture); drops pending grads."""
-        step = self._submit(self._load_state, os.fspath(path)).result()
+    def load_state(
+        self, path: str | os.PathLike[str], with_optimizer: bool = True
+    ) -> APIFuture[int]:
+        """Restore what `save_state` wrote (model of the same architecture); drops pending
+        grads. `with_optimizer=False` restores the weights only and starts the optimizer
+        afresh at step 0 (the hosted service's `load_state`)."""
+        step = self._submit(self._load_state, os.fspath(path), with_optimizer).result()
         return APIFuture.completed(step)
 
     def close(self) -> None:
@@ -206,7 +238,8 @@ class TrainingClient:
         return APIFuture(self._worker.submit(fn, *args))
 
     def _validate(
-        self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None
+        self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None,
+        any_keys: bool = False,
     ) -> tuple[list[PreparedDatum], losses.LossSpec, dict[str, float]]:
         spec = losses.get_loss(loss_fn)
         config = losses.validate_config(loss_fn, loss_fn_config)
@@ -218,7 +251,7 @@ class TrainingClient:
             raise ValueError("datums is empty; forward_backward needs at least one Datum")
         cfg = self.model.config
         prepared = [
-            prepare_datum(i, d, spec, loss_fn, cfg.vocab_size, cfg.max_seq_len)
+            prepare_datum(i, d, spec, loss_fn, cfg.vocab_size, cfg.max_seq_len, any_keys)
             for i, d in enumerate(datums)
         ]
         return prepared, spec, config
@@ -250,6 +283,7 @@ class TrainingClient:
         spec: losses.LossSpec,
         config: dict[str, float],
         backward: bool,
+        record_usage: bool = True,
     ) -> ForwardBackwardOutput:
         params = self._params
         device = params[0].device if params else torch.device("cpu")
@@ -290,10 +324,12 @@ class TrainingClient:
             train_shared_tokens=sum(p.length for p in prepared) - computed,
             train_loss_tokens=sum(p.num_loss_tokens for p in prepared),
         )
-        self.ledger.add(usage)
+        if record_usage:
+            self.ledger.add(usage)
         n_loss = max(usage.train_loss_tokens, 1)
         metrics = {
-            "loss": loss_total,
+            "loss:sum": loss_total,
+            "loss": loss_total,  # the old name of loss:sum
             "loss/mean_per_loss_token": loss_total / n_loss,
             "train_computed_tokens": float(usage.train_computed_tokens),
             "train_shared_tokens": float(usage.train_shared_tokens),
@@ -303,6 +339,43 @@ class TrainingClient:
         return ForwardBackwardOutput(
             loss_fn_outputs=[{"logprobs": lp} for lp in logprobs_out], metrics=metrics, usage=usage
         )
+
+    def _run_custom(
+        self, data: Sequence[Datum], prepared: list[PreparedDatum], loss_fn: CustomLossFn
+    ) -> ForwardBackwardOutput:
+        spec = losses.get_loss("cross_entropy")
+        # 1) the logprobs, without gradients
+        first = self._run(prepared, spec, {}, False, record_usage=False)
+        leaves = [torch.tensor(out["logprobs"], dtype=torch.float32, requires_grad=True)
+                  for out in first.loss_fn_outputs]
+        # 2) the user's loss, and its gradient with respect to every logprob
+        loss, user_metrics = loss_fn(list(data), leaves)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise ValueError("forward_backward_custom: loss_fn must return (a scalar tensor, "
+                             f"a dict of floats) first, got {type(loss).__name__}")
+        grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
+        # 3) the linear loss -sum w * logp with w = -g has the same parameter gradient
+        linear = []
+        for p, g in zip(prepared, grads, strict=True):
+            g_T = torch.zeros(p.length, dtype=torch.float64) if g is None else g.double()
+            linear.append(PreparedDatum(p.tokens_T, {**p.inputs, "weights": -g_T},
+                                        p.num_loss_tokens))
+        out = self._run(linear, spec, {}, True, record_usage=False)
+        usage = out.usage.model_copy(update={
+            "train_computed_tokens": first.usage.train_computed_tokens
+            + out.usage.train_computed_tokens,
+            "train_shared_tokens": first.usage.train_shared_tokens
+            + out.usage.train_shared_tokens})
+        self.ledger.add(usage)  # both forwards ran: both count as computed
+        value = float(loss.detach().sum())
+        metrics = {**out.metrics, "loss:sum": value, "loss": value,
+                   **{k: float(v) for k, v in dict(user_metrics or {}).items()}}
+        del metrics["nll/mean"]  # of the linear loss, meaningless here
+        metrics["loss/mean_per_loss_token"] = value / max(out.usage.train_loss_tokens, 1)
+        metrics["train_computed_tokens"] = float(usage.train_computed_tokens)
+        metrics["train_shared_tokens"] = float(usage.train_shared_tokens)
+        return ForwardBackwardOutput(loss_fn_outputs=first.loss_fn_outputs, metrics=metrics,
+                                     usage=usage)
 
     def _optim_step(self, adam: AdamParams) -> OptimStepOutput:
         # AdamW's first step moves by lr / (1 - beta1) and decays by 1 - lr * weight_decay
@@ -377,9 +450,12 @@ class TrainingClient:
         }
         save_checkpoint(path, self._state_module, state)
 
-    def _load_state(self, path: str) -> int:
+    def _load_state(self, path: str, with_optimizer: bool = True) -> int:
         state = load_checkpoint(path, self._state_module)
         self.model.zero_grad(set_to_none=True)
+        if not with_optimizer:
+            self._optimizer, self._step = None, 0
+            return 0
         if state["optimizer"] is not None:
             self._optimizer = torch.optim.AdamW(self._params)
             self._optimizer.load_state_dict(state["optimizer"])
@@ -389,3 +465,23 @@ class TrainingClient:
         restore_rng_state(state["rng"])
         self._generator.set_state(state["generator"])
         return self._step
+
+
+CustomLossFn = Callable[[list[Datum], list[Tensor]], tuple[Tensor, Mapping[str, float]]]
+"""`forward_backward_custom`'s loss: (data, per-datum logprobs) -> (scalar loss, metrics)."""
+
+
+def _data_arg(data: Sequence[Datum] | None, datums: Sequence[Datum] | None) -> Sequence[Datum]:
+    """`data` (the service's name) or `datums` (ours before), exactly one of them."""
+    if data is not None and datums is not None:
+        raise ValueError("pass the datums once: as `data` (or the older name `datums`)")
+    chosen = data if data is not None else datums
+    if chosen is None:
+        raise ValueError("forward_backward needs `data`, a list of Datum")
+    return chosen
+
+
+def _loss_arg(loss_fn: str | None) -> str:
+    if loss_fn is None:
+        raise ValueError(f"forward_backward needs loss_fn, one of {sorted(losses.LOSSES)}")
+    return loss_fn

@@ -157,7 +157,8 @@ class OpenAISamplingClient:
         if self.ledger is not None:
             self.ledger.add(usage)
         return SampleResponse(sequences=sequences, prompt_logprobs=prompt_logprobs, usage=usage,
-                              weights_version=_weights_version(data, version_from))
+                              weights_version=_weights_version(data, version_from),
+                              prompt_cache_hit_tokens=usage.prefill_cached_tokens)
 
     def prompt_logprobs_now(self, ids: list[int], model: str | None = None
                             ) -> tuple[list[float | None], str | None]:

@@ -17,11 +17,12 @@ from dataclasses import asdict, dataclass, field, fields
 
 from prefixgym.types import JSONObject
 
-LOSSES = ("importance_sampling", "ppo")
+LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_ENV = "prefixgym/GuessNumber-v0"
 DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+BACKENDS = ("local", "tinker")
 LORA_TARGETS = ("attn", "mlp", "unembed")
 NONFINITE_UPDATES = ("skip", "error")
 RESUMABLE_CHANGES = (
@@ -86,7 +87,7 @@ class TrainConfig:
     """GRPO learning-rate schedule: constant, or cosine (decay from --lr to --lr/10 over
     the steps, so the final weights are not a snapshot of a noisy large step)."""
     loss: str = "ppo"
-    """GRPO loss: importance_sampling or ppo."""
+    """GRPO loss: importance_sampling, ppo, cispo, dro, gspo or stable_reinforce."""
     kl_coef: float = 0.0
     """Penalty on the sampled tokens' log-ratio to the warm-start weights (0 = off)."""
     normalize_std: bool = True
@@ -130,6 +131,10 @@ class TrainConfig:
     several (episodes stick to one, groups spread by load, a failed one is left out).
     Every update is pushed to them from OUT/sampler_weights, which they must be able to
     read (a shared filesystem). None: sample in-process."""
+    backend: str = "local"
+    """Where training and sampling run: local (the built-in engine) or tinker (the hosted
+    service, docs/tinker.md: API key from TINKER_API_KEY, --model names its base model,
+    LoRA rank 32 unless --lora-rank says otherwise)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.sampler_url, str):  # a run saved before the flag repeated
@@ -145,6 +150,12 @@ class TrainConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, "
                              f"got {self.lr_schedule!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, "
+                             f"got {self.backend!r}")
+        if self.backend == "tinker" and self.sampler_url:
+            raise ValueError("--sampler-url and --backend tinker do not go together: the "
+                             "hosted service samples")
         targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
         if not targets or set(targets) - set(LORA_TARGETS):
             raise ValueError(f"--lora-targets must be a comma-separated subset of "

@@ -214,6 +214,6 @@ def grpo_step(
             AdamParams(learning_rate=config.lr if lr is None else lr, grad_clip_norm=1.0)
         ).result()
         usage = usage + out.usage
-        metrics["loss"] = out.metrics.get("loss", 0.0)
+        metrics["loss"] = out.metrics.get("loss:sum", out.metrics.get("loss", 0.0))
         metrics.update({f"optim/{k}": v for k, v in opt.metrics.items()})
     return metrics, usage

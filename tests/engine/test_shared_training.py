@@ -91,7 +91,8 @@ def assert_same_training(datums: list[Datum], loss_fn: str = "ppo", rel: float =
     return shared
 
 
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo"])
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo",
+                                     "dro", "gspo", "stable_reinforce"])
 def test_a_group_sharing_a_prompt_trains_exactly_and_computes_it_once(loss_fn: str) -> None:
     datums = group()  # a 12-token prompt, replies of 5, 9, 3 and 7
     out = assert_same_training(datums, loss_fn)
