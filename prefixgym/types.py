@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -202,6 +202,14 @@ class SampledSequence(_Wire):
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
+
+
+class SampleRequest(NamedTuple):
+    """One request of a `sample_many` round: `sample`'s arguments."""
+
+    prompt: ModelInput | list[int]
+    num_samples: int = 1
+    sampling_params: SamplingParams | None = None
 
 
 class SampleResponse(_Wire):

@@ -41,7 +41,8 @@ def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple
 
     make().close()  # a bad --env fails before the model loads
     service = service or LocalService(
-        model=config.model, seed=config.seed, num_threads=config.num_threads or None
+        model=config.model, seed=config.seed, num_threads=config.num_threads or None,
+        deterministic=config.deterministic,
     )
     training = service.create_training_client(compute_dtype=compute_dtype(config),
                                               share_prefixes=config.share_prefixes)

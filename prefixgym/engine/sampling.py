@@ -19,12 +19,12 @@ The client knows nothing of the cache or of batching: those are the scheduler's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.scheduler import Scheduler
 from prefixgym.futures import APIFuture
-from prefixgym.types import ModelInput, SampleResponse, SamplingParams
+from prefixgym.types import ModelInput, SampleRequest, SampleResponse, SamplingParams
 
 
 class SamplingClient:
@@ -53,15 +53,25 @@ class SamplingClient:
         read) and `response.prompt_logprobs[i]` is log p(prompt[i] | prompt[:i]),
         None for i = 0.
         """
-        tokens = _ids(prompt)
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if self.default_stop_token_ids:
-            merged = list(dict.fromkeys([*params.stop_token_ids, *self.default_stop_token_ids]))
-            params = params.model_copy(update={"stop_token_ids": merged})
-        return self._scheduler.submit(
-            tokens, self._model, self.weights_version, params,
-            num_samples=num_samples, include_prompt_logprobs=include_prompt_logprobs,
-        )
+        [future] = self.sample_many(
+            [SampleRequest(prompt, num_samples, sampling_params)], include_prompt_logprobs)
+        return future
+
+    def sample_many(
+        self, requests: Sequence[SampleRequest], include_prompt_logprobs: bool = False
+    ) -> list[APIFuture[SampleResponse]]:
+        """`sample` for each request, queued atomically as one round in this order (a
+        deterministic engine runs the round alone). Bad input in any request raises a
+        ValueError and queues none."""
+        items = []
+        for req in requests:
+            params = req.sampling_params if req.sampling_params is not None else SamplingParams()
+            if self.default_stop_token_ids:
+                merged = list(dict.fromkeys([*params.stop_token_ids,
+                                             *self.default_stop_token_ids]))
+                params = params.model_copy(update={"stop_token_ids": merged})
+            items.append((_ids(req.prompt), params, req.num_samples, include_prompt_logprobs))
+        return self._scheduler.submit_many(items, self._model, self.weights_version)
 
     def compute_logprobs(self, prompt: ModelInput | list[int]) -> APIFuture[list[float | None]]:
         """log p(token i | tokens before i) for every position; None for the first.

@@ -44,6 +44,9 @@ class EngineService:
     `num_threads` sets torch's intra-op threads (process-wide) only when given.
     `thread_tuning` lets the engine run each kind of step on the thread count (up to
     torch's count at construction) that it measured fastest (`engine/threads.py`).
+    `deterministic` runs each `sample_many` round alone, so that a caller submitting
+    its work in fixed rounds gets the same logprobs, bit for bit, every run
+    (`engine/scheduler.py`).
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class EngineService:
         num_threads: int | None = None,
         max_running: int = 256,
         thread_tuning: bool = True,
+        deterministic: bool = False,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -74,7 +78,8 @@ class EngineService:
         )
         self.ledger = UsageLedger()
         self.scheduler = Scheduler(self._cache, decode=decode, ledger=self.ledger, seed=seed,
-                                   max_running=max_running, thread_tuning=thread_tuning)
+                                   max_running=max_running, thread_tuning=thread_tuning,
+                                   deterministic=deterministic)
         self._default_stop_ids = tuple(
             dict.fromkeys(int(i) for i in end_of_turn_ids if 0 <= int(i) < cfg.vocab_size))
         self._lock = threading.Lock()

@@ -72,6 +72,11 @@ class TrainConfig:
     """Held-out seeds per evaluation."""
     async_mode: bool = False
     """Sample step t+1 while step t trains (at most one step off-policy)."""
+    deterministic: bool = True
+    """Fix every batch the engine runs by the rollout schedule (each turn of all live
+    episodes is one round, run alone, in episode order), so that a run's results depend
+    only on its seed and config; off, requests batch as they arrive (faster, but the
+    last bits of logprobs, and after a few updates the run, vary)."""
     resume: bool = False
     """Continue from the last checkpoint in OUT/checkpoints."""
     checkpoint_every: int = 10

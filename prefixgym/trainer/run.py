@@ -80,7 +80,8 @@ class Run:
         self.out = Path(config.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.rollout_config = RolloutConfig(
-            max_tokens=config.max_tokens, temperature=config.temperature
+            max_tokens=config.max_tokens, temperature=config.temperature,
+            lockstep=config.deterministic,
         )
         self.log = MetricsLog(self.out / "metrics.jsonl")
 
@@ -143,6 +144,17 @@ class Run:
         save_checkpoint(self.out, self.training, state, name=WARM_START)
         return state, ref if c.kl_coef > 0 else None
 
+    def _sync_before(self, step: int) -> bool:
+        """Whether async step `step` must sample from the weights of the step before it,
+        so that a run resumed from a checkpoint samples as the uninterrupted one did:
+        a checkpoint was saved just before it, or it would sample from the weights that
+        the evaluation at a checkpoint just sampled from (and left in the cache)."""
+        c = self.config
+        at_checkpoint = step % c.checkpoint_every == 0
+        after_checkpoint_eval = ((step - 1) % c.checkpoint_every == 0
+                                 and (step - 1) % c.eval_every == 0)
+        return at_checkpoint or after_checkpoint_eval
+
     def run(self) -> RunResult:
         c = self.config
         t_start = time.perf_counter()
@@ -154,7 +166,7 @@ class Run:
         sampler = self.training.save_weights_and_get_sampling_client()
         pipeline = StepPipeline(
             lambda s, step: collect(s, self.tokenizer, self.envs, c, step, self.rollout_config),
-            c.async_mode,
+            c.async_mode, sync_before=self._sync_before,
         )
         progress = Progress("GRPO", c.steps, "step", c.progress, initial=state.next_step)
         try:
@@ -173,6 +185,8 @@ class Run:
                                 "time/sample_s": sample_s, "time/step_s": time.perf_counter() - t0})
                 state.next_step = step + 1
                 if state.next_step % c.eval_every == 0 or state.next_step == c.steps:
+                    if c.deterministic:
+                        pipeline.wait()
                     self.evaluate(sampler, state.next_step, "GRPO", state)
                 if state.next_step % c.checkpoint_every == 0 or state.next_step == c.steps:
                     state.usage = prior_usage + (self.clients.usage() - base_usage)
