@@ -3,6 +3,7 @@
 Layout under OUT/checkpoints/:
   step-000009/train/     the training client's save_state (weights, optimizer, RNG)
   step-000009/loop.json  next step, evaluations so far, cumulative usage
+  step-000009/config.json  the run's full resolved config (when the run gave it)
   warm_start/train/      the weights after the warm start (the KL reference)
   latest                 the name of the newest complete checkpoint
 
@@ -48,7 +49,8 @@ class LoopState:
 
 
 def save_checkpoint(
-    out: Path, training: TrainingClient, state: LoopState, name: str | None = None
+    out: Path, training: TrainingClient, state: LoopState, name: str | None = None,
+    config: JSONObject | None = None,
 ) -> Path:
     root = out / "checkpoints"
     name = name or f"step-{state.next_step - 1:06d}"
@@ -56,6 +58,8 @@ def save_checkpoint(
     def fill(tmp: Path) -> None:
         training.save_state(tmp / "train")
         (tmp / "loop.json").write_text(state.to_json())
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     write_dir_atomically(root / name, fill)
     if name.startswith("step-"):

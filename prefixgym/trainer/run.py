@@ -141,7 +141,7 @@ class Run:
             ref = self.training.save_weights_and_get_sampling_client()
         state.usage = self.clients.usage() - base_usage
         state.wall_s = time.perf_counter() - t_start
-        save_checkpoint(self.out, self.training, state, name=WARM_START)
+        save_checkpoint(self.out, self.training, state, name=WARM_START, config=asdict(c))
         return state, ref if c.kl_coef > 0 else None
 
     def _sync_before(self, step: int) -> bool:
@@ -191,7 +191,7 @@ class Run:
                 if state.next_step % c.checkpoint_every == 0 or state.next_step == c.steps:
                     state.usage = prior_usage + (self.clients.usage() - base_usage)
                     state.wall_s = prior_wall + time.perf_counter() - t_start
-                    save_checkpoint(self.out, self.training, state)
+                    save_checkpoint(self.out, self.training, state, config=asdict(c))
                 progress.update(1, reward=f"{metrics['reward/mean']:.2f}",
                                 hit=f"{usage.cache_hit_rate:.0%}")
         finally:

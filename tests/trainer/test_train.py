@@ -83,6 +83,12 @@ def test_cli_run_writes_metrics_report_plots_and_checkpoints(tmp_path):
     assert "prefill, served from the prefix cache" in report and "train, in the loss" in report
     assert (out / "training.png").stat().st_size > 0 and (out / "tokens.png").stat().st_size > 0
     assert (out / "checkpoints" / "latest").read_text() == "step-000001"
+    # the full resolved config, in the report and in every checkpoint
+    config = json.loads((out / "config.json").read_text())
+    assert config["steps"] == 2 and config["deterministic"] is True
+    for name in ("step-000001", "warm_start"):
+        assert json.loads((out / "checkpoints" / name / "config.json").read_text()) == config
+    assert json.dumps(config, sort_keys=True) in report
 
 
 class Killed(Exception):
@@ -103,8 +109,8 @@ def test_same_run_same_metrics_and_resume_continues_exactly(tmp_path, monkeypatc
     run("a")
     save = run_module.save_checkpoint
 
-    def save_then_die(out, training, state, name=None):
-        path = save(out, training, state, name)
+    def save_then_die(out, training, state, **kwargs):
+        path = save(out, training, state, **kwargs)
         if state.next_step == 2:
             raise Killed  # while step 2 samples, in async mode step 3 too
         return path
