@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixgym.trainer.tracking import TRACKERS
 from prefixgym.types import JSONObject
 
 LOSSES = ("importance_sampling", "ppo")
@@ -93,6 +94,9 @@ class TrainConfig:
     """torch threads (0 = torch's default)."""
     progress: bool = True
     """Show a progress bar."""
+    tracker: str = ""
+    """Also send every metrics line to an experiment tracker: tensorboard (event files
+    in OUT/tensorboard; needs `pip install 'prefixgym[tracking]'`), or empty for none."""
     sampler_url: str = ""
     """OpenAI-compatible completions server for rollouts and evaluation (vLLM, SGLang,
     prefixgym serve), e.g. http://host:8000/v1; empty samples in-process. The server
@@ -108,6 +112,8 @@ class TrainConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, "
                              f"got {self.lr_schedule!r}")
+        if self.tracker not in TRACKERS:
+            raise ValueError(f"--tracker must be tensorboard or empty, got {self.tracker!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prefixgym.files import write_text_atomically
+from prefixgym.trainer.tracking import Tracker
 from prefixgym.types import JSONObject, Usage
 
 PHASE_KEYS = (
@@ -22,14 +23,18 @@ PHASE_KEYS = (
 
 
 class MetricsLog:
-    """Append-only metrics.jsonl; `truncate_after(step)` makes a resumed run exact."""
+    """Append-only metrics.jsonl; `truncate_after(step)` makes a resumed run exact.
+    Each line also goes to `tracker` when one is given (`tracking.py`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, tracker: Tracker | None = None) -> None:
         self.path = path
+        self.tracker = tracker
 
     def write(self, record: JSONObject) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            self.tracker.log(record)
 
     def read(self) -> list[JSONObject]:
         if not self.path.exists():

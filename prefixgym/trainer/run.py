@@ -40,6 +40,7 @@ from prefixgym.trainer.progress import Progress
 from prefixgym.trainer.report import MetricsLog, write_report
 from prefixgym.trainer.schedule import warmup_cosine_lr
 from prefixgym.trainer.sft import warm_start
+from prefixgym.trainer.tracking import open_tracker
 from prefixgym.types import JSONObject, Usage
 
 RUN_CONFIG = "config.json"
@@ -83,7 +84,7 @@ class Run:
             max_tokens=config.max_tokens, temperature=config.temperature,
             lockstep=config.deterministic,
         )
-        self.log = MetricsLog(self.out / "metrics.jsonl")
+        self.log = MetricsLog(self.out / "metrics.jsonl", open_tracker(config.tracker, self.out))
 
     def evaluate(self, sampler: SamplingClient, step: int, when: str, state: LoopState) -> None:
         with Progress(f"eval ({when})", self.config.eval_episodes, "episode",
@@ -197,6 +198,8 @@ class Run:
         finally:
             pipeline.close()
             progress.close()
+            if self.log.tracker is not None:
+                self.log.tracker.close()
         # 4) report
         state.usage = prior_usage + (self.clients.usage() - base_usage)
         wall = prior_wall + time.perf_counter() - t_start
