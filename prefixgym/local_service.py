@@ -34,7 +34,9 @@ class LocalService(EngineService):
     same engine without cache reads or writes; `num_threads` sets torch's intra-op
     threads (process-wide) only when given; `thread_tuning` lets the engine pick each
     kind of step's thread count by timing it; `max_running` and `max_kv_bytes` bound
-    what one request may ask for (its samples, its running KV).
+    what one request may ask for (its samples, its running KV); `deterministic` runs
+    each `sample_many` round alone, so that rounds submitted in a fixed order give the
+    same bits every run.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class LocalService(EngineService):
         max_running: int = 256,
         thread_tuning: bool = True,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+        deterministic: bool = False,
     ) -> None:
         # An unknown model name, or a broken config.json, is the engine's error to report,
         # not the tokenizer's (transformers reads config.json too, and words it worse).
@@ -67,5 +70,6 @@ class LocalService(EngineService):
             cache_bytes=cache_bytes, dtype=dtype, end_of_turn_ids=end_of_turn_ids(tok),
             decode=decode, num_threads=num_threads, max_running=max_running,
             thread_tuning=thread_tuning, max_kv_bytes=max_kv_bytes,
+            deterministic=deterministic,
         )
         self.tokenizer: PreTrainedTokenizerBase = tok

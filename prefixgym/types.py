@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
@@ -226,6 +226,14 @@ class SampledSequence(_Wire):
     sequence_id: str | None = None
     """Names this sequence in later requests (the hosted service's field); unique in the
     service that sampled it."""
+
+
+class SampleRequest(NamedTuple):
+    """One request of a `sample_many` round: `sample`'s arguments."""
+
+    prompt: ModelInput | list[int]
+    num_samples: int = 1
+    sampling_params: SamplingParams | None = None
 
 
 class SampleResponse(_Wire):

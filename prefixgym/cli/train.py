@@ -72,7 +72,8 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
     if config.backend == "tinker":
         return Run(config, tinker_clients(config, tinker_service), make), None
     service = service or LocalService(
-        model=config.model, seed=config.seed, num_threads=config.num_threads or None
+        model=config.model, seed=config.seed, num_threads=config.num_threads or None,
+        deterministic=config.deterministic,
     )
     if Path(config.model).is_dir():
         check_chat_format(config.model, service)

@@ -19,12 +19,12 @@ The client knows nothing of the cache or of batching: those are the scheduler's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from prefixgym.engine.model import Transformer
-from prefixgym.engine.scheduler import Scheduler
+from prefixgym.engine.scheduler import RoundItem, Scheduler
 from prefixgym.futures import APIFuture
-from prefixgym.types import ModelInput, SampleResponse, SamplingParams
+from prefixgym.types import ModelInput, SampleRequest, SampleResponse, SamplingParams
 
 
 class SamplingClient:
@@ -70,6 +70,23 @@ class SamplingClient:
             topk_prompt_logprobs=topk_prompt_logprobs,
             prompt_logprobs_last_n=prompt_logprobs_last_n,
         )
+
+    def sample_many(
+        self, requests: Sequence[SampleRequest], include_prompt_logprobs: bool = False
+    ) -> list[APIFuture[SampleResponse]]:
+        """`sample` for each request, queued atomically as one round in this order (a
+        deterministic engine runs the round alone). Bad input in any request raises a
+        ValueError and queues none."""
+        items = []
+        for req in requests:
+            params = req.sampling_params if req.sampling_params is not None else SamplingParams()
+            if self.default_stop_token_ids:
+                merged = list(dict.fromkeys([*params.stop_token_ids,
+                                             *self.default_stop_token_ids]))
+                params = params.model_copy(update={"stop_token_ids": merged})
+            items.append(RoundItem(_ids(req.prompt), params, req.num_samples,
+                                   include_prompt_logprobs))
+        return self._scheduler.submit_many(items, self._model, self.weights_version)
 
     def compute_logprobs(self, prompt: ModelInput | list[int]) -> APIFuture[list[float | None]]:
         """log p(token i | tokens before i) for every position; None for the first.

@@ -16,6 +16,15 @@ Callers (any thread, or asyncio through `await future`) `submit` a request and g
 A bad request is refused at `submit` with a ValueError; an error inside the engine
 fails only the requests it touches, and the thread keeps serving.
 
+Deterministic mode (`deterministic=True`): a request's logprobs depend, in their last
+bits, on which other rows share its forwards (a matmul of a few rows takes other
+kernels than one of many). So `submit_many` queues a list of requests as one *round*
+(atomically: nothing else can slip in between them), and the engine takes the next
+round only when the previous one has finished: every batch it runs is then a
+function of the round's requests, in their order, and the cache's contents. A caller
+that submits each step of its work as one round in a fixed order (`rollouts` in
+lockstep) gets the same bits every run, whatever the threads' timing.
+
 The scheduler knows nothing of chat formats or training: it gets token ids, a
 `decode(ids) -> str` for stop strings, and a model per weights version.
 """
@@ -28,6 +37,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +60,16 @@ from prefixgym.futures import APIFuture
 from prefixgym.types import SampleResponse, SamplingParams
 
 
+class RoundItem(NamedTuple):
+    """One request of a `submit_many` round."""
+
+    prompt: list[int]
+    params: SamplingParams
+    num_samples: int = 1
+    include_prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+
 class Scheduler:
     def __init__(
         self,
@@ -61,6 +81,7 @@ class Scheduler:
         max_prefill_tokens: int = 2048,
         thread_tuning: bool = True,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+        deterministic: bool = False,
     ) -> None:
         self.cache = cache
         self.cache_lock = threading.Lock()
@@ -74,7 +95,9 @@ class Scheduler:
         # than one 4096-position forward (bench_prefill.py), smaller ones fit the caches
         self.max_prefill_tokens = max_prefill_tokens
         self._version_models: dict[int, weakref.ref[Transformer]] = {}
-        self._queue: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self.deterministic = deterministic
+        # an item is one request, or a round of them (`submit_many`); None closes
+        self._queue: queue.SimpleQueue[Request | list[Request] | None] = queue.SimpleQueue()
         self._waiting: deque[Request] = deque()
         self._batches: dict[int, Batch] = {}
         self._latest_version = -1
@@ -108,21 +131,41 @@ class Scheduler:
         prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[SampleResponse]:
         """Validate and queue one request. Raises ValueError for bad input."""
-        validate_request(prompt, model, params, num_samples, self._decode is not None,
-                         self.limits)
-        validate_prompt_scoring(len(prompt), include_prompt_logprobs, topk_prompt_logprobs,
-                                prompt_logprobs_last_n, model.config.vocab_size)
+        [future] = self.submit_many(
+            [RoundItem(prompt, params, num_samples, include_prompt_logprobs,
+                       topk_prompt_logprobs, prompt_logprobs_last_n)], model, version)
+        return future
+
+    def submit_many(
+        self, requests: list[RoundItem], model: Transformer, version: int,
+    ) -> list[APIFuture[SampleResponse]]:
+        """Validate every request, then queue them as one round, in this order. Raises
+        ValueError for bad input (naming the request's index), queueing none of them."""
+        for i, item in enumerate(requests):
+            try:
+                validate_request(item.prompt, model, item.params, item.num_samples,
+                                 self._decode is not None, self.limits)
+                validate_prompt_scoring(len(item.prompt), item.include_prompt_logprobs,
+                                        item.topk_prompt_logprobs,
+                                        item.prompt_logprobs_last_n, model.config.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}" if len(requests) > 1 else str(e)) from None
         with self._submit_lock:
             if self._closed:
                 raise RuntimeError("the engine is closed; create a new LocalService")
-            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            request = Request(list(prompt), num_samples, params,
-                              include_prompt_logprobs or topk_prompt_logprobs > 0, model,
-                              version, seed, topk_k=topk_prompt_logprobs,
-                              prompt_logprobs_last_n=prompt_logprobs_last_n,
-                              return_prompt_logprobs=include_prompt_logprobs)
-            self._queue.put(request)
-        return request.future
+            round_: list[Request] = []
+            for item in requests:
+                params = item.params
+                seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+                round_.append(Request(
+                    list(item.prompt), item.num_samples, params,
+                    item.include_prompt_logprobs or item.topk_prompt_logprobs > 0, model,
+                    version, seed, topk_k=item.topk_prompt_logprobs,
+                    prompt_logprobs_last_n=item.prompt_logprobs_last_n,
+                    return_prompt_logprobs=item.include_prompt_logprobs))
+            if round_:
+                self._queue.put(round_)
+        return [r.future for r in round_]
 
     def pause(self) -> None:
         """Hold admission and decoding (requests queue up) until `resume`. For tests."""
@@ -168,16 +211,25 @@ class Scheduler:
                 except Exception as error:  # noqa: BLE001 - last resort: the thread survives
                     for request in {s.request for b in self._batches.values() for s in b.seqs}:
                         self._fail(request, error)
-        self._fail_everything(RuntimeError("the engine was closed before this request finished"))
+            # inside inference mode: failing a running row compacts its slot buffer
+            self._fail_everything(
+                RuntimeError("the engine was closed before this request finished"))
 
     def _collect(self) -> bool:
         """Move queued requests to `_waiting`, blocking only when nothing runs and
-        while paused; False once the engine is closed."""
-        if not self._waiting and not any(b.seqs for b in self._batches.values()):
+        while paused; False once the engine is closed. Deterministic: one round at a
+        time, and only once the previous round has finished."""
+        busy = bool(self._waiting) or any(b.seqs for b in self._batches.values())
+        if self.deterministic and busy:
+            return not self._closed
+        if not busy:
             first = self._queue.get()
             if first is None:
                 return False
-            self._waiting.append(first)
+            self._take(first)
+            if self.deterministic:
+                self._gate.wait()
+                return True
         self._gate.wait()
         while True:
             try:
@@ -186,7 +238,10 @@ class Scheduler:
                 return True
             if item is None:
                 return False
-            self._waiting.append(item)
+            self._take(item)
+
+    def _take(self, item: Request | list[Request]) -> None:
+        self._waiting.extend(item if isinstance(item, list) else [item])
 
     def _note_version(self, req: Request) -> None:
         """Track versions: a newer one demotes older versions' cache blocks."""
@@ -314,7 +369,9 @@ class Scheduler:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            if isinstance(item, list):
+                requests += item
+            elif item is not None:
                 requests.append(item)
         for request in dict.fromkeys(requests):
             self._fail(request, error)

@@ -61,6 +61,9 @@ class EngineService:
     torch's count at construction) that it measured fastest (`engine/threads.py`).
     `max_running` bounds the sequences decoding at once, and so a request's samples;
     `max_kv_bytes` the running KV one request may need (`engine/requests.py`).
+    `deterministic` runs each `sample_many` round alone, so that a caller submitting
+    its work in fixed rounds gets the same logprobs, bit for bit, every run
+    (`engine/scheduler.py`).
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class EngineService:
         max_running: int = 256,
         thread_tuning: bool = True,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+        deterministic: bool = False,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -95,7 +99,7 @@ class EngineService:
         self.ledger = UsageLedger()
         self.scheduler = Scheduler(self._cache, decode=decode, ledger=self.ledger, seed=seed,
                                    max_running=max_running, thread_tuning=thread_tuning,
-                                   max_kv_bytes=max_kv_bytes)
+                                   max_kv_bytes=max_kv_bytes, deterministic=deterministic)
         self._default_stop_ids = tuple(
             dict.fromkeys(int(i) for i in end_of_turn_ids if 0 <= int(i) < cfg.vocab_size))
         self._lock = threading.Lock()

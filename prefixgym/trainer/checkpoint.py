@@ -4,6 +4,7 @@ and verified before it is used.
 Layout under OUT/checkpoints/:
   step-000009/train/            the training client's save_state (weights, optimizer, RNG)
   step-000009/loop.json         next step, evaluations so far, cumulative usage
+  step-000009/config.json      the run's full resolved config (when the run gave it)
   step-000009/checkpoint.json   the run's identity and a checksum of every file above
   warm_start/...                the same, after the warm start (the KL reference)
   latest                        the name of the newest complete step checkpoint
@@ -84,6 +85,7 @@ class Found:
 def save_checkpoint(
     out: Path, training: TrainingClient, state: LoopState, identity: JSONObject,
     name: str | None = None,
+    config: JSONObject | None = None,
 ) -> Path:
     root = out / "checkpoints"
     name = name or f"step-{state.next_step - 1:06d}"
@@ -91,6 +93,8 @@ def save_checkpoint(
     def fill(tmp: Path) -> None:
         training.save_state(tmp / "train")
         (tmp / "loop.json").write_text(state.to_json())
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         checksums = {str(p.relative_to(tmp)): file_checksum(p)
                      for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"format": FORMAT_VERSION, "run": identity, "checksums": checksums}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+from prefixgym.trainer.tracking import TRACKERS
 from prefixgym.types import JSONObject
 
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
@@ -102,6 +103,11 @@ class TrainConfig:
     """Held-out seeds per evaluation."""
     async_mode: bool = False
     """Sample step t+1 while step t trains (at most one step off-policy)."""
+    deterministic: bool = True
+    """Fix every batch the engine runs by the rollout schedule (each turn of all live
+    episodes is one round, run alone, in episode order), so that a run's results depend
+    only on its seed and config; off, requests batch as they arrive (faster, but the
+    last bits of logprobs, and after a few updates the run, vary)."""
     resume: bool = False
     """Continue from the newest intact checkpoint of this run in OUT/checkpoints (a run
     with nothing to continue from starts anew)."""
@@ -125,6 +131,9 @@ class TrainConfig:
     """torch threads (0 = torch's default)."""
     progress: bool = True
     """Show a progress bar."""
+    tracker: str = ""
+    """Also send every metrics line to an experiment tracker: tensorboard (event files
+    in OUT/tensorboard; needs `pip install 'prefixgym[tracking]'`), or empty for none."""
     sampler_url: list[str] = field(default_factory=list)
     """OpenAI-compatible completions server for rollouts and evaluation (SGLang,
     prefixgym serve; vLLM with LoRA), e.g. http://host:8000/v1; repeat the flag for
@@ -166,6 +175,8 @@ class TrainConfig:
         if self.nonfinite_update not in NONFINITE_UPDATES:
             raise ValueError(f"--nonfinite-update must be one of {', '.join(NONFINITE_UPDATES)}, "
                              f"got {self.nonfinite_update!r}")
+        if self.tracker not in TRACKERS:
+            raise ValueError(f"--tracker must be tensorboard or empty, got {self.tracker!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")

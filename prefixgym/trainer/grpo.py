@@ -54,13 +54,11 @@ def collect(
     rollouts = Rollouts(sampler, tokenizer, rollout_config)
     g = config.group_size
 
-    async def _all() -> list[TrajectoryGroup]:
-        return list(await asyncio.gather(*(
-            rollouts.run_group(envs[i * g:(i + 1) * g], seed, f"step{step}/g{i}")
-            for i, seed in enumerate(step_seeds(config, step)) if i % world == rank
-        )))
-
-    return asyncio.run(_all()), time.perf_counter() - start
+    groups = asyncio.run(rollouts.run_groups([
+        (envs[i * g:(i + 1) * g], seed, f"step{step}/g{i}")
+        for i, seed in enumerate(step_seeds(config, step)) if i % world == rank
+    ]))
+    return groups, time.perf_counter() - start
 
 
 def assemble(
@@ -156,39 +154,57 @@ def phase_metrics(usage: Usage) -> dict[str, float]:
 
 
 class StepPipeline:
-    """Step 1 in sync or async mode: where the next step's groups come from."""
+    """Step 1 in sync or async mode: where the next step's groups come from.
+
+    Sync: step t+1 samples from the weights step t published, starting right after
+    the update. Async: step t+1 samples from the weights before step t's update,
+    while step t trains -- except where `sync_before(t + 1)` (a checkpoint follows
+    step t): then it waits for step t's weights, as a run resumed from that
+    checkpoint would, so resuming is exact."""
 
     def __init__(
-        self, sample_fn: Callable[[SamplingClient, int], Collected], async_mode: bool
+        self, sample_fn: Callable[[SamplingClient, int], Collected], async_mode: bool,
+        sync_before: Callable[[int], bool] = lambda step: False,
     ) -> None:
         self._sample = sample_fn
         self._async = async_mode
+        self._sync_before = sync_before
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
         self._pending: Future[Collected] | None = None
         self._pending_sampler: SamplingClient | None = None
-        self._first = True
+        self._pending_step = -1
+        self._pending_lag = 0
 
-    def start(self, sampler: SamplingClient, step: int) -> None:
+    def start(self, sampler: SamplingClient, step: int, lag: int = 0) -> None:
+        """Sample step `step` from `sampler`, which will be `lag` versions behind the
+        newest weights when the step trains (1: started before the update it overlaps)."""
         self._pending = self._pool.submit(self._sample, sampler, step)
-        self._pending_sampler = sampler
+        self._pending_sampler, self._pending_step, self._pending_lag = sampler, step, lag
 
     def take(self, sampler: SamplingClient, step: int, last_step: int
              ) -> tuple[Collected, StepWeights]:
         """This step's groups, and which weights sampled them (`sampler` holds the
         newest); in async mode the next step starts sampling now."""
         assert self._pending is not None and self._pending_sampler is not None
+        assert self._pending_step == step
         result = self._pending.result()
-        weights = StepWeights(self._pending_sampler, sampler,
-                              expected_lag=0 if self._first or not self._async else 1)
-        self._pending, self._first = None, False
-        if self._async and step + 1 < last_step:
-            self.start(sampler, step + 1)
+        weights = StepWeights(self._pending_sampler, sampler, expected_lag=self._pending_lag)
+        self._pending = None
+        if self._async and step + 1 < last_step and not self._sync_before(step + 1):
+            self.start(sampler, step + 1, lag=1)
         return result, weights
 
     def after_update(self, sampler: SamplingClient, step: int, last_step: int) -> None:
-        """In sync mode the next step samples from the freshly published weights."""
-        if not self._async and step + 1 < last_step:
+        """The next step samples from the freshly published weights, unless it already
+        started (async)."""
+        if self._pending is None and step + 1 < last_step:
             self.start(sampler, step + 1)
+
+    def wait(self) -> None:
+        """Let the next step's sampling finish (before an evaluation, so that the two
+        never share the engine's batches or interleave in its cache)."""
+        if self._pending is not None:
+            self._pending.exception()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prefixgym.files import write_text_atomically
+from prefixgym.trainer.tracking import Tracker
 from prefixgym.types import JSONObject, Usage
 
 PHASE_KEYS = (
@@ -27,14 +28,18 @@ class MetricsLog:
     A process killed mid-write can leave a partial last line: `read` drops it (and
     `truncate_after` rewrites the file without it); a bad line anywhere else is a
     ValueError naming the file and line. The log is never deleted: a run that starts
-    over moves it aside (`set_aside`)."""
+    over moves it aside (`set_aside`).
+    Each line also goes to `tracker` when one is given (`tracking.py`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, tracker: Tracker | None = None) -> None:
         self.path = path
+        self.tracker = tracker
 
     def write(self, record: JSONObject) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            self.tracker.log(record)
 
     def read(self) -> list[JSONObject]:
         if not self.path.exists():

@@ -53,6 +53,7 @@ from prefixgym.trainer.progress import Progress
 from prefixgym.trainer.report import MetricsLog, write_report
 from prefixgym.trainer.schedule import warmup_cosine_lr
 from prefixgym.trainer.sft import warm_start
+from prefixgym.trainer.tracking import open_tracker
 from prefixgym.types import JSONObject, Usage
 
 RUN_CONFIG = "config.json"
@@ -115,9 +116,10 @@ class Run:
         self.envs = [make_env() for _ in range(config.groups_per_step * config.group_size)]
         self.eval_envs = [make_env() for _ in range(min(config.eval_episodes, 100))]
         self.rollout_config = RolloutConfig(
-            max_tokens=config.max_tokens, temperature=config.temperature
+            max_tokens=config.max_tokens, temperature=config.temperature,
+            lockstep=config.deterministic,
         )
-        self.log = MetricsLog(self.out / "metrics.jsonl")
+        self.log = MetricsLog(self.out / "metrics.jsonl", open_tracker(config.tracker, self.out))
 
     def write(self, record: JSONObject) -> None:
         if self.main:
@@ -126,7 +128,8 @@ class Run:
     def checkpoint(self, state: LoopState, name: str | None = None) -> None:
         """Rank 0 writes; the other ranks meet it at the barrier its write holds."""
         if self.main:
-            save_checkpoint(self.out, self.training, state, self.identity, name=name)
+            save_checkpoint(self.out, self.training, state, self.identity, name=name,
+                            config=asdict(self.config))
         elif self.ranks.barrier is not None:
             self.ranks.barrier()
 
@@ -222,6 +225,17 @@ class Run:
         load_checkpoint(warm, self.training)
         return self.training.save_weights_and_get_sampling_client()
 
+    def _sync_before(self, step: int) -> bool:
+        """Whether async step `step` must sample from the weights of the step before it,
+        so that a run resumed from a checkpoint samples as the uninterrupted one did:
+        a checkpoint was saved just before it, or it would sample from the weights that
+        the evaluation at a checkpoint just sampled from (and left in the cache)."""
+        c = self.config
+        at_checkpoint = step % c.checkpoint_every == 0
+        after_checkpoint_eval = ((step - 1) % c.checkpoint_every == 0
+                                 and (step - 1) % c.eval_every == 0)
+        return at_checkpoint or after_checkpoint_eval
+
     def run(self) -> RunResult:
         c = self.config
         t_start = time.perf_counter()
@@ -234,7 +248,7 @@ class Run:
         pipeline = StepPipeline(
             lambda s, step: collect(s, self.tokenizer, self.envs, c, step, self.rollout_config,
                                     self.ranks.rank, self.ranks.world),
-            c.async_mode,
+            c.async_mode, sync_before=self._sync_before,
         )
         progress = Progress("GRPO", c.steps, "step", c.progress and self.main,
                             initial=state.next_step)
@@ -258,6 +272,8 @@ class Run:
                             "time/sample_s": sample_s, "time/step_s": time.perf_counter() - t0})
                 state.next_step = step + 1
                 if state.next_step % c.eval_every == 0 or state.next_step == c.steps:
+                    if c.deterministic:
+                        pipeline.wait()
                     self.evaluate(sampler, state.next_step, "GRPO", state)
                 if state.next_step % c.checkpoint_every == 0 or state.next_step == c.steps:
                     state.usage = prior_usage + (self.clients.usage() - base_usage)
@@ -268,6 +284,8 @@ class Run:
         finally:
             pipeline.close()
             progress.close()
+            if self.log.tracker is not None:
+                self.log.tracker.close()
         # 4) report
         state.usage = prior_usage + (self.clients.usage() - base_usage)
         wall = prior_wall + time.perf_counter() - t_start

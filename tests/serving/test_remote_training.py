@@ -50,20 +50,20 @@ def test_remote_sync_refuses_what_needs_older_versions(flag, message, tmp_path: 
 def test_a_lora_run_pushes_adapters_and_samples_one_version_behind(start_server,
                                                                   tmp_path: Path) -> None:
     server = start_server(LocalService(model="tiny", seed=0))  # the trainer's base weights
-    config = TrainConfig(out=str(tmp_path), env="tests/Lengthy-v0", sft_steps=0, steps=2,
-                         groups_per_step=2, group_size=2, eval_episodes=2, eval_every=1,
-                         max_tokens=4,
-                         progress=False, sampler_url=[server.url + "/v1"], lora_rank=4,
-                         async_mode=True)
+    config = TrainConfig(out=str(tmp_path), env="tests/Lengthy-v0", sft_steps=0, steps=3,
+                         groups_per_step=2, group_size=2, eval_episodes=2, eval_every=10,
+                         checkpoint_every=10, max_tokens=4, progress=False,
+                         sampler_url=[server.url + "/v1"], lora_rank=4, async_mode=True)
     run, service = build_run(config)
     run.run()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     steps = [r for r in lines if r["phase"] == "grpo"]
-    assert [r["sampler/version_lag"] for r in steps] == [0.0, 1.0]
+    # step 1 waits for step 0's weights (the evaluation at the start is a checkpoint
+    # point: resuming stays exact); step 2 samples while step 1 trains
+    assert [r["sampler/version_lag"] for r in steps] == [0.0, 0.0, 1.0]
     gaps = [r["sampler/max_logprob_gap"] for r in steps if "sampler/max_logprob_gap" in r]
-    # step 1 samples the starting adapter (lag 0): the served numbers are the trainer's;
-    # step 2 samples one update behind, so its gap is that update's size
-    assert gaps[0] < 1e-3 and len(gaps) == 2
+    # lag 0: the served numbers are the trainer's; lag 1: one update's size apart
+    assert gaps[0] < 1e-3 and gaps[1] < 1e-3 and len(gaps) == 3
     pushed = sorted(p.name for p in (tmp_path / "sampler_weights").iterdir())
     assert pushed and all((tmp_path / "sampler_weights" / p / "adapter_config.json").is_file()
                           for p in pushed)
