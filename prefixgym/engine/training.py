@@ -121,6 +121,7 @@ class TrainingClient:
         self._publish = publish
         self._params = (list(params) if params is not None
                         else [p for p in model.parameters() if p.requires_grad])
+        self._param_ids = {id(p) for p in self._params}
         self._state_module = state_module if state_module is not None else model
         self._save_for_sampler = save_for_sampler
         self._optimizer: torch.optim.AdamW | None = None
@@ -408,20 +409,15 @@ class TrainingClient:
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._step += 1
-        bad = nonfinite_tensor(self.model.named_parameters())
+        # only what the optimizer moved can have become non-finite (a LoRA base is frozen)
+        bad = nonfinite_tensor((name, p) for name, p in self.model.named_parameters()
+                               if id(p) in self._param_ids)
         if bad is not None:
             raise ValueError(
                 f"optim_step {self._step} (learning rate {adam.learning_rate:g}) left NaN or inf "
                 f"in {bad}: these weights will not be published or saved; load a checkpoint"
             )
-        return OptimStepOutput(
-            metrics={
-                "grad_norm": grad_norm,
-                "step": float(self._step),
-                "learning_rate": adam.learning_rate,
-                "skipped_nonfinite": 0.0,
-            }
-        )
+        return self._step_output(grad_norm, adam, skipped=False)
 
     def _skip_update(self, grad_norm: float, adam: AdamParams) -> OptimStepOutput:
         """Drop the accumulated gradients; weights and optimizer state stay as they are."""
@@ -432,14 +428,15 @@ class TrainingClient:
                 f"the gradient norm is {grad_norm} (not finite): update skipped, weights and "
                 "optimizer state unchanged, gradients dropped"
             )
-        return OptimStepOutput(
-            metrics={
-                "grad_norm": grad_norm,
-                "step": float(self._step),
-                "learning_rate": adam.learning_rate,
-                "skipped_nonfinite": 1.0,
-            }
-        )
+        return self._step_output(grad_norm, adam, skipped=True)
+
+    def _step_output(self, grad_norm: float, adam: AdamParams, skipped: bool) -> OptimStepOutput:
+        return OptimStepOutput(metrics={
+            "grad_norm": grad_norm,
+            "step": float(self._step),
+            "learning_rate": adam.learning_rate,
+            "skipped_nonfinite": float(skipped),
+        })
 
     def _save_state(self, path: str) -> None:
         state = {
