@@ -250,6 +250,7 @@ def test_two_servers_two_ranks_lora_one_server_killed_mid_step(tmp_path: Path,
                 grpo[0]["sampler/1/requests"] > 0) == (0, True, True)
         assert (grpo[1]["sampler/failed"], grpo[1]["sampler/1/up"]) == (1, 0)
         assert grpo[1]["sampler/retries"] >= 1  # the killed server's requests went elsewhere
+        assert [r["episodes/failed"] for r in grpo] == [0, 0]  # ...and no episode was lost
         assert (out / "report.md").is_file()
         assert (out / "checkpoints" / "latest").read_text().strip() == "step-000001"
 
