@@ -116,10 +116,13 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request) -> JSONObject:
         authorize(request)
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": created, "owned_by": "prefixgym",
-            "max_model_len": max_seq_len, "root": model_name,
-        } for name in [model_name, *weights.adapter_names]]}
+        card = {"object": "model", "created": created, "owned_by": "prefixgym"}
+        # adapters as vLLM and SGLang list them: their path as `root`, the base as `parent`
+        return {"object": "list", "data": [
+            {"id": model_name, **card, "max_model_len": max_seq_len, "root": model_name,
+             "parent": None},
+            *({"id": name, **card, "max_model_len": max_seq_len, "root": path,
+               "parent": model_name} for name, path in weights.adapter_paths.items())]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:

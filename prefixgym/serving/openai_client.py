@@ -19,8 +19,8 @@ the adapter's name; None where the server says neither.
 Requests run on a thread pool with one shared httpx client, so a future works with
 `.result()` and with `await`; `sample_now` is the same request made on the calling
 thread (what `serving.pool` uses). The weight routes (`update_weights_from_disk`,
-`load_lora_adapter`, `unload_lora_adapter`) are what `serving.weight_sync` pushes new
-weights with. This module knows nothing of the engine; an HTTP 4xx answer becomes a
+`load_lora_adapter`, `unload_lora_adapter`, and `loaded_adapters` from /v1/models) are
+what `serving.weight_sync` pushes new weights with. This module knows nothing of the engine; an HTTP 4xx answer becomes a
 ValueError carrying the server's message, an unreachable server a ConnectionError,
 an HTTP 5xx a RuntimeError.
 """
@@ -191,6 +191,14 @@ class OpenAISamplingClient:
     def unload_lora_adapter(self, lora_name: str) -> None:
         self._admin(["/v1/unload_lora_adapter", "/unload_lora_adapter"],
                     {"lora_name": lora_name})
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """The server's loaded LoRA adapters, name -> the path it loaded each from:
+        `GET /v1/models`, where vLLM, SGLang and prefixgym serve list an adapter with
+        its base model as `parent` and its path as `root`."""
+        data = self._call("GET", "/models").get("data") or []
+        return {str(card["id"]): str(card.get("root") or "") for card in data
+                if isinstance(card, dict) and card.get("parent")}
 
     def _admin(self, routes: list[str], body: JSONObject) -> None:
         """POST `body` to the first of `routes` the server has (their answers are text)."""

@@ -9,7 +9,10 @@ publishes version n (1, 2, ...) under the label "<run token>-<n>":
      `/update_weights_from_disk` (SGLang, prefixgym serve) with `weight_version`
      = label; adapters through `/v1/load_lora_adapter` with `lora_name` = label,
      unloading the adapter published two versions before (the one before stays
-     loaded for async sampling). A server that cannot be reached is marked down and
+     loaded for async sampling). Before its first adapter a process unloads those an
+     earlier process of the same run left loaded (a resumed or restarted run; its
+     labels differ, so it would never unload them by name): the adapters whose path,
+     as /v1/models lists it, lies under `weights_dir`. A server that cannot be reached is marked down and
      the run goes on with the others; a server that *answers* that it cannot load the
      path (not a shared filesystem, a foreign model) stops the run with its message;
   3) wait at `barrier` (torchrun: every rank, after rank 0 pushed), then return the
@@ -33,6 +36,7 @@ from typing import Literal
 
 from prefixgym.futures import APIFuture
 from prefixgym.protocols import TrainingClient
+from prefixgym.serving.openai_client import OpenAISamplingClient
 from prefixgym.serving.pool import PinnedSampler, SamplerPool
 from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 
@@ -103,6 +107,8 @@ class RemoteWeightSync:
                 if self.mode == "full":
                     client.update_weights_from_disk(where, label)
                 else:
+                    if version == 1:
+                        self._unload_leftovers(client)
                     client.load_lora_adapter(label, where)
                     if version > KEEP_VERSIONS:
                         client.unload_lora_adapter(self.label(version - KEEP_VERSIONS))
@@ -114,6 +120,13 @@ class RemoteWeightSync:
         if not self.pool.live():
             raise ConnectionError("every sampling server failed; nothing can sample the "
                                   f"published weights ({self.pool.metrics()})")
+
+    def _unload_leftovers(self, client: OpenAISamplingClient) -> None:
+        """Unload the adapters an earlier process of this run loaded (step 2)."""
+        ours = self.weights_dir.resolve()
+        for name, path in client.loaded_adapters().items():
+            if path and Path(path).is_relative_to(ours):
+                client.unload_lora_adapter(name)
 
     def _drop_old(self, version: int) -> None:
         old = version - KEEP_VERSIONS

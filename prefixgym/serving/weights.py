@@ -78,9 +78,10 @@ class ServedWeights:
             return self._labels[max(self._labels)]
 
     @property
-    def adapter_names(self) -> list[str]:
+    def adapter_paths(self) -> dict[str, str]:
+        """Each loaded adapter's name -> the path it was loaded from, in load order."""
         with self._lock:
-            return list(self._adapters)
+            return {name: adapter.path for name, adapter in self._adapters.items()}
 
     def serves(self, model: str | None) -> bool:
         with self._lock:

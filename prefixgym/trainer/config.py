@@ -133,7 +133,9 @@ class TrainConfig:
     """Show a progress bar."""
     tracker: str = ""
     """Also send every metrics line to an experiment tracker: tensorboard (event files
-    in OUT/tensorboard; needs `pip install 'prefixgym[tracking]'`), or empty for none."""
+    in OUT/tensorboard; needs `pip install 'prefixgym[tracking]'`), trackio (its local
+    store, project prefixgym; needs `pip install 'prefixgym[trackio]'`), or empty for
+    none."""
     sampler_url: list[str] = field(default_factory=list)
     """OpenAI-compatible completions server for rollouts and evaluation (SGLang,
     prefixgym serve; vLLM with LoRA), e.g. http://host:8000/v1; repeat the flag for
@@ -176,7 +178,8 @@ class TrainConfig:
             raise ValueError(f"--nonfinite-update must be one of {', '.join(NONFINITE_UPDATES)}, "
                              f"got {self.nonfinite_update!r}")
         if self.tracker not in TRACKERS:
-            raise ValueError(f"--tracker must be tensorboard or empty, got {self.tracker!r}")
+            raise ValueError(f"--tracker must be tensorboard, trackio or empty, got "
+                             f"{self.tracker!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")

@@ -29,7 +29,8 @@ class MetricsLog:
     `truncate_after` rewrites the file without it); a bad line anywhere else is a
     ValueError naming the file and line. The log is never deleted: a run that starts
     over moves it aside (`set_aside`).
-    Each line also goes to `tracker` when one is given (`tracking.py`)."""
+    Each line also goes to `tracker` when one is given (`tracking.py`), and both cuts
+    (`truncate_after`, `set_aside`) are made there too (`Tracker.rewind`)."""
 
     def __init__(self, path: Path, tracker: Tracker | None = None) -> None:
         self.path = path
@@ -68,6 +69,8 @@ class MetricsLog:
         while (aside := self.path.with_name(f"{self.path.stem}.{n}{self.path.suffix}")).exists():
             n += 1
         self.path.rename(aside)
+        if self.tracker is not None:  # the earlier run's points leave the tracker's view
+            self.tracker.rewind(0, [])
         return aside
 
     def truncate_after(self, step: int) -> None:
@@ -78,6 +81,8 @@ class MetricsLog:
                 if r.get("step", -1) <= step or r.get("phase") == "sft"
                 or (r.get("phase") == "eval" and r["step"] <= step + 1)]
         write_text_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        if self.tracker is not None:  # the same cut there (tracking.py)
+            self.tracker.rewind(step + 1, kept)
 
 
 def _fmt(n: float) -> str:

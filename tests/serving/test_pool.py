@@ -145,7 +145,17 @@ def test_adapters_are_loaded_sampled_by_name_and_unloaded(tmp_path: Path, start_
             sampler = sync.save_weights_and_get_sampling_client()
             response = sampler.sample([5, 6, 7], 1, SamplingParams(max_tokens=2)).result()
             assert response.weights_version == f"r-{version}"
-        served = [m["id"] for m in pool.clients[0]._http.get("/models").json()["data"]]
-        assert served == ["tiny", "r-2", "r-3"]  # the one two versions back was unloaded
+        client = pool.clients[0]
+        assert client.loaded_adapters() == {  # the one two versions back was unloaded
+            f"r-{v}": str((tmp_path / "a" / f"v{v:06d}").resolve()) for v in (2, 3)}
+        # another process of the same run (resumed: new labels, the same weights_dir)
+        # unloads what the first left there, and nothing that is not this run's
+        (tmp_path / "other").mkdir()
+        client.load_lora_adapter("foreign", str(tmp_path / "other"))
+        resumed = RemoteWeightSync(None, pool, tmp_path / "a",  # type: ignore[arg-type]
+                                   lambda path: path.mkdir(parents=True, exist_ok=True),
+                                   token="s", mode="lora")
+        resumed.save_weights_and_get_sampling_client()
+        assert list(client.loaded_adapters()) == ["foreign", "s-1"]
     finally:
         pool.close()

@@ -1,18 +1,26 @@
-"""`prefixgym serve` as a command: a real process on a free loopback port."""
+"""`prefixgym serve` as a command: a real process on a free loopback port, answering
+OpenAI requests and taking the full weights `prefixgym train --sampler-url` pushes
+from another process (LoRA adapters across processes: test_scale_out.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
+
+from prefixgym.cli.train import build_run  # noqa: E402
+from prefixgym.trainer.config import TrainConfig  # noqa: E402
 
 
 def free_port() -> int:
@@ -21,7 +29,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_serve_command_answers_openai_requests(wait_healthy) -> None:
+def test_serve_command_answers_openai_requests_and_takes_pushed_weights(
+        wait_healthy, tmp_path: Path) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "prefixgym", "serve", "--model", "tiny", "--port", str(port),
            "--served-model-name", "pg-tiny", "--max-n", "2"]
@@ -37,6 +46,32 @@ def test_serve_command_answers_openai_requests(wait_healthy) -> None:
         assert len(reply.choices[0].model_extra["token_ids"]) == 3
         too_many = httpx.post(f"{url}/v1/completions", json={"prompt": [5], "n": 3})
         assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+
+        # a full-weights run in this process (other weights: seed 3) samples on the server
+        config = TrainConfig(out=str(tmp_path), env="tests/Lengthy-v0", seed=3, sft_steps=0,
+                             steps=1, groups_per_step=2, group_size=2, eval_episodes=1,
+                             eval_every=10, checkpoint_every=10, max_tokens=4,
+                             progress=False, sampler_url=[url])
+        run, service = build_run(config)
+        try:
+            run.run()
+            # the server says it holds the last of 3 pushes (start, step 0, its update)...
+            label = httpx.get(f"{url}/get_weight_version").json()["weight_version"]
+            step = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()
+                    if json.loads(line)["phase"] == "grpo"]
+            assert label.endswith("-3") and step[0]["sampler/version_lag"] == 0
+            assert step[0]["sampler/max_logprob_gap"] < 1e-3  # ...sampled step 0 on-policy
+            # ...and answers from the trainer's weights after the update
+            echo = httpx.post(f"{url}/v1/completions", json={
+                "prompt": [5, 6, 7, 8], "max_tokens": 0, "echo": True, "logprobs": 1}).json()
+            assert echo["metadata"]["weight_version"] == label
+            with torch.no_grad():
+                logits = service.train_model(torch.tensor([[5, 6, 7, 8]]))[0].log_softmax(-1)
+            want = [float(logits[i, i + 6]) for i in range(3)]
+            assert echo["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(
+                want, abs=1e-4)
+        finally:
+            service.close()
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
