@@ -6,7 +6,7 @@ float32 logits and keeps them, or their log-softmax, for backward: with a 151,93
 vocabulary that is 0.6 MB per position per copy. `target_logprobs` gives the same
 values and gradients holding (rows, V) for one chunk of `chunk_rows(V)` rows:
 
-1) Every chunk: logits of its rows, logsumexp, the target's logit; logprob = picked - lse.
+1) Every chunk: logits of its rows, their log-softmax, the target's entry.
 2) What backward keeps depends on what needs a gradient:
    - the head frozen (no trainable output matrix, no head adapter: a LoRA client
      without `train_unembed`): d logprob_n / d h_n = W[t_n] - softmax_n @ W, a C-vector,
@@ -15,12 +15,14 @@ values and gradients holding (rows, V) for one chunk of `chunk_rows(V)` rows:
      head's backward, moved to forward: no extra compute.
    - otherwise (full training, a head adapter): each chunk runs under
      `torch.utils.checkpoint`, which keeps only the chunk's rows of h and recomputes the
-     chunk's logits in backward: one more head matmul per chunk.
+     chunk's logits in backward: one more head matmul per chunk. Rows that fit in one
+     chunk run plainly (their logits kept): recomputing them would lower no peak,
+     since backward would rebuild them while every activation is still held.
    - without gradients: chunk by chunk, nothing kept.
 3) The chunks' logprobs are concatenated in row order.
 
-Under autocast the matmuls run in the autocast dtype as in the plain head; logsumexp
-and the picked logit are float32. This module knows `Transformer.head` and
+Under autocast the matmuls run in the autocast dtype as in the plain head; the
+log-softmax is float32. This module knows `Transformer.head` and
 `output_weight`; not losses, datums or how rows were gathered.
 """
 
@@ -65,6 +67,8 @@ def target_logprobs(
     if head_is_frozen(model):
         out: Tensor = _FrozenHead.apply(h_N_C, model.output_weight, targets_N, n_rows)
         return out
+    if h_N_C.shape[0] <= n_rows:  # one chunk: recomputing it would lower no peak
+        return _chunk_logprobs(model, h_N_C, targets_N)
     pieces = [checkpoint(_chunk_logprobs, model, h, t, use_reentrant=False,
                          preserve_rng_state=False)
               for h, t in zip(h_N_C.split(n_rows), targets_N.split(n_rows))]
@@ -72,9 +76,8 @@ def target_logprobs(
 
 
 def _chunk_logprobs(model: Transformer, h_n_C: Tensor, targets_n: Tensor) -> Tensor:
-    logits_n_V = model.head(h_n_C)
-    picked_n = logits_n_V.gather(1, targets_n[:, None]).squeeze(1)
-    return picked_n - torch.logsumexp(logits_n_V, dim=1)
+    """The plain head's ops on these rows (`losses.target_logprobs`' fused kernel)."""
+    return -F.cross_entropy(model.head(h_n_C), targets_n, reduction="none")
 
 
 class _FrozenHead(torch.autograd.Function):
@@ -86,11 +89,10 @@ class _FrozenHead(torch.autograd.Function):
         logprobs: list[Tensor] = []
         d_h: list[Tensor] = []
         for h, t in zip(h_N_C.split(rows), targets_N.split(rows)):
-            logits_n_V = F.linear(h, weight_V_C).float()
-            lse_n = torch.logsumexp(logits_n_V, dim=1)
-            logprobs.append(logits_n_V.gather(1, t[:, None]).squeeze(1) - lse_n)
-            # d logprob / d logits = onehot(t) - softmax, built in place over the logits
-            d_logits = logits_n_V.sub_(lse_n[:, None]).exp_().neg_()
+            logp_n_V = torch.log_softmax(F.linear(h, weight_V_C).float(), dim=1)
+            logprobs.append(logp_n_V.gather(1, t[:, None]).squeeze(1))
+            # d logprob / d logits = onehot(t) - softmax, built in place over the logprobs
+            d_logits = logp_n_V.exp_().neg_()
             d_logits.scatter_add_(1, t[:, None], torch.ones_like(t, dtype=d_logits.dtype)[:, None])
             d_h.append(torch.matmul(d_logits.to(weight_V_C.dtype), weight_V_C).to(h_N_C.dtype))
         ctx.save_for_backward(torch.cat(d_h))
