@@ -87,6 +87,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
             publish_s.append(time.perf_counter() - t)
             del snapshot
     client.max_tokens_per_forward = args.max_tokens_per_forward
+    client.chunked_head = args.chunked_head  # the same memory options in both modes
+    client.recompute_activations = args.recompute_activations
     load_s = time.perf_counter() - t0
     trainable = sum(p.numel() for p in client._params)
     gen = torch.Generator().manual_seed(0)
@@ -112,7 +114,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
             sampler = client.save_weights_and_get_sampling_client()
             publish_s.append(time.perf_counter() - t)
     out: dict[str, object] = {
-        "mode": args.mode, "trainable_params": trainable, "load_s": round(load_s, 1),
+        "mode": args.mode, "chunked_head": args.chunked_head,
+        "recompute_activations": args.recompute_activations, "trainable_params": trainable, "load_s": round(load_s, 1),
         "rss_loaded_mib": round(rss_loaded), "peak_rss_mib": round(peak),
         "step_s": [round(s, 2) for s in step_s], "publish_s": [round(s, 4) for s in publish_s],
     }
@@ -142,6 +145,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--max-tokens-per-forward", type=int, default=512)
+    parser.add_argument("--chunked-head", action=argparse.BooleanOptionalAction, default=True,
+                        help="target logprobs a chunk of positions at a time (both modes)")
+    parser.add_argument("--recompute-activations", action="store_true",
+                        help="checkpoint every block (both modes)")
     parser.add_argument("--decode-rows", type=int, default=8)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)

@@ -31,6 +31,10 @@ weights (ours and HF), and ours-fp32 vs hf-fp32 as a sanity check. Run by hand:
 
     .venv/bin/python bench/bench_train.py                      # tiny and small, 5 rounds
     .venv/bin/python bench/bench_train.py --presets tiny --rounds 2
+    .venv/bin/python bench/bench_train.py --presets tiny --memory-peers --no-hf  # head, recompute
+
+`--memory-peers` adds ours-fp32 with the plain head (`chunked_head=False`; ours-fp32
+runs the default chunked head) and with `recompute_activations=True`.
 """
 
 from __future__ import annotations
@@ -68,8 +72,9 @@ def datums_of(tokens_B_T1: torch.Tensor) -> list[Datum]:
     ]
 
 
-def ours_step(model: Transformer, dtype: torch.dtype, datums: list[Datum]) -> Callable[[], None]:
-    client = TrainingClient(model, compute_dtype=dtype)
+def ours_step(model: Transformer, dtype: torch.dtype, datums: list[Datum],
+              **options: bool) -> Callable[[], None]:
+    client = TrainingClient(model, compute_dtype=dtype, **options)
     adam = AdamParams(learning_rate=LR)
 
     def step() -> None:
@@ -138,9 +143,16 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
     steps: dict[str, Callable[[], None]] = {
         "ours-fp32": ours_step(base.copy().requires_grad_(True).train(), torch.float32, datums),
         "ours-bf16": ours_step(base.copy().requires_grad_(True).train(), torch.bfloat16, datums),
-        "hf-fp32": hf_step(hf_model(), False, tokens_B_T1),
-        "hf-bf16": hf_step(hf_model(), True, tokens_B_T1),
     }
+    if args.memory_peers:  # the training client's memory options, same weights and data
+        def fresh() -> Transformer:
+            return base.copy().requires_grad_(True).train()
+        steps["fp32-plainhead"] = ours_step(fresh(), torch.float32, datums, chunked_head=False)
+        steps["fp32-recompute"] = ours_step(fresh(), torch.float32, datums,
+                                            recompute_activations=True)
+    if not args.no_hf:
+        steps["hf-fp32"] = hf_step(hf_model(), False, tokens_B_T1)
+        steps["hf-bf16"] = hf_step(hf_model(), True, tokens_B_T1)
     for step in steps.values():  # warm-up: optimizer state, kernel selection
         step()
     seconds: dict[str, list[float]] = {name: [] for name in steps}
@@ -164,10 +176,11 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
 def report(preset: str, result: dict[str, Any], peaks: dict[torch.dtype, float]) -> None:
     tokens, flops, seconds = result["tokens"], result["flops"], result["seconds"]
     cpu_seconds = result["cpu_seconds"]
-    hf32_best = tokens / min(seconds["hf-fp32"])
-    hf32_cpu = tokens / statistics.median(cpu_seconds["hf-fp32"])
+    peer = "hf-fp32" if "hf-fp32" in seconds else "ours-fp32"
+    hf32_best = tokens / min(seconds[peer])
+    hf32_cpu = tokens / statistics.median(cpu_seconds[peer])
     print(
-        f"[{preset}]{'':3s} {'best tok/s':>10s} {'median':>8s} {'vs hf-fp32':>10s} "
+        f"[{preset}]{'':3s} {'best tok/s':>10s} {'median':>8s} {'vs ' + peer:>10s} "
         f"{'GFLOP/s':>8s} {'%fp32 pk':>8s} {'%bf16 pk':>8s} {'tok/cpu-s':>9s} {'vs hf':>6s}"
     )
     for name, secs in seconds.items():
@@ -190,6 +203,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5, help="timed steps per contender")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--memory-peers", action="store_true",
+                        help="also ours-fp32 with chunked_head=False and with "
+                             "recompute_activations=True (interleaved with the rest)")
+    parser.add_argument("--no-hf", action="store_true",
+                        help="leave out the HF contenders (ratios then vs ours-fp32)")
     args = parser.parse_args()
     common.setup_threads(args.threads)
     torch.manual_seed(0)

@@ -85,11 +85,13 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
             rank=config.lora_rank, alpha=config.lora_alpha, train_attn="attn" in targets,
             train_mlp="mlp" in targets, train_unembed="unembed" in targets, seed=config.seed,
             compute_dtype=compute_dtype(config), nonfinite_update=config.nonfinite_update,
-            share_prefixes=config.share_prefixes)
+            share_prefixes=config.share_prefixes,
+            recompute_activations=config.recompute_activations)
     else:
-        training = service.create_training_client(compute_dtype=compute_dtype(config),
-                                                  nonfinite_update=config.nonfinite_update,
-                                                  share_prefixes=config.share_prefixes)
+        training = service.create_training_client(
+            compute_dtype=compute_dtype(config), nonfinite_update=config.nonfinite_update,
+            share_prefixes=config.share_prefixes,
+            recompute_activations=config.recompute_activations)
     if ranks.world > 1:
         from prefixgym.engine.distributed import DistributedTrainingClient
 

@@ -24,6 +24,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from prefixgym.engine.layers import Attention as Attention  # re-exported
 from prefixgym.engine.layers import Block, KVView, RMSNorm
@@ -91,13 +92,37 @@ class Transformer(nn.Module):
         kv: KVView | None = None,
         last_only: bool = False,
         last_index_B: torch.Tensor | None = None,
+        recompute: bool = False,
     ) -> torch.Tensor:
-        """Logits (B, T, V) in float32, or (B, 1, V) with `last_only`.
+        """Logits (B, T, V) in float32, or (B, 1, V) with `last_only`: `head(hidden(...))`.
 
         With `kv=None` this is causal attention over `tokens_B_T` alone (right padding
         is harmless) and positions default to arange(T). With a `kv`, every layer
         attends to what `kv.update` returns, under its mask. `last_index_B` picks, with
-        `last_only`, position `last_index_B[b]` of row b instead of T-1.
+        `last_only`, position `last_index_B[b]` of row b instead of T-1. `recompute`:
+        see `hidden`.
+        """
+        return self.head(self.hidden(tokens_B_T, positions_B_T, kv, last_only, last_index_B,
+                                     recompute))
+
+    def hidden(
+        self,
+        tokens_B_T: torch.Tensor,
+        positions_B_T: torch.Tensor | None = None,
+        kv: KVView | None = None,
+        last_only: bool = False,
+        last_index_B: torch.Tensor | None = None,
+        recompute: bool = False,
+    ) -> torch.Tensor:
+        """The final norm's output (B, T, C) (or (B, 1, C) with `last_only`): what `head`
+        turns into logits. Arguments as `forward`.
+
+        `recompute` (with gradients enabled) checkpoints every block: backward keeps only
+        each block's input and runs the block's forward again to get the rest, so the
+        activations held for backward shrink from every block's to one block's at a time,
+        for one more forward of the blocks. The gradients are the same (the recomputed
+        forward repeats the same ops on the same inputs); a `kv` must give the same
+        keys/values when a layer calls it again (`shared_forward.TrieKV` does).
         """
         if tokens_B_T.dim() != 2:
             raise ValueError(f"tokens_B_T must be 2-D (B, T), got shape {tuple(tokens_B_T.shape)}")
@@ -130,18 +155,27 @@ class Transformer(nn.Module):
             sin = self.rope_sin[positions_B_T].unsqueeze(1)
 
         h = self.tok_embeddings(tokens_B_T)  # (B, T, C)
+        checkpointed = recompute and torch.is_grad_enabled()
         for layer in self.layers:
-            h = layer(h, cos, sin, kv)
+            if checkpointed:
+                h = checkpoint(layer, h, cos, sin, kv, use_reentrant=False,
+                               preserve_rng_state=False)  # no randomness in a block
+            else:
+                h = layer(h, cos, sin, kv)
         if last_only:
             if last_index_B is None:
                 h = h[:, -1:]  # (B, 1, C)
             else:
                 h = h[torch.arange(B, device=h.device), last_index_B].unsqueeze(1)
-        h = self.norm(h)
-        logits_B_T_V = F.linear(h, self.output_weight)
+        return self.norm(h)
+
+    def head(self, h_N_C: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (..., V) of final-norm outputs (..., C): the output matrix, plus
+        the head's LoRA adapter when there is one."""
+        logits = F.linear(h_N_C, self.output_weight)
         if self.head_adapter is not None:
-            logits_B_T_V = logits_B_T_V + self.head_adapter(h)
-        return logits_B_T_V.float()
+            logits = logits + self.head_adapter(h_N_C)
+        return logits.float()
 
     def clone_for_inference(self, dtype: torch.dtype | None = None) -> Transformer:
         """A frozen deep copy (eval mode, requires_grad False) for sampling."""

@@ -174,19 +174,24 @@ class EngineService:
 
     def create_training_client(
         self, compute_dtype: torch.dtype = torch.float32, nonfinite_update: str = "skip",
-        share_prefixes: bool = True,
+        share_prefixes: bool = True, chunked_head: bool = True,
+        recompute_activations: bool = False,
     ) -> TrainingClient:
         """A trainer on `train_model`; `compute_dtype=torch.bfloat16` runs its matmuls in
         bf16 under autocast (fp32 master weights and optimizer state). An update with a
         non-finite gradient norm is skipped, or with `nonfinite_update="error"` raises.
         With `share_prefixes`, a token prefix shared by datums of one call is computed
-        once (same results); False computes every datum's every position (the reference)."""
+        once (same results); False computes every datum's every position (the reference).
+        `chunked_head` (never all positions' logits at once) and `recompute_activations`
+        (checkpoint every block: ~1/3 more compute, far fewer activations held) trade
+        compute for memory with the same results (docs/lora.md, "Memory")."""
         from prefixgym.engine.training import TrainingClient
 
         self._unshare_weights()
         client = TrainingClient(self.train_model, publish=self.publish_weights, ledger=self.ledger,
                                 compute_dtype=compute_dtype, nonfinite_update=nonfinite_update,
-                                share_prefixes=share_prefixes)
+                                share_prefixes=share_prefixes, chunked_head=chunked_head,
+                                recompute_activations=recompute_activations)
         self._training_clients.append(client)
         return client
 
@@ -194,7 +199,8 @@ class EngineService:
         self, rank: int = 32, alpha: float = 32.0, train_attn: bool = True,
         train_mlp: bool = True, train_unembed: bool = False, seed: int | None = None,
         compute_dtype: torch.dtype = torch.float32, nonfinite_update: str = "skip",
-        share_prefixes: bool = True,
+        share_prefixes: bool = True, chunked_head: bool = True,
+        recompute_activations: bool = False,
     ) -> TrainingClient:
         """A trainer of LoRA adapters of `rank` on `train_model`, whose weights stay frozen
         and shared (not copied): on the attention projections (q, k, v, o) with
@@ -217,7 +223,8 @@ class EngineService:
         client = TrainingClient(
             lora, publish=lambda: self._publish(frozen_copy(lora)), ledger=self.ledger,
             compute_dtype=compute_dtype, nonfinite_update=nonfinite_update,
-            share_prefixes=share_prefixes,
+            share_prefixes=share_prefixes, chunked_head=chunked_head,
+            recompute_activations=recompute_activations,
             params=[p for a in lora_adapters(lora).values() for p in a.parameters()],
             state_module=adapters, save_for_sampler=save_for_sampler,
         )

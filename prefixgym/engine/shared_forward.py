@@ -8,7 +8,10 @@
    them, so the gradient of a shared position flows back through it once, summed
    over the branches that read it.
 2) Per wave, the log-softmax of every row once; then each datum's target logprob at
-   each of its positions, picked from the row that computed the position.
+   each of its positions, picked from the row that computed the position. With
+   `chunked_head`, the rows each (datum, position) reads are gathered from the final
+   norm's output instead, and `logprob_head` computes their targets' logprobs a chunk
+   at a time (a row read by two datums, at a branch point, is computed twice).
 3) Put the picked values in the chunk's (B, T) grid, zero on the padding.
 
 The result equals the plain forward's target logprobs up to float rounding; the
@@ -23,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from prefixgym.engine import logprob_head
 from prefixgym.engine.model import ModelConfig, Transformer
 from prefixgym.engine.prefix_trie import TriePlan, Wave
 
@@ -53,9 +57,9 @@ class _KVStore:
         self.k[layer].append(k_N_Hkv_L_D.transpose(1, 2).reshape(N * L, Hkv, D))
         self.v[layer].append(v_N_Hkv_L_D.transpose(1, 2).reshape(N * L, Hkv, D))
 
-    def gather(self, layer: int, rows_N_A: Tensor) -> tuple[Tensor, Tensor]:
-        """(N, Hkv, A, D) keys and values of the given rows."""
-        ks, vs = self.k[layer], self.v[layer]
+    def gather(self, layer: int, rows_N_A: Tensor, pieces: int) -> tuple[Tensor, Tensor]:
+        """(N, Hkv, A, D) keys and values of the given rows of the first `pieces` pieces."""
+        ks, vs = self.k[layer][:pieces], self.v[layer][:pieces]
         k = ks[0] if len(ks) == 1 else torch.cat(ks)
         v = vs[0] if len(vs) == 1 else torch.cat(vs)
         return _rows(k, rows_N_A).transpose(1, 2), _rows(v, rows_N_A).transpose(1, 2)
@@ -71,25 +75,32 @@ def _rows(x_R_H_D: Tensor, rows_N_A: Tensor) -> Tensor:
 
 
 class TrieKV:
-    """The `KVView` of one wave (see `layers.KVView`): context rows, then own keys."""
+    """The `KVView` of one wave (see `layers.KVView`): context rows, then own keys.
+
+    A layer may call `update` again for the same wave (a block recomputed in backward,
+    `Transformer.hidden(recompute=True)`): the second call reads the pieces the first
+    one saw and stores nothing, so it returns the same keys/values."""
 
     def __init__(self, store: _KVStore, wave: Wave, device: torch.device) -> None:
         self.store = store
         self.stored = wave.stored
         self.context_N_A = None if wave.context_N_A is None else wave.context_N_A.to(device)
         self.mask = None if wave.mask_N_1_L_K is None else wave.mask_N_1_L_K.to(device)
+        self._pieces_seen: dict[int, int] = {}  # layer -> store pieces at its first call
 
     def update(
         self, layer_idx: int, k_N_Hkv_L_D: Tensor, v_N_Hkv_L_D: Tensor
     ) -> tuple[Tensor, Tensor, Tensor | None]:
+        first_call = layer_idx not in self._pieces_seen
+        pieces = self._pieces_seen.setdefault(layer_idx, len(self.store.k[layer_idx]))
         out: tuple[Tensor, Tensor, Tensor | None]
         if self.context_N_A is None:
             out = (k_N_Hkv_L_D, v_N_Hkv_L_D, None)
         else:
-            k_ctx, v_ctx = self.store.gather(layer_idx, self.context_N_A)
+            k_ctx, v_ctx = self.store.gather(layer_idx, self.context_N_A, pieces)
             out = (torch.cat((k_ctx, k_N_Hkv_L_D), dim=2),
                    torch.cat((v_ctx, v_N_Hkv_L_D), dim=2), self.mask)
-        if self.stored:
+        if self.stored and first_call:
             self.store.add(layer_idx, k_N_Hkv_L_D, v_N_Hkv_L_D)
         return out
 
@@ -99,18 +110,32 @@ def plan_logprobs(
     plan: TriePlan,
     targets_B_T: Tensor,
     autocast: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    chunked_head: bool = False,
+    recompute: bool = False,
 ) -> Tensor:
     """(B, T) float32 logprobs of `targets_B_T` (the chunk's targets, on the model's
-    device) at every position of the plan's datums; 0 on the padding. Steps 1-3."""
+    device) at every position of the plan's datums; 0 on the padding. Steps 1-3.
+    `chunked_head`: step 2 through `logprob_head` (never all of a wave's logits at
+    once); `recompute`: checkpoint every block (`Transformer.hidden`)."""
     device = targets_B_T.device
     store = _KVStore(model.config.n_layers)
     targets = targets_B_T.reshape(-1)
     picked: list[Tensor] = []
     for wave in plan.waves:
         # 1) one forward per wave
+        kv = TrieKV(store, wave, device)
+        tokens, positions = wave.tokens_N_L.to(device), wave.positions_N_L.to(device)
+        if chunked_head:
+            # 2') the rows each (datum, position) reads, then their targets' logprobs
+            with autocast():
+                h_N_L_C = model.hidden(tokens, positions, kv, recompute=recompute)
+                h_R_C = h_N_L_C.reshape(-1, h_N_L_C.shape[-1])
+                picked.append(logprob_head.target_logprobs(
+                    model, h_R_C.index_select(0, wave.rows_used.to(device)),
+                    targets[wave.cells_used.to(device)]))
+            continue
         with autocast():
-            logits_N_L_V = model(wave.tokens_N_L.to(device), wave.positions_N_L.to(device),
-                                 TrieKV(store, wave, device))
+            logits_N_L_V = model(tokens, positions, kv, recompute=recompute)
         # 2) normalise each row once (the fused kernel cross_entropy uses); pick every
         # (datum, position) that this wave computed
         V = logits_N_L_V.shape[-1]

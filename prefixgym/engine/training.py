@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
 
 import torch
 
-from prefixgym.engine import losses
+from prefixgym.engine import logprob_head, losses
 from prefixgym.engine.checkpoint_io import (
     capture_rng_state,
     load_checkpoint,
@@ -85,6 +85,12 @@ class TrainingClient:
     grad); `state_module`: the module whose tensors `save_state` writes and
     `load_state` reads (default: the model); `save_for_sampler(name) -> path` backs
     `save_weights_for_sampler`.
+    Memory (same results either way): `chunked_head` computes the target logprobs a
+    chunk of positions at a time and never holds all positions' logits
+    (`logprob_head.py`; when the head trains, each chunk's logits are recomputed in
+    backward); `recompute_activations` checkpoints every transformer block, so backward
+    keeps only the blocks' inputs and runs each block's forward again (about a third
+    more compute).
     """
 
     def __init__(
@@ -100,6 +106,8 @@ class TrainingClient:
         params: Sequence[torch.nn.Parameter] | None = None,
         state_module: torch.nn.Module | None = None,
         save_for_sampler: Callable[[str], str] | None = None,
+        chunked_head: bool = True,
+        recompute_activations: bool = False,
     ) -> None:
         if compute_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
@@ -118,6 +126,8 @@ class TrainingClient:
         self.skipped_updates = 0
         """Updates skipped for a non-finite gradient norm (not restored by `load_state`)."""
         self.share_prefixes = share_prefixes
+        self.chunked_head = chunked_head
+        self.recompute_activations = recompute_activations
         self._publish = publish
         self._params = (list(params) if params is not None
                         else [p for p in model.parameters() if p.requires_grad])
@@ -272,10 +282,19 @@ class TrainingClient:
     def _logprobs(self, chunk: Chunk) -> Tensor:
         """(B, T) logprobs of the chunk's targets, through the trie plan or plainly."""
         targets_B_T = chunk.inputs["target_tokens"]
+        recompute = self.recompute_activations
         if chunk.plan is not None:
-            return plan_logprobs(self.model, chunk.plan, targets_B_T, self._autocast)
+            return plan_logprobs(self.model, chunk.plan, targets_B_T, self._autocast,
+                                 chunked_head=self.chunked_head, recompute=recompute)
+        if self.chunked_head:
+            with self._autocast():
+                h_B_T_C = self.model.hidden(chunk.tokens_B_T, recompute=recompute)
+                B, T, C = h_B_T_C.shape
+                return logprob_head.target_logprobs(
+                    self.model, h_B_T_C.reshape(B * T, C), targets_B_T.reshape(B * T)
+                ).view(B, T)
         with self._autocast():
-            logits_B_T_V = self.model(chunk.tokens_B_T)
+            logits_B_T_V = self.model(chunk.tokens_B_T, recompute=recompute)
         return losses.target_logprobs(logits_B_T_V, targets_B_T)
 
     def _run(

@@ -29,11 +29,13 @@ NONFINITE_UPDATES = ("skip", "error")
 RESUMABLE_CHANGES = (
     "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
     "num_threads", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
+    "recompute_activations",
 )
 """Fields a resumed run may set differently from the run it continues. `steps` extends
 (or shortens) a run; with the cosine schedule the remaining steps then follow the new
 length. `sampler_url` moves sampling to another server, whose weights are its own.
-`share_prefixes`, like `num_threads`, changes how the same sums are computed, not what.
+`share_prefixes`, like `num_threads`, changes how the same sums are computed, not what;
+`recompute_activations` changes only what is kept for backward (bit-for-bit the same).
 Every other field determines results (`eval_episodes` too: evaluations before and
 after the change would not compare)."""
 
@@ -127,6 +129,10 @@ class TrainConfig:
     share_prefixes: bool = True
     """Compute each token prefix shared by a training call's datums once (exact; off runs
     every datum in full, the reference path)."""
+    recompute_activations: bool = False
+    """Keep only each transformer block's input for backward and run the block again
+    there: far less activation memory for about a third more training compute; the
+    same gradients (docs/lora.md, "Memory")."""
     num_threads: int = 0
     """torch threads (0 = torch's default)."""
     progress: bool = True

@@ -40,8 +40,10 @@ def test_lora_run_on_a_local_checkpoint_writes_a_loadable_adapter(tmp_path: Path
     save_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "run"
     argv = ["train", "--model", str(tmp_path / "ckpt"), "--lora-rank", "4",
-            "--lora-targets", "attn,unembed", "--out", str(out), *SMALL]
+            "--lora-targets", "attn,unembed", "--recompute-activations", "--out", str(out),
+            *SMALL]
     assert main(argv) == 0
+    assert json.loads((out / "config.json").read_text())["recompute_activations"] is True
     err = capsys.readouterr().err
     assert "conversations use the built-in ChatML format" in err
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())

@@ -415,7 +415,9 @@ def test_forward_backward_custom_matches_autograd_through_the_model() -> None:
     assert "custom/first" in out.metrics
     assert len(out.loss_fn_outputs[1]["logprobs"]) == datums[1].model_input.length
     for (name, p), q in zip(client.model.named_parameters(), reference.parameters(), strict=True):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+        # fp32 sums in another order (the chunked head): within 1e-6 of the largest entry
+        scale = float(q.grad.abs().max())
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6 * max(scale, 1.0)), name
     assert out.usage.train_computed_tokens == 2 * 17  # two forwards
     with pytest.raises(ValueError, match="callable"):
         client.forward_backward_custom(datums, "cross_entropy")  # type: ignore[arg-type]
