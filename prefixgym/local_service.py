@@ -31,7 +31,8 @@ class LocalService(EngineService):
     Other arguments are the engine's (`EngineService`): `prefix_cache=False` runs the
     same engine without cache reads or writes; `num_threads` sets torch's intra-op
     threads (process-wide) only when given; `thread_tuning` lets the engine pick each
-    kind of step's thread count by timing it.
+    kind of step's thread count by timing it; `device` ("cpu", "cuda", "mps", ...) is
+    where the models, the KV pool and every engine and training tensor live.
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class LocalService(EngineService):
         num_threads: int | None = None,
         max_running: int = 256,
         thread_tuning: bool = True,
+        device: str | torch.device = "cpu",
     ) -> None:
         # An unknown model name is the engine's error to report, not the tokenizer's.
         checkpoint_dir = None
@@ -60,6 +62,6 @@ class LocalService(EngineService):
             model, seed=seed, prefix_cache=prefix_cache, block_size=block_size,
             cache_bytes=cache_bytes, dtype=dtype, end_of_turn_ids=end_of_turn_ids(tok),
             decode=decode, num_threads=num_threads, max_running=max_running,
-            thread_tuning=thread_tuning,
+            thread_tuning=thread_tuning, device=device,
         )
         self.tokenizer: PreTrainedTokenizerBase = tok

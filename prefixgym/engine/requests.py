@@ -2,12 +2,13 @@
 
 A `Request` is what `Scheduler.submit` queues: a prompt, decoding settings, the model
 of one weights version and the future to complete. Each of its `num_samples`
-`Sequence`s tracks one continuation: tokens, logprobs, how much of it has KV in its
-slot, and its own random generator. `validate_request` refuses bad input with a
+`Sequence`s tracks one continuation: tokens, logprobs, its block table (the KV pool's
+blocks holding its positions), how many blocks it may still take, and its own random
+generator. `validate_request` refuses bad input with a
 ValueError naming the field; `build_response` turns a finished request into the wire
 `SampleResponse` and its `Usage`.
 
-This module knows nothing of slots, batching or the prefix cache.
+This module knows nothing of batching, tensors or the prefix cache's keys.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import random
 from dataclasses import dataclass, field
 
 from prefixgym.engine.model import Transformer
-from prefixgym.engine.prefix_cache import Block
 from prefixgym.futures import APIFuture
 from prefixgym.types import SampledSequence, SampleResponse, SamplingParams, Usage
 
@@ -33,8 +33,8 @@ class Request:
     version: int
     seed: int
     future: APIFuture[SampleResponse] = field(default_factory=APIFuture)
-    pinned: list[Block] = field(default_factory=list)
     num_cached_tokens: int = 0
+    tail_pin: list[int] = field(default_factory=list)  # a cached block to copy from
     prompt_logprobs: list[float | None] | None = None
     sequences: list[Sequence] = field(default_factory=list)
     unfinished: int = 0
@@ -50,7 +50,9 @@ class Sequence:
     stop_token_ids: frozenset[int]
     stop_strings: list[str]
     stop_window: int
-    kv_len: int  # positions whose KV is in the slot; the next input sits at this position
+    kv_len: int  # positions whose KV is in its blocks; the next input sits at this position
+    table: list[int] = field(default_factory=list)  # block ids, position p in table[p // bs]
+    reserved: int = 0  # blocks promised to it, not yet allocated
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
@@ -71,6 +73,12 @@ def new_sequences(req: Request) -> list[Sequence]:
                  window, kv_len=len(req.prompt))
         for i in range(req.num_samples)
     ]
+
+
+def kv_positions(req: Request) -> int:
+    """Positions a sample of `req` stores KV for: the prompt and every sampled token
+    but the last (no step reads it)."""
+    return len(req.prompt) + max(req.params.max_tokens - 1, 0)
 
 
 def build_response(req: Request) -> SampleResponse:

@@ -158,7 +158,7 @@ def test_engine_with_two_threads_gives_the_same_greedy_tokens_with_tuning_on_and
                     futures = [client.sample(p, sampling_params=params) for p in prompts]
                     results.append([f.result().sequences[0].tokens for f in futures])
                 if tuning:
-                    assert svc.scheduler.threads.candidates == [1, 2]
+                    assert svc.engine.threads.candidates == [1, 2]
                 assert torch.get_num_threads() == 2
         assert all(r == results[0] for r in results)
     finally:

@@ -1,0 +1,73 @@
+"""The model runner: one `Batch` in, one forward, sampled tokens out.
+
+`ModelRunner.run(batch)`:
+
+1) zero the batch's never-used blocks and copy cached partial blocks into the rows'
+   own blocks (the pool's `copy_block`);
+2) build the inputs on the pool's device: tokens and positions, right-padded, and the
+   `PagedView` that writes each row's new keys/values through its block table and
+   gathers what it attends to;
+3) one forward (on the thread count `threads.py` chose for this kind of step);
+4) for a prefill, copy each prompt's part-filled last block to its other samples; the
+   prompt logprobs of a request that asked for them;
+5) sample every sequence's next token from its row's logits, drawing its uniform from
+   its own generator.
+
+The runner knows nothing of waiting queues, stop conditions, retirement or the prefix
+cache's index: it reads the batch and returns an `Output`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixgym.engine.kv_pool import KVPool
+from prefixgym.engine.scheduler import Batch, Output
+from prefixgym.engine.threads import ThreadTuner, size_bucket
+from prefixgym.engine.token_sampler import RowParams, sample_tokens
+
+
+class ModelRunner:
+    def __init__(self, pool: KVPool, threads: ThreadTuner) -> None:
+        self.pool = pool
+        self.threads = threads
+
+    def run(self, batch: Batch) -> Output:
+        pool, dev = self.pool, self.pool.device
+        # 1) fresh blocks start at zero; cached partial blocks are copied, never shared
+        if batch.new_blocks:
+            pool.zero(batch.new_blocks)
+        for src, dst, n in batch.tail_copies:
+            pool.copy_block(src, dst, n)
+        # 2) inputs, right-padded to the longest row
+        T = max(batch.lengths)
+        tokens_R_T = torch.tensor([t + [0] * (T - len(t)) for t in batch.tokens], device=dev)
+        view = pool.view(batch.tables, batch.starts, batch.lengths, T)
+        max_pos = batch.model.config.max_seq_len - 1
+        positions_R_T = view.positions_R_T.clamp(max=max_pos)
+        prefill = batch.kind == "prefill"
+        key = ((batch.kind, size_bucket(tokens_R_T.numel())) if prefill
+               else (batch.kind, size_bucket(len(batch.seqs)), size_bucket(max(128, view.num_keys))))
+        # 3) the forward
+        with self.threads.run(key, work=tokens_R_T.numel()):
+            logits = batch.model(tokens_R_T, positions_R_T, kv=view,
+                                 last_only=not batch.prompt_logprobs,
+                                 last_index_B=view.last_index_R, check_inputs=False)
+        # 4) forks and prompt logprobs
+        for src, dst, n in batch.fork_copies:
+            pool.copy_block(src, dst, n)
+        prompt_logprobs: list[float | None] | None = None
+        if batch.prompt_logprobs:
+            logp_T_V = torch.log_softmax(logits[0, : batch.lengths[0] - 1].float(), dim=-1)
+            targets = torch.tensor(batch.tokens[0][1:], device=dev).unsqueeze(1)
+            prompt_logprobs = [None, *logp_T_V.gather(1, targets).squeeze(1).tolist()]
+        # 5) one token per sequence (a prefill's samples share their request's row)
+        if not batch.seqs or batch.seqs[0].max_tokens == 0:
+            return Output([], [], prompt_logprobs)
+        last_S_V = logits[batch.source_rows, -1] if prefill else logits[:, -1]
+        params = [s.request.params for s in batch.seqs]
+        row_params = RowParams.build([p.temperature for p in params], [p.top_k for p in params],
+                                     [p.top_p for p in params], device=dev)
+        uniforms = [0.0 if s.is_greedy else s.rng.random() for s in batch.seqs]
+        tokens_S, logprobs_S = sample_tokens(last_S_V, row_params, uniforms)
+        return Output(tokens_S.tolist(), logprobs_S.tolist(), prompt_logprobs)
