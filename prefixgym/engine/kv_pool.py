@@ -19,6 +19,8 @@ block is free is the cache's business (prefix_cache.py); this moves tensors.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -86,8 +88,7 @@ class PagedView:
         padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables]
         table_R_nb = torch.tensor(padded, dtype=torch.long, device=dev)
         heads = torch.arange(Hkv, device=dev) * N
-        # gather rows: (R, Hkv, nb) -> the layer's (Hkv*N) block rows, in table order
-        self.gather_rows = (heads.view(1, Hkv, 1) + table_R_nb.unsqueeze(1)).flatten()
+        self.gather_rows = self.gather_index(pool, tables, nb)
         start_R = torch.tensor(starts, device=dev)
         query_pos_R_T = start_R.unsqueeze(1) + torch.arange(T, device=dev)
         self.positions_R_T = query_pos_R_T
@@ -107,6 +108,15 @@ class PagedView:
         # every row starts at 0: its keys are this forward's own, plain causal, no gather
         self.causal = not any(starts)
 
+    @staticmethod
+    def gather_index(pool: KVPool, tables: list[list[int]], nb: int) -> torch.Tensor:
+        """(R, Hkv, nb) -> a layer's (Hkv*N) block rows, in table order; short tables
+        are padded with block 0 (always zero, masked)."""
+        padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables]
+        table_R_nb = torch.tensor(padded, dtype=torch.long, device=pool.device)
+        heads = torch.arange(pool.n_kv_heads, device=pool.device) * pool.num_blocks
+        return (heads.view(1, -1, 1) + table_R_nb.unsqueeze(1)).flatten()
+
     def update(
         self, layer_idx: int, k_R_Hkv_T_D: torch.Tensor, v_R_Hkv_T_D: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -122,3 +132,70 @@ class PagedView:
         k_all = k_layer.index_select(0, self.gather_rows).view(R, Hkv, Tk, D)
         v_all = v_layer.index_select(0, self.gather_rows).view(R, Hkv, Tk, D)
         return k_all, v_all, self.mask
+
+
+_GROWTH = 64  # positions of headroom a decode workspace is gathered with
+
+
+class DecodeWorkspace:
+    """The keys/values of one decode batch's rows, gathered from the pool into one
+    contiguous (n_layers, B, n_kv_heads, capacity, head_dim) pair, so that a decode
+    step reads them in place instead of gathering every step. It is derived state: the
+    pool stays the store (every step writes both), and `fits` says when the batch's
+    rows (the same sequence objects, in order) or their lengths have outgrown it."""
+
+    def __init__(self, pool: KVPool, rows: list[object], tables: list[list[int]],
+                 num_positions: int) -> None:
+        bs, Hkv = pool.block_size, pool.n_kv_heads
+        self.rows = [weakref.ref(r) for r in rows]  # not kept alive (nor their models)
+        nb = -(-(num_positions + _GROWTH) // bs)
+        self.capacity = nb * bs
+        gather = PagedView.gather_index(pool, tables, nb)
+        L, _, _, D = pool.k.shape
+        B = len(rows)
+        self.k = pool.k.new_empty(L, B, Hkv, self.capacity, D)
+        self.v = pool.v.new_empty(L, B, Hkv, self.capacity, D)
+        for layer in range(L):
+            torch.index_select(pool.k[layer], 0, gather, out=self.k[layer].view(-1, bs, D))
+            torch.index_select(pool.v[layer], 0, gather, out=self.v[layer].view(-1, bs, D))
+
+    def fits(self, rows: list[object], num_positions: int) -> bool:
+        return (num_positions <= self.capacity and len(rows) == len(self.rows)
+                and all(a is b() for a, b in zip(rows, self.rows)))
+
+
+class DecodeView:
+    """One new token per row at `positions[b]`: stored in the pool through the row's
+    table and in the workspace; attention reads the workspace in place."""
+
+    def __init__(self, pool: KVPool, ws: DecodeWorkspace, tables: list[list[int]],
+                 positions: list[int]) -> None:
+        dev, bs, N, Hkv = pool.device, pool.block_size, pool.num_blocks, pool.n_kv_heads
+        self.pool, self.ws = pool, ws
+        B = len(positions)
+        self.num_keys = max(positions) + 1
+        pos_B = torch.tensor(positions, device=dev)
+        self.positions_R_T = pos_B.unsqueeze(1)
+        self.last_index_R = None
+        allowed = torch.arange(self.num_keys, device=dev) <= pos_B.unsqueeze(1)
+        self.mask = torch.zeros((B, 1, 1, self.num_keys), dtype=pool.dtype, device=dev)
+        self.mask.masked_fill_(allowed.logical_not()[:, None, None], float("-inf"))
+        blocks = torch.tensor([t[p // bs] for t, p in zip(tables, positions)], device=dev)
+        slot_B = blocks * bs + pos_B % bs
+        heads = torch.arange(Hkv, device=dev)
+        self.pool_index = (heads.unsqueeze(0) * (N * bs) + slot_B.unsqueeze(1)).flatten()  # (B*Hkv)
+        rows_B_Hkv = torch.arange(B, device=dev).unsqueeze(1) * Hkv + heads
+        self.ws_index = (rows_B_Hkv * ws.capacity + pos_B.unsqueeze(1)).flatten()
+
+    def update(
+        self, layer_idx: int, k_B_Hkv_1_D: torch.Tensor, v_B_Hkv_1_D: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, Hkv, _, D = k_B_Hkv_1_D.shape
+        ws_k, ws_v = self.ws.k[layer_idx], self.ws.v[layer_idx]  # (B, Hkv, capacity, D)
+        for new, pool_layer, ws_layer in ((k_B_Hkv_1_D, self.pool.k[layer_idx], ws_k),
+                                          (v_B_Hkv_1_D, self.pool.v[layer_idx], ws_v)):
+            new_N_D = new.reshape(B * Hkv, D).to(pool_layer.dtype)
+            pool_layer.view(-1, D).index_copy_(0, self.pool_index, new_N_D)
+            ws_layer.view(-1, D).index_copy_(0, self.ws_index, new_N_D)
+        Tk = self.num_keys
+        return ws_k[:, :, :Tk], ws_v[:, :, :Tk], self.mask

@@ -5,8 +5,9 @@
 1) zero the batch's never-used blocks and copy cached partial blocks into the rows'
    own blocks (the pool's `copy_block`);
 2) build the inputs on the pool's device: tokens and positions, right-padded, and the
-   `PagedView` that writes each row's new keys/values through its block table and
-   gathers what it attends to;
+   view: for a prefill, the `PagedView` that writes each row's new keys/values through
+   its block table and gathers what it attends to; for a decode step, a `DecodeView`
+   over the batch's workspace, gathered from the pool only when its rows change;
 3) one forward (on the thread count `threads.py` chose for this kind of step);
 4) for a prefill, copy each prompt's part-filled last block to its other samples; the
    prompt logprobs of a request that asked for them;
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixgym.engine.kv_pool import KVPool
+from prefixgym.engine.kv_pool import DecodeView, DecodeWorkspace, KVPool, PagedView
 from prefixgym.engine.scheduler import Batch, Output
 from prefixgym.engine.threads import ThreadTuner, size_bucket
 from prefixgym.engine.token_sampler import RowParams, sample_tokens
@@ -31,6 +32,8 @@ class ModelRunner:
     def __init__(self, pool: KVPool, threads: ThreadTuner) -> None:
         self.pool = pool
         self.threads = threads
+        self._workspaces: dict[int, DecodeWorkspace] = {}  # by weights version
+        self.rebuilds = 0
 
     def run(self, batch: Batch) -> Output:
         pool, dev = self.pool, self.pool.device
@@ -42,10 +45,14 @@ class ModelRunner:
         # 2) inputs, right-padded to the longest row
         T = max(batch.lengths)
         tokens_R_T = torch.tensor([t + [0] * (T - len(t)) for t in batch.tokens], device=dev)
-        view = pool.view(batch.tables, batch.starts, batch.lengths, T)
+        prefill = batch.kind == "prefill"
+        view: PagedView | DecodeView
+        if prefill:
+            view = pool.view(batch.tables, batch.starts, batch.lengths, T)
+        else:
+            view = DecodeView(pool, self._workspace(batch), batch.tables, batch.starts)
         max_pos = batch.model.config.max_seq_len - 1
         positions_R_T = view.positions_R_T.clamp(max=max_pos)
-        prefill = batch.kind == "prefill"
         key = ((batch.kind, size_bucket(tokens_R_T.numel())) if prefill
                else (batch.kind, size_bucket(len(batch.seqs)), size_bucket(max(128, view.num_keys))))
         # 3) the forward
@@ -71,3 +78,18 @@ class ModelRunner:
         uniforms = [0.0 if s.is_greedy else s.rng.random() for s in batch.seqs]
         tokens_S, logprobs_S = sample_tokens(last_S_V, row_params, uniforms)
         return Output(tokens_S.tolist(), logprobs_S.tolist(), prompt_logprobs)
+
+    def _workspace(self, batch: Batch) -> DecodeWorkspace:
+        """The batch's decode workspace: kept while its rows stay the same sequences
+        and fit, else gathered again from the pool (two versions kept at most)."""
+        rows: list[object] = list(batch.seqs)
+        needed = max(batch.starts) + 1
+        ws = self._workspaces.get(batch.version)
+        if ws is None or not ws.fits(rows, needed):
+            self._workspaces.pop(batch.version, None)  # free it before gathering anew
+            ws = DecodeWorkspace(self.pool, rows, batch.tables, needed)
+            self.rebuilds += 1
+            for stale in list(self._workspaces)[: max(0, len(self._workspaces) - 1)]:
+                del self._workspaces[stale]
+        self._workspaces[batch.version] = ws
+        return ws
