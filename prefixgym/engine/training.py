@@ -95,8 +95,11 @@ class TrainingClient:
         self._optimizer: torch.optim.AdamW | None = None
         self._step = 0
         self._generator = torch.Generator().manual_seed(seed)
+        # the worker runs on its creator's thread count: torch gives a new thread the
+        # process default, which the engine thread moves while it tunes (threads.py)
         self._worker = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="prefixgym-train"
+            1, thread_name_prefix="prefixgym-train", initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
         )
 
     @property
