@@ -72,8 +72,11 @@ class EngineService:
         torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
         if torch_dtype is None or torch_dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        self.device = torch.device(device)
-        torch.empty(0, device=self.device)  # an unknown or absent device fails here, clearly
+        try:
+            self.device = torch.device(device)
+            torch.empty(0, device=self.device)
+        except (RuntimeError, AssertionError) as error:  # torch's words, in one line
+            raise ValueError(f"device {device!r} is not usable here: {error}") from error
         self.train_model = _build_model(model, torch_dtype, seed).to(self.device)
         cfg = self.train_model.config
         if block_size < 1:

@@ -283,7 +283,7 @@ class TrainingClient:
         grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         if adam.grad_clip_norm > 0 and grads:
             torch.nn.utils.clip_grads_with_norm_(
-                params, adam.grad_clip_norm, torch.tensor(grad_norm)
+                params, adam.grad_clip_norm, torch.tensor(grad_norm, device=grads[0].device)
             )
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
