@@ -138,21 +138,9 @@ class Engine:
             return self.cache.stats()
 
     def check_integrity(self) -> None:
-        """The cache's invariants, and its refcounts against the running sequences' tables."""
+        """The cache's invariants, and its refcounts and promises against the requests'."""
         with self._stats_lock:
-            refs: dict[int, int] = {}
-            for seqs in self.scheduler.running.values():
-                for seq in seqs:
-                    for block in seq.table:
-                        refs[block] = refs.get(block, 0) + 1
-            for req in self.scheduler.in_flight():
-                for block in req.tail_pin:
-                    refs[block] = refs.get(block, 0) + 1
-                if req.sequences and not any(s in self.scheduler.running.get(req.version, [])
-                                             for s in req.sequences):
-                    for block in req.sequences[0].table:  # admitted, not yet prefilled
-                        refs[block] = refs.get(block, 0) + 1
-            self.cache.check_integrity(refs)
+            self.scheduler.check_integrity()
 
     # ---- engine thread -----------------------------------------------------------
 

@@ -100,6 +100,27 @@ class Scheduler:
         reqs += [s.request for seqs in self.running.values() for s in seqs]
         return list(dict.fromkeys(reqs))
 
+    def check_integrity(self) -> None:
+        """The cache's invariants, with its refcounts and promised blocks against what
+        the admitted requests' sequences hold. Raises AssertionError."""
+        refs: dict[int, int] = {}
+        promised = 0
+        for req in self.in_flight():
+            started = bool(req.sequences[0].tokens)  # prefilled: its samples hold the promise
+            for block in req.tail_pin + [b for s in req.sequences for b in s.table]:
+                refs[block] = refs.get(block, 0) + 1
+            for seq in req.sequences:
+                if seq.reserved < 0:
+                    raise AssertionError(f"a sequence holds {seq.reserved} promised blocks")
+            if started:
+                promised += sum(s.reserved for s in req.sequences)
+            else:
+                promised += _blocks_needed(req, len(req.sequences[0].table), self.cache.block_size)
+        if promised != self.cache.reserved:
+            raise AssertionError(f"requests hold {promised} promised blocks, the cache "
+                                 f"counts {self.cache.reserved}")
+        self.cache.check_integrity(refs)
+
     # ---- schedule ----------------------------------------------------------------
 
     def schedule(self) -> Batch | None:
