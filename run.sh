@@ -18,9 +18,13 @@ setup() {
   # Reinstall only when the project's requirements changed.
   local stamp=$venv/.prefixgym-setup
   local want
-  want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+  want=$(cat pyproject.toml run.sh | sha256sum | cut -d' ' -f1)
   if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
     "$py" -m pip install -q --disable-pip-version-check -e '.[dev]'
+    # The tests run tinker-cookbook's recipes on the local engine (tests/tinker/);
+    # --no-deps: 0.6.1 pins a tml-renderers that is not on PyPI (its other
+    # requirements come with the `cookbook` extra).
+    "$py" -m pip install -q --disable-pip-version-check --no-deps 'tinker-cookbook==0.6.1'
     echo "$want" > "$stamp"
   fi
 }

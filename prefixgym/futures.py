@@ -37,6 +37,15 @@ class APIFuture(Generic[T]):
     def done(self) -> bool:
         return self._future.done()
 
+    def future(self) -> concurrent.futures.Future[T]:
+        """The underlying `concurrent.futures.Future` (the hosted service's name)."""
+        return self._future
+
+    async def result_async(self, timeout: float | None = None) -> T:
+        """`await`-able result, with an optional timeout (the hosted service's name)."""
+        async with asyncio.timeout(timeout):
+            return await asyncio.wrap_future(self._future)
+
     def map(self, fn: Callable[[T], U]) -> APIFuture[U]:
         """A future of `fn(result)`, completed when this one is."""
         out: APIFuture[U] = APIFuture()

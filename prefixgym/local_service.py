@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from prefixgym.engine.hf_checkpoint import read_hf_config
 from prefixgym.engine.model import PRESETS, ModelConfig, Transformer
+from prefixgym.engine.requests import DEFAULT_MAX_KV_BYTES
 from prefixgym.engine.service import EngineService
 from prefixgym.prompting.tokenizer import end_of_turn_ids, resolve_tokenizer
 
@@ -31,8 +33,11 @@ class LocalService(EngineService):
     Other arguments are the engine's (`EngineService`): `prefix_cache=False` runs the
     same engine without cache reads or writes; `num_threads` sets torch's intra-op
     threads (process-wide) only when given; `thread_tuning` lets the engine pick each
-    kind of step's thread count by timing it; `device` ("cpu", "cuda", "mps", ...) is
-    where the models, the KV pool and every engine and training tensor live.
+    kind of step's thread count by timing it; `max_running` and `max_kv_bytes` bound
+    what one request may ask for (its samples, its running KV); `deterministic` runs
+    each `sample_many` round alone, so that rounds submitted in a fixed order give the
+    same bits every run; `device` ("cpu", "cuda", "mps", ...) is where the models, the
+    KV pool and every engine and training tensor live.
     """
 
     def __init__(
@@ -47,12 +52,16 @@ class LocalService(EngineService):
         num_threads: int | None = None,
         max_running: int = 256,
         thread_tuning: bool = True,
+        max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+        deterministic: bool = False,
         device: str | torch.device = "cpu",
     ) -> None:
-        # An unknown model name is the engine's error to report, not the tokenizer's.
+        # An unknown model name, or a broken config.json, is the engine's error to report,
+        # not the tokenizer's (transformers reads config.json too, and words it worse).
         checkpoint_dir = None
         if isinstance(model, str) and model not in PRESETS and Path(model).is_dir():
             checkpoint_dir = model
+            read_hf_config(checkpoint_dir)
         tok = resolve_tokenizer(tokenizer, checkpoint_dir)
 
         def decode(ids: list[int]) -> str:
@@ -62,6 +71,7 @@ class LocalService(EngineService):
             model, seed=seed, prefix_cache=prefix_cache, block_size=block_size,
             cache_bytes=cache_bytes, dtype=dtype, end_of_turn_ids=end_of_turn_ids(tok),
             decode=decode, num_threads=num_threads, max_running=max_running,
-            thread_tuning=thread_tuning, device=device,
+            thread_tuning=thread_tuning, max_kv_bytes=max_kv_bytes,
+            deterministic=deterministic, device=device,
         )
         self.tokenizer: PreTrainedTokenizerBase = tok

@@ -2,9 +2,11 @@
 
 Two implementations stand behind `SamplingClient`: the built-in engine's
 (`prefixgym.engine.sampling`) and the OpenAI-compatible HTTP backend
-(`prefixgym.serving.openai_client`). Behind `TrainingClient`: the engine's
+(`prefixgym.serving.openai_client`, and `serving.pool` over several servers); the engine's
+is also a `RoundSamplingClient`, which takes a list of requests as one atomic round.
+Behind `TrainingClient`: the engine's
 (`prefixgym.engine.training`), its DDP wrapper (`engine.distributed`), and one that
-samples on a remote server (`serving.openai_client.RemoteSamplingTrainer`).
+pushes every update to remote samplers (`serving.weight_sync.RemoteWeightSync`).
 Rollouts, evaluation and GRPO are typed against these protocols and never import
 `engine/` internals; `UsageSink` is where an HTTP sampler reports what it used.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from prefixgym.futures import APIFuture
 from prefixgym.types import (
@@ -22,6 +24,7 @@ from prefixgym.types import (
     ForwardBackwardOutput,
     ModelInput,
     OptimStepOutput,
+    SampleRequest,
     SampleResponse,
     SamplingParams,
     Usage,
@@ -40,9 +43,19 @@ class SamplingClient(Protocol):
     def compute_logprobs(self, prompt: ModelInput | list[int]) -> APIFuture[list[float | None]]: ...
 
 
+@runtime_checkable
+class RoundSamplingClient(SamplingClient, Protocol):
+    """A sampler that also takes a list of requests as one atomic round, in order (the
+    engine's). Rollouts in lockstep submit each turn of all their episodes so."""
+
+    def sample_many(
+        self, requests: Sequence[SampleRequest], include_prompt_logprobs: bool = False
+    ) -> list[APIFuture[SampleResponse]]: ...
+
+
 class TrainingClient(Protocol):
     def forward_backward(
-        self, datums: Sequence[Datum], loss_fn: str,
+        self, data: Sequence[Datum], loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]: ...
 

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 StopReason = Literal["stop", "length"]
 JSONObject = dict[str, Any]
 """A parsed JSON object (a metrics line, a request body, env kwargs): its values may be
 any JSON type, hence `Any`."""
-LossFnName = Literal["cross_entropy", "importance_sampling", "ppo"]
+LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo",
+                     "stable_reinforce"]
 
 
 class _Wire(BaseModel):
@@ -30,9 +31,10 @@ class _Wire(BaseModel):
 
 
 class ModelInput(_Wire):
-    """A token sequence given to the model: a prompt, or a datum's inputs."""
+    """A token sequence given to the model: a prompt, or a datum's inputs. Ids are
+    ints as given: `True`, `"7"` or `7.0` are refused, not read as 1 and 7."""
 
-    tokens: list[int] = Field(min_length=1, description="Token ids, at least one.")
+    tokens: list[StrictInt] = Field(min_length=1, description="Token ids, at least one.")
 
     @field_validator("tokens")
     @classmethod
@@ -95,7 +97,9 @@ class SamplingParams(_Wire):
 class AdamParams(_Wire):
     """One AdamW update. `grad_clip_norm=0` turns clipping off."""
 
-    learning_rate: float = Field(default=1e-4, gt=0.0)
+    learning_rate: float = Field(default=1e-4, ge=0.0,
+                                 description="0 is allowed (a schedule's last step), as the "
+                                 "hosted service allows it.")
     beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
     beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
     eps: float = Field(default=1e-8, gt=0.0)
@@ -131,6 +135,20 @@ def check_loss_fn_inputs(inputs: Mapping[str, Sequence[float]], n: int) -> None:
             )
 
 
+def loss_positions(
+    weights: Sequence[float] | None, advantages: Sequence[float] | None, n: int
+) -> list[bool]:
+    """The positions a datum trains on: non-zero weight where it has weights; without
+    weights, non-zero advantage where it has advantages (an RL datum built the hosted
+    service's way has advantage 0 on its prompt, which must not count in ratio/KL metrics
+    or loss-token counts); otherwise all `n`."""
+    if weights is not None:
+        return [w != 0 for w in weights]
+    if advantages is not None:
+        return [a != 0 for a in advantages]
+    return [True] * n
+
+
 class Datum(_Wire):
     """One training sequence: inputs, and per-position loss inputs of the same length.
 
@@ -149,11 +167,10 @@ class Datum(_Wire):
 
     @property
     def num_loss_tokens(self) -> int:
-        """Positions with a non-zero weight (all of them when there are no weights)."""
-        weights = self.loss_fn_inputs.get("weights")
-        if weights is None:
-            return self.model_input.length
-        return sum(1 for w in weights if w != 0)
+        """Its loss positions (`loss_positions`)."""
+        inputs = self.loss_fn_inputs
+        return sum(loss_positions(inputs.get("weights"), inputs.get("advantages"),
+                                  self.model_input.length))
 
 
 class Usage(_Wire):
@@ -198,16 +215,40 @@ class Usage(_Wire):
         return self.prefill_cached_tokens / total if total else 0.0
 
 
+TopkLogprobs = list[tuple[int, float]]
+"""The k most likely next tokens at one position: (token id, logprob), most likely first."""
+
+
 class SampledSequence(_Wire):
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
+    sequence_id: str | None = None
+    """Names this sequence in later requests (the hosted service's field); unique in the
+    service that sampled it."""
+
+
+class SampleRequest(NamedTuple):
+    """One request of a `sample_many` round: `sample`'s arguments."""
+
+    prompt: ModelInput | list[int]
+    num_samples: int = 1
+    sampling_params: SamplingParams | None = None
 
 
 class SampleResponse(_Wire):
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     usage: Usage = Field(default_factory=Usage)
+    weights_version: str | None = None
+    """The label of the weights that sampled it, where the sampler says (a remote
+    server's `metadata.weight_version`); None from the in-process engine."""
+    prompt_cache_hit_tokens: int = 0
+    """Prompt tokens served from the prefix cache, counted once per request (the hosted
+    service's field; the same number as `usage.prefill_cached_tokens`)."""
+    topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
+    """With `topk_prompt_logprobs=k`: per prompt position, its k most likely tokens
+    (None where not scored: position 0, and before `prompt_logprobs_last_n`)."""
 
 
 class ForwardBackwardOutput(_Wire):

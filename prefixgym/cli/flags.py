@@ -85,6 +85,8 @@ def build_parser(
                                 help=help_text)
         elif kind in (int, float, str):
             parser.add_argument(flag, dest=f.name, type=kind, help=help_text)
+        elif kind == list[str]:  # repeat the flag for several values
+            parser.add_argument(flag, dest=f.name, action="append", help=help_text + " (repeat)")
         else:  # dicts come as JSON
             parser.add_argument(flag, dest=f.name, type=json_object, help=help_text + " (JSON)")
     return parser
@@ -112,6 +114,12 @@ def read_config_file(cls: type, path: str, flag_names: dict[str, str] | None = N
 
 
 def _typed(path: str, key: str, value: object, kind: object) -> object:
+    if kind == list[str]:  # one string stands for a list of one
+        if isinstance(value, str):
+            return [value]
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ValueError(f"{path}: {key} = {value!r} must be a string or a list of strings")
+        return value
     ok = {bool: isinstance(value, bool), str: isinstance(value, str),
           int: isinstance(value, int) and not isinstance(value, bool),
           float: isinstance(value, (int, float)) and not isinstance(value, bool)}.get(

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import json_object
 from prefixgym.prompting.lint.config import LintConfig, load_config
 from prefixgym.prompting.lint.findings import LintInputError, filter_findings, parse_codes
@@ -62,13 +63,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_tokenizer_dir(path: str) -> PreTrainedTokenizerBase:
-    """A transformers tokenizer from a local directory, or LintInputError."""
-    try:
-        from transformers import AutoTokenizer
+    """A transformers tokenizer from a local directory (never running its code), or
+    LintInputError."""
+    from prefixgym.prompting.tokenizer import load_tokenizer_dir as load
 
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001  (transformers raises many kinds here)
-        raise LintInputError(f"{path}: cannot load a tokenizer: {type(exc).__name__}: {exc}") from None
+    try:
+        return load(path)
+    except ValueError as exc:
+        raise LintInputError(str(exc)) from None
 
 
 def _builtin_tokenizer() -> PreTrainedTokenizerBase:
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         config.__post_init__()
         report = _run(args, config)
     except (LintInputError, ValueError) as exc:
-        print(f"prefixgym lint: error: {exc}", file=sys.stderr)
+        print(f"prefixgym lint: error: {error_line(exc)}", file=sys.stderr)
         return 2
     report.findings = filter_findings(report.findings, config.select, config.ignore)
     try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import build_config, build_parser, read_json_object
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 from prefixgym.rollouts.types import TrajectoryGroup
@@ -87,25 +88,28 @@ def main(argv: list[str]) -> int:
     from prefixgym.envs.registration import make_agent_env
     from prefixgym.local_service import LocalService
     from prefixgym.protocols import SamplingClient
-    from prefixgym.trainer.checkpoint import load_checkpoint, newest_checkpoint
+    from prefixgym.trainer.checkpoint import load_checkpoint
 
+    trace_file: TextIO | None = None
+    service: LocalService | None = None
     try:
         envs = [make_agent_env(args.env, args.env_kwargs) for _ in range(args.group_size)]
-        ckpt = newest_checkpoint(Path(args.run)) if args.run else None
-        if args.run and ckpt is None:
-            raise ValueError(f"no checkpoint under {args.run}/checkpoints (the run saves one "
-                             "after its warm start)")
+        ckpt = run_checkpoint(Path(args.run)) if args.run else None
+        trace_file = open(args.trace, "w") if args.trace else None  # noqa: SIM115
         service = LocalService(model=args.model, seed=args.seed)
-    except ValueError as e:
-        print(f"prefixgym rollout: {e}", file=sys.stderr)
+        sampler: SamplingClient = service.create_sampling_client()
+        if ckpt is not None:
+            training = service.create_training_client()
+            load_checkpoint(ckpt, training)
+            sampler = training.save_weights_and_get_sampling_client()
+            print(f"weights: {ckpt}")
+    except (ValueError, OSError) as e:
+        if trace_file:
+            trace_file.close()
+        if service is not None:
+            service.close()
+        print(f"prefixgym rollout: {error_line(e)}", file=sys.stderr)
         return 2
-    sampler: SamplingClient = service.create_sampling_client()
-    if ckpt is not None:
-        training = service.create_training_client()
-        load_checkpoint(ckpt, training)
-        sampler = training.save_weights_and_get_sampling_client()
-        print(f"weights: {ckpt}")
-    trace_file = open(args.trace, "w") if args.trace else None
     try:
         rollouts = Rollouts(
             sampler, service.tokenizer,
@@ -124,6 +128,23 @@ def main(argv: list[str]) -> int:
 
 
 RUN_SETTINGS = ("env", "env_kwargs", "model", "max_tokens", "temperature")
+
+
+def run_checkpoint(run: Path) -> Path:
+    """The newest intact checkpoint of the run in `run` (of the run its config.json
+    describes, when it has one); ValueError when there is none."""
+    from prefixgym.trainer.checkpoint import find_checkpoint
+    from prefixgym.trainer.config import saved_run_identity
+
+    saved = run / RUN_CONFIG
+    identity = saved_run_identity(read_json_object(saved)) if saved.exists() else None
+    found = find_checkpoint(run, identity)
+    if found.path is None:
+        why = "; ".join(found.passed_over) or "the run saves one after its warm start"
+        raise ValueError(f"no intact checkpoint under {run}/checkpoints ({why})")
+    for reason in found.passed_over:
+        print(f"passed over: {reason}", file=sys.stderr)
+    return found.path
 
 
 def run_settings(run: Path) -> JSONObject:

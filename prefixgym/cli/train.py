@@ -2,26 +2,43 @@
 
 The only place that turns a TrainConfig into services and clients: a `LocalService`
 for training (and sampling, unless `--sampler-url` points rollouts and evaluation at
-an OpenAI-compatible server), the envs from `--env`/`--env-kwargs`, then
-`trainer.run.Run` with all of them.
+OpenAI-compatible servers, which then receive every update: `serving.weight_sync`),
+the envs from `--env`/`--env-kwargs`, then `trainer.run.Run` with all of them.
+Under torchrun (WORLD_SIZE > 1: `torchrun --nproc-per-node N -m prefixgym train ...`)
+it joins the process group (gloo: the engine trains on CPU), wraps the training
+client in `DistributedTrainingClient`, and hands the run its `Ranks`.
+With `--backend tinker` the hosted service's clients stand behind our protocols
+(`prefixgym.tinker.backend`) instead of a LocalService.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
+from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import build_config, build_parser, read_config_file, read_json_object
 from prefixgym.engine.device import has_fast_bf16
+from prefixgym.engine.training import TrainingClient as LocalTrainingClient
 from prefixgym.envs.registration import absolute_spec, make_agent_env
+from prefixgym.files import ensure_writable_dir
 from prefixgym.local_service import LocalService
+from prefixgym.prompting.chat_format import ChatMLFormat
+from prefixgym.prompting.conversation import chat_format_for
+from prefixgym.protocols import TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
+from prefixgym.rollouts.types import TrajectoryGroup
+from prefixgym.serving.config import API_KEY_VARIABLE
 from prefixgym.trainer.config import TrainConfig
-from prefixgym.trainer.run import RUN_CONFIG, Clients, Run, RunResult
-from prefixgym.types import JSONObject
+from prefixgym.trainer.run import RUN_CONFIG, Clients, Ranks, Run, RunResult
+from prefixgym.types import JSONObject, Usage
 
 FLAG_NAMES = {"async_mode": "async", "lr": "lr"}
 
@@ -33,34 +50,182 @@ def compute_dtype(config: TrainConfig) -> torch.dtype:
     return torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
 
 
-def build_run(config: TrainConfig, service: LocalService | None = None) -> tuple[Run, LocalService]:
-    """The run of `config` and the service it trains on (built here unless given)."""
+def build_run(config: TrainConfig, service: LocalService | None = None,
+              tinker_service: Any = None) -> tuple[Run, LocalService | None]:
+    """The run of `config` and the service it trains on (built here unless given; none
+    with `--backend tinker`, whose tinker `ServiceClient` may be given instead)."""
 
     def make() -> AgentGymEnv:
         return make_agent_env(config.env, config.env_kwargs)
 
-    make().close()  # a bad --env fails before the model loads
+    make().close()  # a bad --env, or an --out that cannot be written, fails before the model loads
+    ensure_writable_dir(Path(config.out))
+    if config.sampler_url and config.kl_coef > 0:
+        raise ValueError(
+            "--kl-coef needs the warm-start weights as a reference, and remote samplers keep "
+            "only the newest versions: use in-process sampling for a KL penalty")
+    if config.sampler_url and config.async_mode and sync_mode(config) == "full":
+        raise ValueError(
+            "--sampler-url pushes full weights, and a server holds one weights version at a "
+            "time: --async (sampling the next step from the previous version) needs LoRA "
+            "adapters (--lora-rank) or in-process sampling")
+    if config.backend == "tinker":
+        return Run(config, tinker_clients(config, tinker_service), make), None
     service = service or LocalService(
-        model=config.model, seed=config.seed, num_threads=config.num_threads or None
+        model=config.model, seed=config.seed, num_threads=config.num_threads or None,
+        deterministic=config.deterministic,
     )
-    training = service.create_training_client(compute_dtype=compute_dtype(config),
-                                              share_prefixes=config.share_prefixes)
-    clients = Clients(training, service.create_sampling_client(), service.tokenizer,
-                      service.usage)
-    if config.sampler_url:  # rollouts and evaluation on a remote server (docs/scaling.md)
-        from prefixgym.serving.openai_client import OpenAISamplingClient, RemoteSamplingTrainer
+    if Path(config.model).is_dir():
+        check_chat_format(config.model, service)
+    ranks = torchrun_ranks(service)
+    training: TrainingClient
+    if config.lora_rank:
+        targets = {t.strip() for t in config.lora_targets.split(",")}
+        training = service.create_lora_training_client(
+            rank=config.lora_rank, alpha=config.lora_alpha, train_attn="attn" in targets,
+            train_mlp="mlp" in targets, train_unembed="unembed" in targets, seed=config.seed,
+            compute_dtype=compute_dtype(config), nonfinite_update=config.nonfinite_update,
+            share_prefixes=config.share_prefixes)
+    else:
+        training = service.create_training_client(compute_dtype=compute_dtype(config),
+                                                  nonfinite_update=config.nonfinite_update,
+                                                  share_prefixes=config.share_prefixes)
+    if ranks.world > 1:
+        from prefixgym.engine.distributed import DistributedTrainingClient
 
-        remote = OpenAISamplingClient(config.sampler_url, tokenizer=service.tokenizer,
-                                      ledger=service.ledger)
-        clients = Clients(RemoteSamplingTrainer(training, remote), remote, service.tokenizer,
-                          service.usage)
+        training = DistributedTrainingClient(training)  # type: ignore[arg-type]
+    clients = Clients(training, service.create_sampling_client(), service.tokenizer,
+                      service.usage, ranks=ranks)
+    if config.sampler_url:  # rollouts and evaluation on remote servers (docs/scaling.md)
+        clients = remote_clients(config, service, training, ranks)
     return Run(config, clients, make), service
+
+
+def tinker_clients(config: TrainConfig, service_client: Any = None) -> Clients:
+    """Clients on the hosted service (docs/tinker.md): a LoRA trainer of `--model`."""
+    from prefixgym.engine.usage import UsageLedger
+    from prefixgym.tinker.backend import connect
+
+    if service_client is None:
+        if not os.environ.get("TINKER_API_KEY"):
+            raise ValueError("--backend tinker needs the service's API key in TINKER_API_KEY")
+        import tinker
+
+        service_client = tinker.ServiceClient()
+    ledger = UsageLedger()
+    rank = config.lora_rank or 32
+    trainer, sampler, tokenizer = connect(service_client, config.model, rank, config.seed,
+                                          ledger)
+    return Clients(trainer, sampler, tokenizer, ledger.total)
+
+
+def check_chat_format(directory: str, service: LocalService) -> None:
+    """Say which chat format a checkpoint's runs use; ValueError if its template is not
+    append-only (prompts are built by appending tokens; docs/lora.md)."""
+    try:
+        fmt = chat_format_for(service.tokenizer)
+    except ValueError as e:  # TemplateNotAppendOnlyError, or no template at all
+        raise ValueError(f"--model {directory}: its chat template cannot be used: {e}") from None
+    kind = ("the built-in ChatML format" if isinstance(fmt, ChatMLFormat)
+            else "its tokenizer's chat template (append-only)")
+    print(f"--model {directory}: conversations use {kind}", file=sys.stderr)
+
+
+def save_lora_adapter(config: TrainConfig, run: Run, out: Path) -> str | None:
+    """With a local LoRA run, write its adapter to OUT/adapter (PEFT format); its path.
+    (With `--backend tinker` the adapter stays on the service, in its checkpoints.)"""
+    if not config.lora_rank or config.backend != "local":
+        return None
+    return unwrap(run.clients.training).save_weights_for_sampler(out / "adapter").result()
+
+
+def unwrap(training: object) -> LocalTrainingClient:
+    """The engine's training client inside the remote-sync and DDP wrappers."""
+    while not isinstance(training, LocalTrainingClient):
+        training = getattr(training, "training", None) or training.client  # type: ignore[attr-defined]
+    return training
+
+
+def sync_mode(config: TrainConfig) -> Literal["full", "lora"]:
+    """How updates reach remote samplers: LoRA adapters for a run with `--lora-rank`,
+    else full weights."""
+    return "lora" if config.lora_rank else "full"
+
+
+def weights_writer(mode: str, training: TrainingClient) -> Callable[[Path], object]:
+    """What writes one published version: the PEFT adapter (LoRA: the training client's
+    `save_weights_for_sampler`, issue 15) or the full model as an HF checkpoint."""
+    if mode == "lora":
+        inner = unwrap(training)
+        return lambda path: inner.save_weights_for_sampler(path).result()
+    from prefixgym.engine.hf_export import save_hf_checkpoint
+
+    model = training.model  # type: ignore[attr-defined]
+    return lambda path: save_hf_checkpoint(model, path)
+
+
+def remote_clients(config: TrainConfig, service: LocalService, training: TrainingClient,
+                   ranks: Ranks) -> Clients:
+    """Samplers on `--sampler-url` servers that receive every published update; the
+    starting weights are pushed now, so a server that cannot read them fails here."""
+    from prefixgym.serving.openai_client import OpenAISamplingClient
+    from prefixgym.serving.pool import SamplerPool
+    from prefixgym.serving.weight_sync import RemoteWeightSync
+
+    api_key = os.environ.get(API_KEY_VARIABLE) or "EMPTY"
+    pool = SamplerPool([OpenAISamplingClient(url, tokenizer=service.tokenizer,
+                                             ledger=service.ledger, api_key=api_key)
+                        for url in config.sampler_url])
+    mode = sync_mode(config)
+    sync = RemoteWeightSync(
+        training, pool, Path(config.out) / "sampler_weights",
+        write_weights=weights_writer(mode, training), token=shared_token(ranks), mode=mode,
+        is_main=ranks.is_main, barrier=ranks.barrier)
+    first = sync.save_weights_and_get_sampling_client()
+    return Clients(sync, first, service.tokenizer, service.usage,
+                   sampler_metrics=pool.metrics, ranks=ranks)
+
+
+def torchrun_ranks(service: LocalService) -> Ranks:
+    """This process's rank under torchrun (WORLD_SIZE > 1), else the only process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Ranks()
+    import torch.distributed as dist
+
+    from prefixgym.engine.distributed import init_distributed
+
+    rank, world = init_distributed("gloo")
+
+    def gather(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+        everyone: list[Any] = [None] * world  # all_gather_object fills in unpickled lists
+        dist.all_gather_object(everyone, groups)
+        for other, theirs in enumerate(everyone):
+            if other != rank:  # this rank's ledger counts the whole job, as for training
+                service.ledger.add(Usage.total(g.usage for g in theirs))
+        return sorted((g for theirs in everyone for g in theirs), key=lambda g: g.seed)
+
+    return Ranks(rank, world, gather, dist.barrier)
+
+
+def shared_token(ranks: Ranks) -> str:
+    """A label prefix unique to this run, the same on every rank."""
+    token = [secrets.token_hex(4)]
+    if ranks.world > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
 
 
 def train(config: TrainConfig, service: LocalService | None = None) -> RunResult:
     """Run `config` end to end; print the evaluations as one JSON line."""
     run, _ = build_run(config, service)
     result = run.run()
+    if not run.main:
+        return result
+    adapter = save_lora_adapter(config, run, result.out)
+    if adapter is not None:
+        print(f"adapter: {adapter}", file=sys.stderr)
     print(json.dumps({f"{e['when']} (step {e['step']})": round(e["eval/success"], 3)
                       for e in result.evals}))
     return result
@@ -86,10 +251,11 @@ def main(argv: list[str]) -> int:
     config.env = absolute_spec(config.env)
     try:
         result = train(config)
-    except ValueError as e:
-        print(f"prefixgym train: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # bad input, or a file that cannot be read or written
+        print(f"prefixgym train: {error_line(e)}", file=sys.stderr)
         return 2
-    print(f"report: {result.out / 'report.md'}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"report: {result.out / 'report.md'}")
     return 0
 
 

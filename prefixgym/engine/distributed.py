@@ -49,7 +49,7 @@ from prefixgym.types import (
 if TYPE_CHECKING:
     from prefixgym.engine.sampling import SamplingClient
 
-_SUMMED_METRICS = ("loss", "train_computed_tokens", "train_loss_tokens", "train_shared_tokens")
+_SUMMED_METRICS = ("loss:sum", "loss", "train_computed_tokens", "train_loss_tokens", "train_shared_tokens")
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int]:
@@ -96,16 +96,16 @@ class DistributedTrainingClient:
 
     # -- requests ------------------------------------------------------------------
 
-    def forward_backward(self, datums: Sequence[Datum], loss_fn: str,
+    def forward_backward(self, data: Sequence[Datum], loss_fn: str,
                          loss_fn_config: Mapping[str, float] | None = None,
                          ) -> APIFuture[ForwardBackwardOutput]:
-        return APIFuture.completed(self._run(datums, loss_fn, loss_fn_config, backward=True))
+        return APIFuture.completed(self._run(data, loss_fn, loss_fn_config, backward=True))
 
-    def forward(self, datums: Sequence[Datum], loss_fn: str,
+    def forward(self, data: Sequence[Datum], loss_fn: str,
                 loss_fn_config: Mapping[str, float] | None = None,
                 ) -> APIFuture[ForwardBackwardOutput]:
         """`forward_backward` without gradients, sharded the same way."""
-        return APIFuture.completed(self._run(datums, loss_fn, loss_fn_config, backward=False))
+        return APIFuture.completed(self._run(data, loss_fn, loss_fn_config, backward=False))
 
     def optim_step(self, adam: AdamParams) -> APIFuture[OptimStepOutput]:
         """The same AdamW step on every rank (their gradients are equal)."""

@@ -8,15 +8,22 @@ thread loops: collect what was queued (blocking only when there is no work), the
     output = runner.run(batch)          # positions, block tables, forward, sampling
     scheduler.postprocess(batch, output)  # stops, retirement, cache insertion, futures
 
-Errors travel: a bad request is refused at `submit` with a ValueError; an exception
-in `run` fails the batch's requests with it, and one in scheduling or postprocessing
-(an engine bug) fails every request in flight; the thread keeps serving.
+Errors travel: a bad request is refused at `submit` with a ValueError (as is one
+beyond the engine's `RequestLimits`, or one the KV pool could never hold); an
+exception in `run` fails the batch's requests with it, and one in scheduling or
+postprocessing (an engine bug) fails every request in flight; the thread keeps serving.
 
 Determinism: requests are admitted in arrival order, batches are formed from the
 queue's contents at each step, and every sample draws from its own seeded generator,
 so the same submissions reaching an idle engine together give the same batches and
-the same outputs. `submit_many` queues its requests as one item: they always enter
-the same step, whatever other threads do (docs/architecture.md, "Determinism").
+the same outputs. `submit_many` queues its requests as one *round*: they always enter
+the same step, whatever other threads do. A request's logprobs still depend, in their
+last bits, on which other rows share its forwards (a matmul of a few rows takes other
+kernels than one of many); with `deterministic=True` the engine takes the next round
+only once the previous one has finished, so every batch is a function of one round's
+requests, in their order, and the cache's contents: a caller that submits each step
+of its work as one round in a fixed order (`rollouts` in lockstep) gets the same bits
+every run (docs/architecture.md, "Determinism").
 
 The engine knows nothing of chat formats or training: token ids, a `decode(ids) ->
 str` for stop strings, and a model per weights version.
@@ -28,13 +35,20 @@ import queue
 import random
 import threading
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from prefixgym.engine.kv_pool import KVPool
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.prefix_cache import PrefixCache
-from prefixgym.engine.requests import Request, kv_positions, validate_request
+from prefixgym.engine.requests import (
+    Request,
+    RequestLimits,
+    kv_positions,
+    validate_prompt_scoring,
+    validate_request,
+)
 from prefixgym.engine.runner import ModelRunner
 from prefixgym.engine.scheduler import Scheduler
 from prefixgym.engine.threads import ThreadTuner
@@ -42,8 +56,17 @@ from prefixgym.engine.usage import UsageLedger
 from prefixgym.futures import APIFuture
 from prefixgym.types import SampleResponse, SamplingParams
 
-# one queued submission: (prompt, model, version, params, num_samples, prompt logprobs)
-Submission = tuple[list[int], Transformer, int, SamplingParams, int, bool]
+
+
+class RoundItem(NamedTuple):
+    """One request of a `submit_many` round."""
+
+    prompt: list[int]
+    params: SamplingParams
+    num_samples: int = 1
+    include_prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
 
 
 class Engine:
@@ -57,8 +80,12 @@ class Engine:
         max_running: int = 256,
         max_prefill_tokens: int = 2048,
         thread_tuning: bool = True,
+        limits: RequestLimits | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.cache = cache
+        self.limits = limits or RequestLimits(max_samples=max_running)
+        self.deterministic = deterministic
         self._decode = decode
         self._seed_rng = random.Random(seed)
         self._submit_lock = threading.Lock()  # guards the seed generator and closing
@@ -83,25 +110,40 @@ class Engine:
         num_samples: int = 1, include_prompt_logprobs: bool = False,
     ) -> APIFuture[SampleResponse]:
         """Validate and queue one request. Raises ValueError for bad input."""
-        return self.submit_many([(prompt, model, version, params, num_samples,
-                                  include_prompt_logprobs)])[0]
+        item = RoundItem(prompt, params, num_samples, include_prompt_logprobs)
+        return self.submit_many([item], model, version)[0]
 
-    def submit_many(self, submissions: Sequence[Submission]) -> list[APIFuture[SampleResponse]]:
-        """Validate every request, then queue them as one item: they enter the engine
-        in this order, in the same step. Raises ValueError (queueing none) for bad input."""
-        for prompt, model, _, params, num_samples, _ in submissions:
-            validate_request(prompt, model, params, num_samples, self._decode is not None)
+    def submit_many(
+        self, items: Sequence[RoundItem], model: Transformer, version: int
+    ) -> list[APIFuture[SampleResponse]]:
+        """Validate every request, then queue them as one round: they enter the engine
+        in this order, in the same step. Raises ValueError (naming the request's index
+        in a round of several) for bad input, queueing none of them."""
+        requests: list[Request] = []
+        for i, item in enumerate(items):
+            try:
+                validate_request(item.prompt, model, item.params, item.num_samples,
+                                 self._decode is not None, self.limits)
+                validate_prompt_scoring(len(item.prompt), item.include_prompt_logprobs,
+                                        item.topk_prompt_logprobs, item.prompt_logprobs_last_n,
+                                        model.config.vocab_size)
+                requests.append(Request(
+                    list(item.prompt), item.num_samples, item.params,
+                    item.include_prompt_logprobs or item.topk_prompt_logprobs > 0, model,
+                    version, seed=0, topk_k=item.topk_prompt_logprobs,
+                    prompt_logprobs_last_n=item.prompt_logprobs_last_n,
+                    return_prompt_logprobs=item.include_prompt_logprobs))
+                self._check_fits(requests[-1])  # the pool must hold one request alone
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}" if len(items) > 1 else str(e)) from None
         with self._submit_lock:
             if self._closed:
                 raise RuntimeError("the engine is closed; create a new LocalService")
-            requests = []
-            for prompt, model, version, params, num_samples, logprobs in submissions:
-                seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-                requests.append(Request(list(prompt), num_samples, params, logprobs, model,
-                                        version, seed))
-            for req in requests:  # the pool must hold one request alone
-                self._check_fits(req)
-            self._queue.put(requests)
+            for req in requests:
+                seed = req.params.seed
+                req.seed = seed if seed is not None else self._seed_rng.getrandbits(63)
+            if requests:
+                self._queue.put(requests)
         return [r.future for r in requests]
 
     def _check_fits(self, req: Request) -> None:
@@ -164,17 +206,27 @@ class Engine:
                         self.step()
                     except Exception as error:  # noqa: BLE001 - an engine bug: fail what is in flight
                         self.scheduler.fail(self.scheduler.in_flight(), error)
+        queued = list(self.scheduler.waiting)  # and the rounds a deterministic engine held back
+        while not self._queue.empty():
+            queued += self._queue.get_nowait() or []
         closed = RuntimeError("the engine was closed before this request finished")
-        self.scheduler.fail(self.scheduler.in_flight() + list(self.scheduler.waiting), closed)
+        self.scheduler.fail(self.scheduler.in_flight() + queued, closed)
 
     def _collect(self) -> bool:
         """Move queued requests to the waiting queue, blocking only when there is no
-        work and while paused; False once the engine is closed."""
-        if not self.scheduler.has_work():
+        work and while paused; False once the engine is closed. Deterministic: one
+        round at a time, taken only once the previous round has finished."""
+        busy = self.scheduler.has_work()
+        if self.deterministic and busy:
+            return not self._closed
+        if not busy:
             first = self._queue.get()
             if first is None:
                 return False
             self.scheduler.waiting.extend(first)
+            if self.deterministic:
+                self._gate.wait()
+                return True
         self._gate.wait()
         while True:
             try:

@@ -8,7 +8,10 @@ Steps: 1) read and check config.json, 2) translate it into a `ModelConfig`,
 
 This module knows HF config fields and tensor names; it does not download anything,
 does not read tokenizers, and refuses what the model cannot compute exactly
-(RoPE scaling, sliding windows, MLP biases, activations other than SiLU).
+(RoPE scaling, sliding windows, MLP biases, activations other than SiLU). Every
+refusal is a ValueError naming the file: a config field of the wrong type (a list
+where an int belongs), an unreadable *.safetensors file, a tensor of the wrong shape
+or of a non-floating-point dtype, or one holding NaN or inf.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from prefixgym.engine.checkpoint_io import nonfinite_tensor
 from prefixgym.engine.model import ModelConfig, Transformer
 from prefixgym.types import JSONObject
 
-__all__ = ["config_from_hf", "load_hf_checkpoint"]
+__all__ = ["config_from_hf", "load_hf_checkpoint", "read_hf_config"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DEFAULT_MAX_SEQ_LEN_CAP = 32768
@@ -35,6 +39,27 @@ def _require(cfg: JSONObject, key: str, path: Path) -> Any:  # a JSON value, not
     if key not in cfg or cfg[key] is None:
         raise ValueError(f"{path}: required field {key!r} is missing")
     return cfg[key]
+
+
+def _int(cfg: JSONObject, key: str, path: Path, default: int | None = None) -> int:
+    """Field `key` as an int: required without a default; a float, string, list or bool
+    is refused rather than coerced."""
+    value = _require(cfg, key, path) if default is None else cfg.get(key)
+    if value is None:
+        assert default is not None
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{path}: field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _float(cfg: JSONObject, key: str, path: Path, default: float) -> float:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{path}: field {key!r} must be a number, got {value!r}")
+    return float(value)
 
 
 def _check_rope(cfg: JSONObject, path: Path) -> float:
@@ -54,7 +79,7 @@ def _check_rope(cfg: JSONObject, path: Path) -> float:
             raise ValueError(f"{path}: unsupported {field}.partial_rotary_factor")
     for source in (params, scaling, cfg):
         if source.get("rope_theta") is not None:
-            return float(source["rope_theta"])
+            return _float(source, "rope_theta", path, 10000.0)
     return 10000.0
 
 
@@ -79,14 +104,15 @@ def config_from_hf(
     if any(t != "full_attention" for t in layer_types):
         raise ValueError(f"{path}: layer_types other than 'full_attention' are not supported")
 
-    dim = int(_require(cfg, "hidden_size", path))
-    n_heads = int(_require(cfg, "num_attention_heads", path))
-    head_dim = cfg.get("head_dim")
+    dim = _int(cfg, "hidden_size", path)
+    n_heads = _int(cfg, "num_attention_heads", path)
     head_dim_override = None
-    if head_dim is not None and int(head_dim) * n_heads != dim:
-        head_dim_override = int(head_dim)
+    if cfg.get("head_dim") is not None:
+        head_dim = _int(cfg, "head_dim", path)
+        if head_dim * n_heads != dim:
+            head_dim_override = head_dim
     if max_seq_len is None:
-        max_positions = int(cfg.get("max_position_embeddings") or 2048)
+        max_positions = _int(cfg, "max_position_embeddings", path, default=2048) or 2048
         max_seq_len = min(max_positions, DEFAULT_MAX_SEQ_LEN_CAP)
     if model_type == "qwen2":
         qkv_bias, out_bias = True, False
@@ -94,15 +120,15 @@ def config_from_hf(
         qkv_bias = out_bias = bool(cfg.get("attention_bias", False))
     try:
         return ModelConfig(
-            vocab_size=int(_require(cfg, "vocab_size", path)),
+            vocab_size=_int(cfg, "vocab_size", path),
             dim=dim,
-            n_layers=int(_require(cfg, "num_hidden_layers", path)),
+            n_layers=_int(cfg, "num_hidden_layers", path),
             n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            hidden_dim=int(_require(cfg, "intermediate_size", path)),
+            n_kv_heads=_int(cfg, "num_key_value_heads", path, default=n_heads) or n_heads,
+            hidden_dim=_int(cfg, "intermediate_size", path),
             max_seq_len=max_seq_len,
             rope_theta=_check_rope(cfg, path),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            norm_eps=_float(cfg, "rms_norm_eps", path, 1e-6),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             out_bias=out_bias,
@@ -121,9 +147,12 @@ class _TensorIndex:
             raise FileNotFoundError(f"{directory}: no *.safetensors files found")
         self.where: dict[str, Path] = {}
         for file in self.files:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    self.where.setdefault(key, file)
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                        self.where.setdefault(key, file)
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
 
     def __contains__(self, key: str) -> bool:
         return key in self.where
@@ -132,13 +161,24 @@ class _TensorIndex:
         if key not in self.where:
             raise ValueError(f"checkpoint tensor {key!r} is missing (looked in {self.files})")
         file = self.where[key]
-        with safe_open(str(file), framework="pt") as f:
-            tensor = f.get_tensor(key)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                tensor = f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file}: cannot read tensor {key!r}: {e}") from None
         if tuple(tensor.shape) != shape:
             raise ValueError(
                 f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}"
             )
-        return tensor.to(dtype)
+        if not tensor.is_floating_point():
+            raise ValueError(f"{file}: tensor {key!r} has dtype {tensor.dtype}; weights are "
+                             "floating-point")
+        if nonfinite_tensor([(key, tensor)]) is not None:
+            raise ValueError(f"{file}: tensor {key!r} holds NaN or inf values")
+        converted = tensor.to(dtype)
+        if nonfinite_tensor([(key, converted)]) is not None:
+            raise ValueError(f"{file}: tensor {key!r} overflows to inf in {dtype}")
+        return converted
 
 
 def _state_dict_from_hf(
@@ -191,15 +231,11 @@ def _state_dict_from_hf(
     return sd
 
 
-def load_hf_checkpoint(
-    directory: str | os.PathLike[str],
-    dtype: torch.dtype = torch.float32,
-    max_seq_len: int | None = None,
-) -> Transformer:
-    """Build a `Transformer` from a local HF Llama/Qwen2 directory (train mode)."""
-    root = Path(directory)
-    # 1) config.json
-    config_path = root / "config.json"
+def read_hf_config(directory: str | os.PathLike[str], max_seq_len: int | None = None
+                   ) -> ModelConfig:
+    """Steps 1-2 alone: the directory's config.json as a `ModelConfig` (cheap; no tensor
+    is read). FileNotFoundError without one, ValueError naming the file and field."""
+    config_path = Path(directory) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: not found (expected an HF checkpoint directory)")
     try:
@@ -208,8 +244,18 @@ def load_hf_checkpoint(
         raise ValueError(f"{config_path}: not valid JSON ({err})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{config_path}: expected a JSON object")  # noqa: TRY004
-    # 2) our config
-    config = config_from_hf(raw, config_path, max_seq_len)
+    return config_from_hf(raw, config_path, max_seq_len)
+
+
+def load_hf_checkpoint(
+    directory: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    max_seq_len: int | None = None,
+) -> Transformer:
+    """Build a `Transformer` from a local HF Llama/Qwen2 directory (train mode)."""
+    root = Path(directory)
+    # 1) + 2) config.json, as our config
+    config = read_hf_config(root, max_seq_len)
     # 3) + 4) tensors, renamed and fused
     state_dict = _state_dict_from_hf(_TensorIndex(root), config, dtype)
     # 5) no random init for weights that are about to be replaced

@@ -1,4 +1,6 @@
-"""Per-token training losses: cross_entropy, importance_sampling, ppo.
+"""Per-token training losses: cross_entropy, importance_sampling, ppo, cispo, dro, gspo,
+stable_reinforce, as the hosted service documents them (its "Loss Functions" pages; each
+function's docstring gives the formula).
 
 Each loss takes the current model's logprob of every target token (`logprobs_B_T`,
 differentiable) and the datum tensors of the same shape, and returns
@@ -8,12 +10,14 @@ differentiable) and the datum tensors of the same shape, and returns
   as the hosted service does: no mean over tokens or sequences is taken, so users
   scale the loss through `weights` and `advantages` (e.g. weights 1/num_tokens for a
   per-token mean). Padded positions carry weight 0 and contribute nothing.
-- `metric_sums` maps a metric name to a per-token quantity summed over the loss
-  tokens (positions with a non-zero weight). The caller divides by the number of
-  loss tokens to report means, so sums from several chunks of a batch add up exactly.
+- `metric_sums` maps a metric name to a per-token quantity summed over the **loss
+  positions** (`inputs["loss_mask"]`, see `types.loss_positions`). The caller divides by the
+  number of loss positions to report means, so sums from several chunks add up exactly.
 
-Weights default to 1 where a datum has none; the caller passes them filled in.
-This module knows nothing of models, datums or batching: only tensors.
+Weights default to 1 where a datum has none; the caller passes them filled in, with the
+loss mask. Each row of the (B, T) tensors is one datum (gspo's sequence ratio is per
+row). Clip thresholds are **bounds on the ratio** (`clamp(r, low, high)`), as the
+service takes them. This module knows nothing of models, datums or batching: only tensors.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ def cross_entropy(
     """
     weights_B_T = inputs["weights"]
     loss = -(weights_B_T * logprobs_B_T).sum()
-    mask = weights_B_T != 0
+    mask = _mask(inputs)
     return loss, {"nll/mean": float(-logprobs_B_T.detach()[mask].sum())}
 
 
@@ -74,35 +78,141 @@ def importance_sampling(
 def ppo(
     logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]
 ) -> tuple[Tensor, MetricSums]:
-    """The PPO clipped surrogate.
+    """The PPO clipped surrogate (service docs: "PPO").
 
         r_t  = exp(logp_t - logp_sampler_t)
-        loss = -sum_t w_t * min(r_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
+        loss = -sum_t w_t * min(r_t * A_t, clamp(r_t, low, high) * A_t)
 
     Inputs: `logprobs` (logp_sampler), `advantages` (A), `weights` (w).
-    Config (see `validate_config`): `clip_low_threshold` = eps_low and
-    `clip_high_threshold` = eps_high, both **offsets from 1** (not bounds), default 0.2.
-    Metric "clip_fraction": share of loss tokens where the clipped term is the
+    Config: `clip_low_threshold` = low and `clip_high_threshold` = high, **bounds** on
+    the ratio (default 0.8 and 1.2, i.e. eps = 0.2 either side).
+    Metric "clip_fraction": share of loss positions where the clipped term is the
     smaller one and differs from the unclipped term (its gradient is zero there).
     """
-    eps_low, eps_high = config["clip_low_threshold"], config["clip_high_threshold"]
     weights_B_T, advantages_B_T = inputs["weights"], inputs["advantages"]
     ratio_B_T = torch.exp(logprobs_B_T - inputs["logprobs"])
+    return _clipped_surrogate(logprobs_B_T, ratio_B_T, weights_B_T, advantages_B_T, inputs,
+                              config)
+
+
+def cispo(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]
+) -> tuple[Tensor, MetricSums]:
+    """CISPO (service docs: "CISPO"; Chen et al. 2025, arXiv 2506.13585): the clipped
+    ratio, detached, weights the log-likelihood, so no token's gradient is zeroed.
+
+        r_t  = exp(logp_t - logp_sampler_t)
+        loss = -sum_t w_t * sg(clamp(r_t, low, high)) * logp_t * A_t
+
+    Inputs: `logprobs`, `advantages`, `weights`. Config: `clip_low_threshold` = low and
+    `clip_high_threshold` = high, bounds on the ratio (default 0 and 4: one-sided).
+    Metric "clip_fraction": share of loss positions whose ratio was clamped.
+    """
+    weights_B_T, advantages_B_T = inputs["weights"], inputs["advantages"]
+    ratio_B_T = torch.exp(logprobs_B_T - inputs["logprobs"])
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    coef_B_T = torch.clamp(ratio_B_T.detach(), low, high)
+    loss = -(weights_B_T * coef_B_T * logprobs_B_T * advantages_B_T).sum()
+    metrics = _ratio_metrics(logprobs_B_T, inputs, ratio_B_T)
+    clamped = (coef_B_T != ratio_B_T.detach()) & _mask(inputs)
+    metrics["clip_fraction"] = float(clamped.sum())
+    return loss, metrics
+
+
+def dro(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]
+) -> tuple[Tensor, MetricSums]:
+    """DRO (service docs: "DRO"; Richemond et al. 2024, arXiv 2405.19107): the
+    log-likelihood times the advantage, less a quadratic penalty on the log-ratio.
+
+        loss = -sum_t w_t * (logp_t * A_t - beta/2 * (logp_t - logp_sampler_t)^2)
+
+    Inputs: `logprobs`, `advantages` (the "soft" advantage DRO expects, computed by the
+    caller), `weights`. Config: `beta` (default 0.05: the service's example value; its
+    default is not published).
+    """
+    weights_B_T, advantages_B_T = inputs["weights"], inputs["advantages"]
+    log_ratio_B_T = logprobs_B_T - inputs["logprobs"]
+    objective_B_T = logprobs_B_T * advantages_B_T - 0.5 * config["beta"] * log_ratio_B_T**2
+    loss = -(weights_B_T * objective_B_T).sum()
+    return loss, _ratio_metrics(logprobs_B_T, inputs, torch.exp(log_ratio_B_T))
+
+
+def gspo(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]
+) -> tuple[Tensor, MetricSums]:
+    """GSPO-token (service docs: "GSPO"; Zheng et al. 2025, arXiv 2507.18071): PPO's
+    clipped surrogate on a per-sequence ratio, the geometric mean of the token ratios
+    over the positions M that `sequence_ratio_mask` marks.
+
+        s    = exp(mean_{t in M}(sg(logp_t) - logp_sampler_t))        per datum (row)
+        s_t  = sg(s) * exp(logp_t - sg(logp_t))      (value s, gradient of logp_t)
+        loss = -sum_t w_t * min(s_t * A_t, clamp(s_t, low, high) * A_t)
+
+    Inputs: `logprobs`, `advantages`, `weights`, and `sequence_ratio_mask` (optional;
+    without it M is the datum's loss positions). Config: `clip_low_threshold`,
+    `clip_high_threshold`, bounds (default 0.8 and 1.2). A row with an empty M has s = 1.
+    """
+    weights_B_T, advantages_B_T = inputs["weights"], inputs["advantages"]
+    in_ratio_B_T = (inputs["sequence_ratio_mask"] != 0) if "sequence_ratio_mask" in inputs \
+        else _mask(inputs)
+    log_ratio_B_T = (logprobs_B_T.detach() - inputs["logprobs"]) * in_ratio_B_T
+    count_B = in_ratio_B_T.sum(dim=1).clamp_min(1)
+    seq_log_ratio_B = log_ratio_B_T.sum(dim=1) / count_B  # (B,)
+    ratio_B_T = torch.exp(seq_log_ratio_B[:, None] + logprobs_B_T - logprobs_B_T.detach())
+    return _clipped_surrogate(logprobs_B_T, ratio_B_T, weights_B_T, advantages_B_T, inputs,
+                              config)
+
+
+def stable_reinforce(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]
+) -> tuple[Tensor, MetricSums]:
+    """StableReinforce, **a local stand-in**: the service's objective (docs: "StableReinforce",
+    alpha) uses stability information it records at sampling time and is not published.
+    Locally the sampler and the trainer share one model and its numerics, and this is
+    REINFORCE with the importance weight as a detached coefficient, plus an optional
+    penalty on the k3 estimate of KL(sampler || current):
+
+        r_t  = exp(logp_t - logp_sampler_t)
+        loss = -sum_t w_t * sg(r_t) * logp_t * A_t  +  kl_coeff * sum_t w_t * (r_t - 1 - log r_t)
+
+    Its gradient at kl_coeff = 0 equals importance_sampling's. Inputs: `logprobs`,
+    `advantages`, `weights`. Config: `kl_coeff` (default 0), the key the service names.
+    """
+    weights_B_T, advantages_B_T = inputs["weights"], inputs["advantages"]
+    log_ratio_B_T = logprobs_B_T - inputs["logprobs"]
+    ratio_B_T = torch.exp(log_ratio_B_T)
+    k3_B_T = torch.expm1(log_ratio_B_T) - log_ratio_B_T
+    per_token_B_T = (-ratio_B_T.detach() * logprobs_B_T * advantages_B_T
+                     + config["kl_coeff"] * k3_B_T)
+    loss = (weights_B_T * per_token_B_T).sum()
+    return loss, _ratio_metrics(logprobs_B_T, inputs, ratio_B_T)
+
+
+def _clipped_surrogate(
+    logprobs_B_T: Tensor, ratio_B_T: Tensor, weights_B_T: Tensor, advantages_B_T: Tensor,
+    inputs: Mapping[str, Tensor], config: Mapping[str, float],
+) -> tuple[Tensor, MetricSums]:
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
     unclipped_B_T = ratio_B_T * advantages_B_T
-    clipped_B_T = torch.clamp(ratio_B_T, 1.0 - eps_low, 1.0 + eps_high) * advantages_B_T
+    clipped_B_T = torch.clamp(ratio_B_T, low, high) * advantages_B_T
     surrogate_B_T = torch.minimum(unclipped_B_T, clipped_B_T)
     loss = -(weights_B_T * surrogate_B_T).sum()
     metrics = _ratio_metrics(logprobs_B_T, inputs, ratio_B_T)
-    mask = weights_B_T != 0
-    is_clipped = (clipped_B_T.detach() < unclipped_B_T.detach()) & mask
+    is_clipped = (clipped_B_T.detach() < unclipped_B_T.detach()) & _mask(inputs)
     metrics["clip_fraction"] = float(is_clipped.sum())
     return loss, metrics
+
+
+def _mask(inputs: Mapping[str, Tensor]) -> Tensor:
+    mask = inputs.get("loss_mask")
+    return inputs["weights"] != 0 if mask is None else mask != 0
 
 
 def _ratio_metrics(
     logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], ratio_B_T: Tensor
 ) -> MetricSums:
-    mask = inputs["weights"] != 0
+    mask = _mask(inputs)
     log_ratio = (logprobs_B_T - inputs["logprobs"]).detach()[mask]
     # k3 estimator of KL(sampler || current): r - 1 - log r, >= 0 per token.
     k3 = torch.expm1(log_ratio) - log_ratio
@@ -122,16 +232,19 @@ class LossSpec:
     config_defaults: Mapping[str, float] | None = None
 
 
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+_CLIP_PPO = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(cross_entropy, required=("target_tokens",)),
-    "importance_sampling": LossSpec(
-        importance_sampling, required=("target_tokens", "logprobs", "advantages")
-    ),
-    "ppo": LossSpec(
-        ppo,
-        required=("target_tokens", "logprobs", "advantages"),
-        config_defaults={"clip_low_threshold": 0.2, "clip_high_threshold": 0.2},
-    ),
+    "importance_sampling": LossSpec(importance_sampling, required=_RL_INPUTS),
+    "ppo": LossSpec(ppo, required=_RL_INPUTS, config_defaults=_CLIP_PPO),
+    "cispo": LossSpec(cispo, required=_RL_INPUTS,
+                      config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
+    "dro": LossSpec(dro, required=_RL_INPUTS, config_defaults={"beta": 0.05}),
+    "gspo": LossSpec(gspo, required=_RL_INPUTS, optional=("weights", "sequence_ratio_mask"),
+                     config_defaults=_CLIP_PPO),
+    "stable_reinforce": LossSpec(stable_reinforce, required=_RL_INPUTS,
+                                 config_defaults={"kl_coeff": 0.0}),
 }
 KNOWN_INPUT_KEYS = frozenset(k for s in LOSSES.values() for k in (*s.required, *s.optional))
 
@@ -145,8 +258,9 @@ def get_loss(loss_fn: str) -> LossSpec:
 def validate_config(loss_fn: str, loss_fn_config: Mapping[str, object] | None) -> dict[str, float]:
     """The loss config with defaults filled in; ValueError on an unknown key or a bad value.
 
-    For ppo, `clip_low_threshold` must be in [0, 1) and `clip_high_threshold` >= 0:
-    the ratio is clipped to [1 - clip_low_threshold, 1 + clip_high_threshold].
+    Clip thresholds are bounds on the ratio: `clip_low_threshold` in [0, 1] and
+    `clip_high_threshold` >= 1 (the ratio is clamped to [low, high]). `beta` and
+    `kl_coeff` are >= 0.
     """
     spec = get_loss(loss_fn)
     defaults = dict(spec.config_defaults or {})
@@ -166,15 +280,19 @@ def validate_config(loss_fn: str, loss_fn_config: Mapping[str, object] | None) -
         ):
             raise ValueError(f"loss_fn_config[{key!r}] = {value!r} must be a finite number")
         config[key] = float(value)
-    if loss_fn == "ppo":
-        if not 0.0 <= config["clip_low_threshold"] < 1.0:
+    if "clip_low_threshold" in config:
+        low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+        if not 0.0 <= low <= 1.0:
             raise ValueError(
-                f"loss_fn_config['clip_low_threshold'] = {config['clip_low_threshold']} is eps_low "
-                "(the ratio's lower bound is 1 - eps_low); it must be in [0, 1)"
+                f"loss_fn_config['clip_low_threshold'] = {low} is the ratio's lower bound "
+                "(e.g. 0.8 for eps 0.2); it must be in [0, 1]"
             )
-        if config["clip_high_threshold"] < 0.0:
+        if high < 1.0:
             raise ValueError(
-                f"loss_fn_config['clip_high_threshold'] = {config['clip_high_threshold']} is "
-                "eps_high (the ratio's upper bound is 1 + eps_high); it must be >= 0"
+                f"loss_fn_config['clip_high_threshold'] = {high} is the ratio's upper bound "
+                "(e.g. 1.2 for eps 0.2, not the offset 0.2); it must be >= 1"
             )
+    for key in ("beta", "kl_coeff"):
+        if config.get(key, 0.0) < 0.0:
+            raise ValueError(f"loss_fn_config[{key!r}] = {config[key]} must be >= 0")
     return config

@@ -56,6 +56,8 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = (
             None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         )
+        self.head_adapter: nn.Module | None = None
+        """A LoRA adapter on the output head (`lora.py`): its output is added to the logits."""
         self.build_rope_tables()
 
     def build_rope_tables(self, device: torch.device | str | None = None) -> None:
@@ -139,7 +141,10 @@ class Transformer(nn.Module):
             else:
                 h = h[torch.arange(B, device=h.device), last_index_B].unsqueeze(1)
         h = self.norm(h)
-        return F.linear(h, self.output_weight).float()  # (B, T, V)
+        logits_B_T_V = F.linear(h, self.output_weight)
+        if self.head_adapter is not None:
+            logits_B_T_V = logits_B_T_V + self.head_adapter(h)
+        return logits_B_T_V.float()
 
     def clone_for_inference(self, dtype: torch.dtype | None = None) -> Transformer:
         """A frozen deep copy (eval mode, requires_grad False) for sampling."""

@@ -1,11 +1,13 @@
 """One sampling request inside the engine: its state, its validation, its response.
 
-A `Request` is what `Scheduler.submit` queues: a prompt, decoding settings, the model
+A `Request` is what `Engine.submit` queues: a prompt, decoding settings, the model
 of one weights version and the future to complete. Each of its `num_samples`
 `Sequence`s tracks one continuation: tokens, logprobs, its block table (the KV pool's
 blocks holding its positions), how many blocks it may still take, and its own random
-generator. `validate_request` refuses bad input with a
-ValueError naming the field; `build_response` turns a finished request into the wire
+generator. `validate_request` refuses bad input with a ValueError naming the field,
+and a request beyond the engine's `RequestLimits`: more samples than may run at once,
+or running KV that cannot fit in the byte budget (10,000 samples once tried to
+allocate 42 GB); `build_response` turns a finished request into the wire
 `SampleResponse` and its `Usage`.
 
 This module knows nothing of batching, tensors or the prefix cache's keys.
@@ -13,17 +15,50 @@ This module knows nothing of batching, tensors or the prefix cache's keys.
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 
 from prefixgym.engine.model import Transformer
 from prefixgym.futures import APIFuture
-from prefixgym.types import SampledSequence, SampleResponse, SamplingParams, Usage
+from prefixgym.types import SampledSequence, SampleResponse, SamplingParams, TopkLogprobs, Usage
+
+_REQUEST_IDS = itertools.count()
+
+DEFAULT_MAX_KV_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the engine."""
+
+    max_samples: int = 256
+    """Samples of one request at most: the engine's max running sequences, so a request
+    never runs past that bound (admission never splits a request's samples)."""
+    max_kv_bytes: int = DEFAULT_MAX_KV_BYTES
+    """Bytes of running KV one request may need: samples x (prompt + max_tokens)
+    positions x the KV pool's bytes per position (keys and values, every layer), as
+    if no block were shared."""
+    kv_element_size: int = 4
+    """Bytes of one key or value element in the KV pool (fp32 on CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.max_samples < 1 or self.max_kv_bytes < 1:
+            raise ValueError(f"request limits must be positive, got {self}")
+
+
+def kv_bytes_per_position(model: Transformer, element_size: int = 4) -> int:
+    """Bytes of KV one position takes in the pool: keys and values of every layer, of
+    `element_size` bytes each (fp32 on CPU: kv_pool.py)."""
+    cfg = model.config
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * element_size
 
 
 @dataclass(eq=False)
 class Request:
-    """A queued or running request; the fields after `future` are engine state."""
+    """A queued or running request; the fields after `request_id` are engine state.
+    `include_prompt_logprobs` here means "score the prompt" (full logits, no cache read
+    before `prompt_logprobs_last_n`): asked for by prompt logprobs or top-k."""
 
     prompt: list[int]
     num_samples: int
@@ -33,9 +68,14 @@ class Request:
     version: int
     seed: int
     future: APIFuture[SampleResponse] = field(default_factory=APIFuture)
+    topk_k: int = 0  # topk_prompt_logprobs asked for
+    prompt_logprobs_last_n: int | None = None  # score only the last n prompt tokens
+    return_prompt_logprobs: bool = True  # False when only the top-k were asked for
+    request_id: int = field(default_factory=lambda: next(_REQUEST_IDS))
     num_cached_tokens: int = 0
     tail_pin: list[int] = field(default_factory=list)  # a cached block to copy from
     prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
     sequences: list[Sequence] = field(default_factory=list)
     unfinished: int = 0
 
@@ -90,19 +130,24 @@ def build_response(req: Request) -> SampleResponse:
     )
     sequences = [
         SampledSequence.model_construct(
-            tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason or "length"
+            tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason or "length",
+            sequence_id=f"{req.request_id}:{i}",
         )
-        for s in req.sequences
+        for i, s in enumerate(req.sequences)
     ]
     return SampleResponse.model_construct(
-        sequences=sequences, prompt_logprobs=req.prompt_logprobs, usage=usage
+        sequences=sequences, usage=usage, prompt_cache_hit_tokens=req.num_cached_tokens,
+        prompt_logprobs=req.prompt_logprobs if req.return_prompt_logprobs else None,
+        topk_prompt_logprobs=req.topk_prompt_logprobs,
     )
 
 
 def validate_request(
-    prompt: list[int], model: Transformer, params: SamplingParams, num_samples: int, can_decode: bool
+    prompt: list[int], model: Transformer, params: SamplingParams, num_samples: int,
+    can_decode: bool, limits: RequestLimits | None = None,
 ) -> None:
     cfg = model.config
+    limits = limits or RequestLimits()
     if not prompt:
         raise ValueError("prompt has no tokens; a prompt needs at least one token id")
     lo, hi = min(prompt), max(prompt)
@@ -112,13 +157,24 @@ def validate_request(
             f"prompt token id {bad} at index {prompt.index(bad)} is outside the model's "
             f"vocabulary [0, {cfg.vocab_size})"
         )
-    if not isinstance(num_samples, int) or num_samples < 1:
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    if num_samples > limits.max_samples:
+        raise ValueError(f"num_samples {num_samples} exceeds this engine's limit of "
+                         f"{limits.max_samples} sequences running at once; send fewer samples "
+                         "per request")
     total = len(prompt) + params.max_tokens
     if total > cfg.max_seq_len:
         raise ValueError(
             f"prompt length {len(prompt)} + max_tokens {params.max_tokens} = {total} exceeds the "
             f"model's max_seq_len {cfg.max_seq_len}; shorten the prompt or lower max_tokens"
+        )
+    kv_bytes = num_samples * total * kv_bytes_per_position(model, limits.kv_element_size)
+    if kv_bytes > limits.max_kv_bytes:
+        raise ValueError(
+            f"{num_samples} samples x {total} positions need {kv_bytes / 2**20:,.0f} MiB of KV, "
+            f"more than this engine's {limits.max_kv_bytes / 2**20:,.0f} MiB per request; lower "
+            "num_samples or max_tokens (or raise max_kv_bytes)"
         )
     for t in params.stop_token_ids:
         if t < 0 or t >= cfg.vocab_size:
@@ -127,3 +183,20 @@ def validate_request(
             )
     if params.stop and not can_decode:
         raise ValueError("stop strings need a tokenizer to decode with; this engine has none")
+
+
+def validate_prompt_scoring(
+    prompt_len: int, include_prompt_logprobs: bool, topk: int, last_n: int | None, vocab: int
+) -> None:
+    """`topk_prompt_logprobs` is 0 (off) or in [1, vocab]; `prompt_logprobs_last_n` needs
+    prompt logprobs or top-k and is in [1, len(prompt) - 1] (the hosted service's rules)."""
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 0 <= topk <= vocab:
+        raise ValueError(f"topk_prompt_logprobs must be an int in [0, {vocab}], got {topk!r}")
+    if last_n is None:
+        return
+    if not (include_prompt_logprobs or topk):
+        raise ValueError("prompt_logprobs_last_n needs include_prompt_logprobs=True or "
+                         "topk_prompt_logprobs > 0")
+    if isinstance(last_n, bool) or not isinstance(last_n, int) or not 1 <= last_n < prompt_len:
+        raise ValueError(f"prompt_logprobs_last_n must be an int in [1, len(prompt) - 1 = "
+                         f"{prompt_len - 1}], got {last_n!r}")

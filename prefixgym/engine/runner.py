@@ -10,7 +10,7 @@
    over the batch's workspace, gathered from the pool only when its rows change;
 3) one forward (on the thread count `threads.py` chose for this kind of step);
 4) for a prefill, copy each prompt's part-filled last block to its other samples; the
-   prompt logprobs of a request that asked for them;
+   prompt logprobs (and top-k) of a request that scores its prompt;
 5) sample every sequence's next token from its row's logits, drawing its uniform from
    its own generator.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from prefixgym.engine.kv_pool import DecodeView, DecodeWorkspace, KVPool, PagedView
+from prefixgym.engine.requests import Request
 from prefixgym.engine.scheduler import Batch, Output
 from prefixgym.engine.threads import ThreadTuner, size_bucket
 from prefixgym.engine.token_sampler import RowParams, sample_tokens
@@ -63,21 +64,20 @@ class ModelRunner:
         # 4) forks and prompt logprobs
         for src, dst, n in batch.fork_copies:
             pool.copy_block(src, dst, n)
-        prompt_logprobs: list[float | None] | None = None
+        scored = Output([], [])
         if batch.prompt_logprobs:
-            logp_T_V = torch.log_softmax(logits[0, : batch.lengths[0] - 1].float(), dim=-1)
-            targets = torch.tensor(batch.tokens[0][1:], device=dev).unsqueeze(1)
-            prompt_logprobs = [None, *logp_T_V.gather(1, targets).squeeze(1).tolist()]
+            scored = _score_prompt(batch.requests[0], logits[0, : batch.lengths[0] - 1])
         # 5) one token per sequence (a prefill's samples share their request's row)
         if not batch.seqs or batch.seqs[0].max_tokens == 0:
-            return Output([], [], prompt_logprobs)
+            return scored
         last_S_V = logits[batch.source_rows, -1] if prefill else logits[:, -1]
         params = [s.request.params for s in batch.seqs]
         row_params = RowParams.build([p.temperature for p in params], [p.top_k for p in params],
                                      [p.top_p for p in params], device=dev)
         uniforms = [0.0 if s.is_greedy else s.rng.random() for s in batch.seqs]
         tokens_S, logprobs_S = sample_tokens(last_S_V, row_params, uniforms)
-        return Output(tokens_S.tolist(), logprobs_S.tolist(), prompt_logprobs)
+        scored.tokens, scored.logprobs = tokens_S.tolist(), logprobs_S.tolist()
+        return scored
 
     def _workspace(self, batch: Batch) -> DecodeWorkspace:
         """The batch's decode workspace: kept while its rows stay the same sequences
@@ -93,3 +93,20 @@ class ModelRunner:
                 del self._workspaces[stale]
         self._workspaces[batch.version] = ws
         return ws
+
+
+def _score_prompt(req: Request, logits_T_V: torch.Tensor) -> Output:
+    """The prompt's logprobs (and top-k) from the logits of its computed positions
+    (`num_cached_tokens` onwards, the last excluded); None before the scored part."""
+    P, start = len(req.prompt), req.num_cached_tokens
+    first_scored = P - (req.prompt_logprobs_last_n or P - 1)  # position 0 is never scored
+    logp_T_V = torch.log_softmax(logits_T_V.float(), dim=-1)  # predicts prompt[start + 1:]
+    targets = torch.tensor(req.prompt[start + 1 :], device=logp_T_V.device).unsqueeze(1)
+    values = logp_T_V.gather(1, targets).squeeze(1).tolist()
+    unscored: list[None] = [None] * first_scored
+    out = Output([], [], prompt_logprobs=[*unscored, *values[first_scored - start - 1 :]])
+    if req.topk_k:
+        top = logp_T_V[first_scored - start - 1 :].topk(req.topk_k, dim=-1)
+        rows = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        out.topk_prompt_logprobs = [*unscored, *(list(zip(i, v, strict=True)) for i, v in rows)]
+    return out

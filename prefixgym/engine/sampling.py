@@ -22,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from prefixgym.engine.engine import RoundItem
 from prefixgym.engine.model import Transformer
 from prefixgym.futures import APIFuture
-from prefixgym.types import ModelInput, SampleResponse, SamplingParams
+from prefixgym.types import ModelInput, SampleRequest, SampleResponse, SamplingParams
 
 if TYPE_CHECKING:
     from prefixgym.engine.engine import Engine
@@ -49,41 +50,33 @@ class SamplingClient:
         num_samples: int = 1,
         sampling_params: SamplingParams | None = None,
         include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[SampleResponse]:
         """Decode `num_samples` continuations of `prompt` (one shared prefill).
 
         With `include_prompt_logprobs=True` the whole prompt is recomputed (no cache
         read) and `response.prompt_logprobs[i]` is log p(prompt[i] | prompt[:i]),
-        None for i = 0.
+        None for i = 0. `topk_prompt_logprobs=k` gives each prompt position's k most
+        likely tokens (`response.topk_prompt_logprobs`), computed the same way.
+        `prompt_logprobs_last_n=n` scores only the last n prompt tokens (the entries
+        before them are None), so the prefix before them may be served from the cache
+        (the hosted service's parameters, with its rules).
         """
-        return self.sample_many([prompt], num_samples, sampling_params,
-                                include_prompt_logprobs)[0]
+        item = self._item(prompt, num_samples, sampling_params, include_prompt_logprobs,
+                          topk_prompt_logprobs, prompt_logprobs_last_n)
+        return self._engine.submit_many([item], self._model, self.weights_version)[0]
 
     def sample_many(
-        self,
-        prompts: Sequence[ModelInput | list[int]],
-        num_samples: int = 1,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        include_prompt_logprobs: bool = False,
+        self, requests: Sequence[SampleRequest], include_prompt_logprobs: bool = False
     ) -> list[APIFuture[SampleResponse]]:
-        """`sample` for several prompts, queued atomically: they reach the engine in this
-        order and in the same step, whatever other threads submit meanwhile (so batch
-        composition does not depend on thread timing). `sampling_params`: one for all,
-        or one per prompt. Refuses all of them (ValueError) if any is bad."""
-        per_prompt = (list(sampling_params) if isinstance(sampling_params, Sequence)
-                      else [sampling_params] * len(prompts))
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"{len(per_prompt)} sampling_params for {len(prompts)} prompts")
-        submissions = []
-        for prompt, params in zip(prompts, per_prompt):
-            params = params if params is not None else SamplingParams()
-            if self.default_stop_token_ids:
-                merged = list(dict.fromkeys([*params.stop_token_ids,
-                                             *self.default_stop_token_ids]))
-                params = params.model_copy(update={"stop_token_ids": merged})
-            submissions.append((_ids(prompt), self._model, self.weights_version, params,
-                                num_samples, include_prompt_logprobs))
-        return self._engine.submit_many(submissions)
+        """`sample` for each request, queued atomically as one round in this order: the
+        round enters the engine in one step, whatever other threads submit meanwhile (a
+        deterministic engine runs it alone). Bad input in any request raises a
+        ValueError and queues none."""
+        items = [self._item(r.prompt, r.num_samples, r.sampling_params, include_prompt_logprobs)
+                 for r in requests]
+        return self._engine.submit_many(items, self._model, self.weights_version)
 
     def compute_logprobs(self, prompt: ModelInput | list[int]) -> APIFuture[list[float | None]]:
         """log p(token i | tokens before i) for every position; None for the first.
@@ -91,11 +84,20 @@ class SamplingClient:
         Recomputes the whole sequence (never read from the cache; counted as prefill
         computed).
         """
-        future = self._engine.submit(
-            _ids(prompt), self._model, self.weights_version, SamplingParams(max_tokens=0),
-            num_samples=1, include_prompt_logprobs=True,
-        )
+        item = RoundItem(_ids(prompt), SamplingParams(max_tokens=0), 1, True)
+        [future] = self._engine.submit_many([item], self._model, self.weights_version)
         return future.map(lambda response: list(response.prompt_logprobs or []))
+
+    def _item(
+        self, prompt: ModelInput | list[int], num_samples: int, params: SamplingParams | None,
+        include_prompt_logprobs: bool, topk: int = 0, last_n: int | None = None,
+    ) -> RoundItem:
+        """One request for the engine, with this client's default stop ids added."""
+        params = params if params is not None else SamplingParams()
+        if self.default_stop_token_ids:
+            merged = list(dict.fromkeys([*params.stop_token_ids, *self.default_stop_token_ids]))
+            params = params.model_copy(update={"stop_token_ids": merged})
+        return RoundItem(_ids(prompt), params, num_samples, include_prompt_logprobs, topk, last_n)
 
 
 def _ids(prompt: ModelInput | list[int]) -> list[int]:

@@ -10,8 +10,9 @@ Admission, in `schedule()`: requests leave the waiting queue in arrival order, a
 wave, while they fit under `max_running` rows and the KV pool can promise every block
 they may need (`PrefixCache.can_reserve`); the first that does not fit waits, and so
 does everything behind it. Each takes its longest cached prefix (at most
-len(prompt)-1 tokens, since the last prompt token must be computed for its logits;
-none for requests that want prompt logprobs). A request whose first uncached block
+len(prompt)-1 tokens, since the last prompt token must be computed for its logits; a
+request that scores its prompt reads none, or, with `prompt_logprobs_last_n`, only
+the prefix before the positions it scores). A request whose first uncached block
 an earlier request of the wave will compute waits one wave and hits the cache instead.
 The wave is prefilled in chunks of similar uncached length (prompt-logprob and
 zero-token requests alone). A request's G samples share its prompt's full blocks;
@@ -35,6 +36,7 @@ from prefixgym.engine.model import Transformer
 from prefixgym.engine.prefix_cache import PrefixCache
 from prefixgym.engine.requests import Request, Sequence, build_response, kv_positions, new_sequences
 from prefixgym.engine.usage import UsageLedger
+from prefixgym.types import TopkLogprobs
 
 _CALL_COST_TOKENS = 64  # a forward call's fixed cost, in padded positions
 
@@ -64,11 +66,13 @@ class Batch:
 
 @dataclass
 class Output:
-    """What the runner computed: one token and logprob per sequence of the batch."""
+    """What the runner computed: one token and logprob per sequence of the batch, and
+    for a prompt-scoring prefill its request's prompt logprobs and top-k."""
 
     tokens: list[int]
     logprobs: list[float]
     prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
 
 
 class Scheduler:
@@ -147,10 +151,11 @@ class Scheduler:
             P = len(req.prompt)
             if rows and rows + req.num_samples > self.max_running:
                 break
-            reuse = not req.include_prompt_logprobs
-            match = self.cache.match(req.prompt, req.version, P - 1) if reuse else None
+            limit = _cache_limit(req)
+            reuse = not req.include_prompt_logprobs or req.prompt_logprobs_last_n is not None
+            match = self.cache.match(req.prompt, req.version, limit) if reuse else None
             hit = match.blocks if match else []
-            if match and match.claim in claimed and (len(hit) + 1) * bs <= P - 1:
+            if match and match.claim in claimed and (len(hit) + 1) * bs <= limit:
                 deferred.append(self.waiting.popleft())  # it hits the cache next wave
                 continue
             pins = hit + ([match.tail_block] if match and match.tail_block is not None else [])
@@ -242,6 +247,7 @@ class Scheduler:
                 self.cache.release(req.tail_pin)
                 req.tail_pin = []
                 req.prompt_logprobs = output.prompt_logprobs
+                req.topk_prompt_logprobs = output.topk_prompt_logprobs
                 if req.params.max_tokens == 0:
                     self._retire(first)
                     for seq in req.sequences[1:]:
@@ -343,6 +349,17 @@ class Scheduler:
             del self._version_models[version]
             self.running.pop(version, None)
             self.cache.drop_version(version)
+
+
+def _cache_limit(req: Request) -> int:
+    """How many prompt tokens may come from the cache: all but the last (its logits are
+    needed); for a request scoring its prompt, none, or those before the position whose
+    logits score the first of its last `prompt_logprobs_last_n` tokens."""
+    P = len(req.prompt)
+    if not req.include_prompt_logprobs:
+        return P - 1
+    last_n = req.prompt_logprobs_last_n
+    return 0 if last_n is None else P - last_n - 1
 
 
 def _blocks_per_sample(req: Request, block_size: int) -> tuple[int, int]:

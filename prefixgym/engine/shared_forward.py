@@ -58,7 +58,16 @@ class _KVStore:
         ks, vs = self.k[layer], self.v[layer]
         k = ks[0] if len(ks) == 1 else torch.cat(ks)
         v = vs[0] if len(vs) == 1 else torch.cat(vs)
-        return k[rows_N_A].transpose(1, 2), v[rows_N_A].transpose(1, 2)
+        return _rows(k, rows_N_A).transpose(1, 2), _rows(v, rows_N_A).transpose(1, 2)
+
+
+def _rows(x_R_H_D: Tensor, rows_N_A: Tensor) -> Tensor:
+    """x[rows] as (N, A, H, D), by `index_select`: a shared row is read by many
+    branches, and the backward of plain indexing adds their gradients with atomics
+    on CPU (in any order, so not bit-reproducible); index_select's adds in order, and
+    runs faster."""
+    return x_R_H_D.index_select(0, rows_N_A.reshape(-1)).reshape(*rows_N_A.shape,
+                                                                   *x_R_H_D.shape[1:])
 
 
 class TrieKV:
@@ -104,9 +113,12 @@ def plan_logprobs(
                                  TrieKV(store, wave, device))
         # 2) normalise each row once (the fused kernel cross_entropy uses); pick every
         # (datum, position) that this wave computed
-        logprobs_R_V = torch.log_softmax(logits_N_L_V.reshape(-1, logits_N_L_V.shape[-1]), -1)
-        picked.append(logprobs_R_V[wave.rows_used.to(device),
-                                   targets[wave.cells_used.to(device)]])
+        V = logits_N_L_V.shape[-1]
+        logprobs_RV = torch.log_softmax(logits_N_L_V.reshape(-1, V), -1).reshape(-1)
+        # flat positions, read with index_select: datums that share a position and
+        # its target pick the same element, and their gradients must add in order
+        flat = wave.rows_used.to(device) * V + targets[wave.cells_used.to(device)]
+        picked.append(logprobs_RV.index_select(0, flat))
     # 3) into the (B, T) grid
     picked.append(torch.zeros(1, device=device, dtype=picked[0].dtype))
     return torch.cat(picked)[plan.order_B_T.to(device)]

@@ -52,7 +52,9 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens_B int64, logprobs_B float32) for one decode step.
 
-    `uniforms[b]` in [0, 1) is row b's random draw (ignored for greedy rows).
+    `uniforms[b]` in [0, 1) is row b's random draw (ignored for greedy rows). Raises
+    ValueError when a row's logits are not finite (weights gone NaN/inf): such a row
+    has no distribution to sample from, and token 0 with logprob nan is no answer.
     """
     logits_B_V = logits_B_V.float()
     if params.all_greedy:
@@ -61,6 +63,9 @@ def sample_tokens(
         tokens_B = _sample_filtered(logits_B_V, params, uniforms)
     picked_B = logits_B_V.gather(1, tokens_B.unsqueeze(1)).squeeze(1)
     logprobs_B = picked_B - torch.logsumexp(logits_B_V, dim=-1)
+    if not bool(torch.isfinite(logprobs_B).all()):
+        raise ValueError("the model's logits are not finite (NaN or inf weights, or an "
+                         "overflow): nothing was sampled")
     return tokens_B, logprobs_B
 
 

@@ -4,7 +4,8 @@
    tokens and target ids inside the vocabulary, no longer than max_seq_len, known and
    required `loss_fn_inputs` keys), re-runs the datum's own checks
    (`types.check_loss_fn_inputs`: one finite value per position), and returns it as
-   1-D CPU tensors, with weights defaulting to 1. A problem raises ValueError naming
+   1-D CPU tensors, with weights defaulting to 1 and its loss positions
+   (`types.loss_positions`) as the input "loss_mask". A problem raises ValueError naming
    the datum index and key.
 2) `make_chunks` groups consecutive datums so that B x T_max <= max_tokens (the plain
    path); `make_shared_chunks` takes the groups of a prefix-trie plan
@@ -24,7 +25,7 @@ import torch
 
 from prefixgym.engine import losses
 from prefixgym.engine.prefix_trie import TriePlan, plan_chunks
-from prefixgym.types import Datum, check_loss_fn_inputs
+from prefixgym.types import Datum, check_loss_fn_inputs, loss_positions
 
 __all__ = [
     "Chunk", "PreparedDatum", "make_chunks", "make_shared_chunks", "pad_chunk", "prepare_datum",
@@ -38,8 +39,8 @@ class PreparedDatum:
     """One validated datum as 1-D CPU tensors of length n."""
 
     tokens_T: Tensor  # int64
-    inputs: dict[str, Tensor]  # target_tokens (int64), weights/logprobs/advantages (float64)
-    num_loss_tokens: int
+    inputs: dict[str, Tensor]  # target_tokens (int64); weights, logprobs, ..., loss_mask (float64)
+    num_loss_tokens: int  # its loss positions (see types.loss_positions)
 
     @property
     def length(self) -> int:
@@ -72,9 +73,12 @@ def _token_ids(where: str, values: object, vocab_size: int) -> Tensor:
 
 
 def prepare_datum(
-    i: int, datum: Datum, spec: losses.LossSpec, loss_fn: str, vocab_size: int, max_seq_len: int
+    i: int, datum: Datum, spec: losses.LossSpec, loss_fn: str, vocab_size: int, max_seq_len: int,
+    any_keys: bool = False,
 ) -> PreparedDatum:
-    """Validate datum `i` for `loss_fn` and turn it into tensors; ValueError names the problem."""
+    """Validate datum `i` for `loss_fn` and turn it into tensors; ValueError names the problem.
+    `any_keys` lets through keys no built-in loss reads (a custom loss's); they are not
+    converted."""
     tokens = getattr(getattr(datum, "model_input", None), "tokens", None)
     if tokens is None:
         raise ValueError(f"datums[{i}] has no model_input.tokens (got {type(datum).__name__})")
@@ -92,7 +96,7 @@ def prepare_datum(
             f"datums[{i}].loss_fn_inputs must be a dict, got {type(loss_fn_inputs).__name__}"
         )
     unknown = sorted(set(loss_fn_inputs) - losses.KNOWN_INPUT_KEYS)
-    if unknown:
+    if unknown and not any_keys:
         raise ValueError(
             f"datums[{i}].loss_fn_inputs has unknown key(s) {unknown}; known keys are "
             f"{sorted(losses.KNOWN_INPUT_KEYS)}"
@@ -107,15 +111,20 @@ def prepare_datum(
         key: _as_1d(f"datums[{i}].loss_fn_inputs[{key!r}]", loss_fn_inputs[key])
         for key in (*spec.required, *spec.optional) if key in loss_fn_inputs
     }
+    lists = {k: v.tolist() for k, v in inputs.items()}
     try:  # the checks of types.Datum, again: a datum may have changed since it was built
-        check_loss_fn_inputs({k: v.tolist() for k, v in inputs.items()}, n)
+        check_loss_fn_inputs(lists, n)
     except ValueError as e:
         raise ValueError(f"datums[{i}].{e}") from None
     if "target_tokens" in inputs:
         inputs["target_tokens"] = _token_ids(
             f"datums[{i}].loss_fn_inputs['target_tokens']", inputs["target_tokens"], vocab_size)
+    mask_T = torch.tensor(loss_positions(lists.get("weights"), lists.get("advantages"), n))
     inputs.setdefault("weights", torch.ones(n, dtype=torch.float64))
-    return PreparedDatum(tokens_T, inputs, int((inputs["weights"] != 0).sum()))
+    if "sequence_ratio_mask" in spec.optional:
+        inputs.setdefault("sequence_ratio_mask", mask_T.double())
+    inputs["loss_mask"] = mask_T.double()
+    return PreparedDatum(tokens_T, inputs, int(mask_T.sum()))
 
 
 @dataclass

@@ -205,6 +205,9 @@ class HFTemplateFormat:
         report = probe_template(self.chat_template, specials.get("bos_token"),
                                 specials.get("eos_token"), origin="chat template",
                                 variables=specials)
+        runaway = next((f.message for f in report.findings if f.rule == "PG113"), None)
+        if runaway is not None:
+            raise ValueError(f"chat template: {runaway}")
         if report.num_checked_by_default == 0:
             failed = next((f.message for f in report.findings if f.rule in ("PG106", "PG109")), "")
             raise ValueError(f"chat template failed to render the probe conversations: {failed}")

@@ -3,7 +3,10 @@
 `load_tokenizer("builtin")` gives the 4096-token BPE shipped in `prompting/assets/`
 (trained by `prompting/build_tokenizer.py`), with its ChatML chat template, `eos_token`
 and `pad_token` set. Any other argument is a local directory that
-`AutoTokenizer.from_pretrained` can read; nothing is ever downloaded.
+`AutoTokenizer.from_pretrained` can read; nothing is ever downloaded, and no code
+from the directory ever runs (`trust_remote_code=False`: a tokenizer_config.json
+whose `auto_map` names the directory's own Python class is refused, where
+transformers would otherwise ask on stdin whether to run it).
 
 `end_of_turn_ids(tokenizer)` gives the ids a sampler stops at by default. This module
 knows nothing about chat formats beyond the template string it attaches, and nothing
@@ -37,6 +40,7 @@ __all__ = [
     "end_of_turn_ids",
     "is_builtin_tokenizer",
     "load_tokenizer",
+    "load_tokenizer_dir",
     "resolve_tokenizer",
 ]
 
@@ -57,16 +61,31 @@ def load_tokenizer(name_or_dir: str | Path = BUILTIN) -> PreTrainedTokenizerFast
             "prefixgym never downloads tokenizers, so give a directory that holds "
             "tokenizer.json (or the files of a Hugging Face tokenizer)"
         )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ...
-        raise ValueError(f"cannot load a tokenizer from directory {str(path)!r}: {e}") from e
+    tokenizer = load_tokenizer_dir(path)
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ValueError(
             f"the tokenizer in {str(path)!r} is {type(tokenizer).__name__}; prefixgym needs a "
             "fast tokenizer (a directory with tokenizer.json)"
         )
     return tokenizer
+
+
+def load_tokenizer_dir(path: str | Path) -> PreTrainedTokenizerBase:
+    """Whatever tokenizer transformers reads from local directory `path` (fast or
+    slow), without downloading and without running code from the directory.
+    ValueError, in one line, otherwise."""
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                             trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError...
+        if "trust_remote_code" in str(e):
+            raise ValueError(
+                f"the tokenizer in {str(path)!r} would run Python code from that directory "
+                "(an auto_map entry in its tokenizer_config.json or config.json); prefixgym "
+                "never runs code from a model directory"
+            ) from None
+        raise ValueError(f"cannot load a tokenizer from directory {str(path)!r}: "
+                         f"{type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
 @functools.lru_cache(maxsize=1)

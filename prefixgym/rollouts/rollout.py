@@ -5,7 +5,10 @@ prompt and tools, then observe, sample, step, until the env ends it or a turn or
 budget does; its `Trajectory` is written when it ends.
 A group: G envs reset with one seed share their first prompt, so the first turn's G
 replies come from one `sample(num_samples=G)` request (one prefill); later turns
-run concurrently. Many groups run at once under asyncio, so the engine batches them.
+run concurrently. Many groups run at once under asyncio (`run_groups`), so the engine
+batches them: as they come (free-running), or, with `RolloutConfig.lockstep`, in
+rounds of every live episode's next request in a fixed order (`rounds.py`), so that a
+deterministic engine batches them the same way every run.
 
 The rollout knows envs (text), conversations (tokens) and the sampling protocol; it
 does not know which engine serves the samples.
@@ -23,8 +26,19 @@ from transformers import PreTrainedTokenizerBase
 
 from prefixgym.protocols import SamplingClient
 from prefixgym.rollouts.episode import AgentGymEnv, Episode
+from prefixgym.rollouts.rounds import Rounds
 from prefixgym.rollouts.types import Trajectory, TrajectoryGroup
-from prefixgym.types import ModelInput, SampledSequence, SampleResponse, SamplingParams, Usage
+from prefixgym.types import (
+    ModelInput,
+    SampledSequence,
+    SampleRequest,
+    SampleResponse,
+    SamplingParams,
+    Usage,
+)
+
+GroupSpec = tuple[Sequence[AgentGymEnv], int, str]
+"""One group to run: its G envs, the seed they are all reset with, its group id."""
 
 
 @dataclass
@@ -38,6 +52,9 @@ class RolloutConfig:
     """Assistant turns per episode at most (the env may end it sooner)."""
     max_episode_tokens: int = 1536
     """The episode's conversation may not grow past this many tokens."""
+    lockstep: bool = False
+    """Submit the next request of every live episode together, as one round ordered by
+    episode id (`rounds.py`): the engine's batches then do not depend on timing."""
 
 
 class TraceWriter:
@@ -81,10 +98,24 @@ class Rollouts:
             max_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, seed=seed
         )
 
+    async def run_groups(self, groups: Sequence[GroupSpec]) -> list[TrajectoryGroup]:
+        """Many groups at once; in lockstep, their requests share rounds."""
+        rounds = self._rounds(sum(len(envs) for envs, _, _ in groups))
+        return list(await asyncio.gather(
+            *(self._run_group(envs, seed, group_id, rounds) for envs, seed, group_id in groups)))
+
     async def run_group(
         self, envs: Sequence[AgentGymEnv], seed: int, group_id: str
     ) -> TrajectoryGroup:
         """1) reset G envs with one seed; 2) one G-sample first turn; 3) the rest concurrently."""
+        return await self._run_group(envs, seed, group_id, self._rounds(len(envs)))
+
+    def _rounds(self, live: int) -> Rounds | None:
+        return Rounds(self.sampler, live) if self.config.lockstep else None
+
+    async def _run_group(
+        self, envs: Sequence[AgentGymEnv], seed: int, group_id: str, rounds: Rounds | None
+    ) -> TrajectoryGroup:
         episodes, trajectories = [], []
         for i, env in enumerate(envs):
             traj = Trajectory(episode_id=f"{group_id}/{i}", group_id=group_id, seed=seed)
@@ -94,6 +125,8 @@ class Rollouts:
                 obs, _ = env.reset(seed=seed)
             except Exception as e:  # an env that raises ends its episode, never the run
                 ep.finish("env_error", error=f"{type(e).__name__}: {e}")
+                if rounds is not None:
+                    rounds.retire()
                 continue
             ep.observe(obs)
             episodes.append(ep)
@@ -103,33 +136,48 @@ class Rollouts:
         prompts = [ep.conv.generation_prompt() for ep in episodes]
         # 2) one request, one prefill, G samples
         if all(p.tokens == prompts[0].tokens for p in prompts):
-            firsts = await self._sample(episodes, prompts[0], 0, seed)
+            firsts = await self._sample(episodes, prompts[0], 0, seed, rounds)
         else:
-            firsts = [
-                (await self._sample([ep], p, 0, _mix(seed, i)))[0]
+            firsts = [s for [s] in await asyncio.gather(*(
+                self._sample([ep], p, 0, _mix(seed, i), rounds)
                 for i, (ep, p) in enumerate(zip(episodes, prompts))
-            ]
+            ))]
         # 3) each episode goes on by itself; the engine batches them
         await asyncio.gather(
-            *(self._continue(ep, firsts[i], _mix(seed, i)) for i, ep in enumerate(episodes))
+            *(self._continue(ep, firsts[i], _mix(seed, i), rounds)
+              for i, ep in enumerate(episodes))
         )
         return TrajectoryGroup(group_id, seed, trajectories)
 
     async def _sample(
-        self, episodes: Sequence[Episode], prompt: ModelInput, turn: int, seed: int
+        self, episodes: Sequence[Episode], prompt: ModelInput, turn: int, seed: int,
+        rounds: Rounds | None,
     ) -> list[_Sample]:
         g = len(episodes)
-        response = await self.sampler.sample(
-            prompt, num_samples=g, sampling_params=self.params(seed)
-        )
+        if rounds is None:
+            response = await self.sampler.sample(
+                prompt, num_samples=g, sampling_params=self.params(seed)
+            )
+        else:
+            request = SampleRequest(prompt, g, self.params(seed))
+            response = await rounds.sample(episodes[0].traj.episode_id, request, episodes=g)
         if self.trace is not None:
             ids = [ep.traj.episode_id for ep in episodes]
             self.trace.write(ids, episodes[0].traj.group_id, turn, prompt, g, response)
         # a shared request's usage goes to the first episode only
-        return [_Sample(seq, response.usage if i == 0 else Usage(), g)
+        return [_Sample(seq, response.usage if i == 0 else Usage(), g, response.weights_version)
                 for i, seq in enumerate(response.sequences)]
 
-    async def _continue(self, ep: Episode, first: _Sample, seed: int) -> None:
+    async def _continue(
+        self, ep: Episode, first: _Sample, seed: int, rounds: Rounds | None
+    ) -> None:
+        try:
+            await self._play(ep, first, seed, rounds)
+        finally:
+            if rounds is not None:
+                rounds.retire()
+
+    async def _play(self, ep: Episode, first: _Sample, seed: int, rounds: Rounds | None) -> None:
         """Observe, sample, step, until the env or a budget ends the episode."""
         sample = first
         n = 0
@@ -138,6 +186,7 @@ class Rollouts:
             seq = sample.sequence
             turn = ep.add_reply(seq.tokens, seq.logprobs, seq.stop_reason, sample.usage,
                                 sample.shared_by)
+            turn.weights_version = sample.weights_version
             try:
                 obs, reward, terminated, truncated, info = await ep.astep(turn.reply_text)
             except Exception as e:  # an env that raises ends its episode, never the run
@@ -161,7 +210,7 @@ class Rollouts:
                 ep.traj.truncated = True
                 ep.finish("max_episode_tokens")
                 return
-            [sample] = await self._sample([ep], prompt, n, _mix(seed, 1000 + n))
+            [sample] = await self._sample([ep], prompt, n, _mix(seed, 1000 + n), rounds)
 
 
 @dataclass
@@ -171,6 +220,7 @@ class _Sample:
     sequence: SampledSequence
     usage: Usage
     shared_by: int
+    weights_version: str | None = None
 
 
 def _mix(seed: int, k: int) -> int:

@@ -30,6 +30,8 @@ class Turn:
     # episodes: `shared_by` says how many, and only the first episode carries it.
     usage: Usage = field(default_factory=Usage)
     shared_by: int = 1
+    weights_version: str | None = None
+    """The label of the weights that sampled the reply, where the sampler says."""
 
     @property
     def prompt_length(self) -> int:

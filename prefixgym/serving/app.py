@@ -1,16 +1,24 @@
 """The HTTP face of the built-in engine: an OpenAI-compatible completions endpoint.
 
-Routes: `POST /v1/completions`, `GET /v1/models`, `GET /health`.
+Routes: `POST /v1/completions`, `GET /v1/models`, `GET /health`, and the weight
+routes of `serving.weights` (`/update_weights_from_disk`, `/v1/load_lora_adapter`, ...).
+With an API key configured, every route but /health wants `Authorization: Bearer KEY`
+(401 otherwise), as OpenAI-compatible servers do.
 
 A completion request goes:
   1) read the body, refusing one larger than `max_body_bytes` (413);
-  2) parse JSON and check fields and this server's limits (400; unknown model 404);
+  2) parse JSON (refusing bodies nested deeper than `MAX_JSON_DEPTH`) and check
+     fields and this server's limits (400; unknown model 404); text is tokenized
+     only when it could fit in `max_request_tokens`;
   3) submit to the engine and *await* its future, so the event loop keeps serving
      while the engine thread prefills and decodes (engine ValueError -> 400);
   4) answer in OpenAI's shape, plus what RL needs: each choice's sampled `token_ids`
      and `usage.prompt_tokens_details.cached_tokens` (prompt positions served from
-     the prefix cache).
-Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+     the prefix cache), and `metadata.weight_version`: the weights that sampled it.
+Parsing, tokenizing and rendering run in worker threads, never on the event loop, so
+a large prompt does not hold up /health or other requests. Every error is OpenAI's
+`{"error": {"message", "type", "param", "code"}}` in one line; a 500 says only that
+the server failed (the exception goes to the server's log, not to the client).
 
 The app knows the engine service's public interface and the tokenizer it is given
 (for text prompts and the `text` of answers); it knows nothing of caches, batching or
@@ -19,20 +27,32 @@ training.
 
 from __future__ import annotations
 
+import hmac
 import json
+import logging
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.engine.service import EngineService
 from prefixgym.serving.config import ServeConfig
-from prefixgym.serving.protocol import CompletionRequest, describe_validation_error, error_body
+from prefixgym.serving.protocol import (
+    MAX_JSON_DEPTH,
+    CompletionRequest,
+    describe_validation_error,
+    error_body,
+    json_depth,
+)
+from prefixgym.serving.weights import ServedWeights, WeightsError, add_weight_routes
 from prefixgym.types import JSONObject, SampleResponse
+
+log = logging.getLogger("prefixgym.serve")
 
 
 class APIError(Exception):
@@ -51,9 +71,18 @@ def create_app(
     config = config or ServeConfig()
     max_seq_len = service.max_seq_len
     max_request_tokens = min(config.max_request_tokens or max_seq_len, max_seq_len)
+    # no text longer than this tokenizes into max_request_tokens (see _tokenize)
+    max_prompt_chars = max_request_tokens * _longest_token(tokenizer)
+    expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
     model_name = config.model_name
     created = int(time.time())
     app = FastAPI(title="prefixgym serve", docs_url=None, redoc_url=None, openapi_url=None)
+    weights = ServedWeights(service, model_name)
+
+    @app.exception_handler(WeightsError)
+    async def _weights_error(_: Request, e: WeightsError) -> JSONResponse:
+        return JSONResponse(error_body(e.message, "invalid_request_error", e.param, e.status),
+                            e.status)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -65,34 +94,52 @@ def create_app(
                                        e.status_code), e.status_code)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"{type(e).__name__}: {e}", "internal_error", None, 500),
-                            500)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        return JSONResponse(error_body("the server failed to answer this request (its log has "
+                                       "the details)", "internal_error", None, 500), 500)
+
+    def authorize(request: Request) -> None:
+        if expected_auth is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected_auth):
+            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
+                           None, "authentication_error")
+
+    add_weight_routes(app, weights, authorize)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models() -> JSONObject:
+    async def models(request: Request) -> JSONObject:
+        authorize(request)
         return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "prefixgym",
-            "max_model_len": max_seq_len,
-        }]}
+            "id": name, "object": "model", "created": created, "owned_by": "prefixgym",
+            "max_model_len": max_seq_len, "root": model_name,
+        } for name in [model_name, *weights.adapter_names]]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
+        authorize(request)
         # 1) bounded body
         body = await _read_body(request, config.max_body_bytes)
         # 2) parse and check
-        req = _parse(body)
-        if req.model is not None and req.model != model_name:
+        req = await run_in_threadpool(_parse, body)
+        if not weights.serves(req.model):
             raise APIError(404, f"model {req.model!r} does not exist; this server serves "
                                 f"{model_name!r}", "model", "not_found_error")
         if req.n > config.max_n:
             raise APIError(400, f"n = {req.n} exceeds this server's limit of {config.max_n}", "n")
+        for text in req.prompt_texts:
+            if len(text) > max_prompt_chars:
+                raise APIError(400, f"prompt text of {len(text):,} characters cannot fit in "
+                               f"this server's limit of {max_request_tokens} tokens per request",
+                               "prompt")
         try:
-            prompt = req.prompt_ids(tokenizer)
+            prompt = await run_in_threadpool(req.prompt_ids, tokenizer)
             params = req.sampling_params()
         except ValidationError as e:
             raise APIError(400, *describe_validation_error(e)) from None
@@ -104,15 +151,20 @@ def create_app(
                                 f"server's limit of {max_request_tokens} tokens per request",
                            "max_tokens")
         # 3) sample without blocking the event loop
-        sampler = service.create_sampling_client(stop_at_end_of_turn=not req.ignore_eos)
+        sampler, weight_version = weights.sampler_for(req.model, not req.ignore_eos)
         with_prompt_logprobs = req.echo and req.wants_logprobs
         try:
             response = await sampler.sample(prompt, num_samples=req.n, sampling_params=params,
                                             include_prompt_logprobs=with_prompt_logprobs)
+        except ValidationError as e:
+            raise APIError(400, *describe_validation_error(e)) from None
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e).splitlines()[0]) from None
         # 4) OpenAI's shape
-        return JSONResponse(_render(req, prompt, response, tokenizer, model_name))
+        answer = await run_in_threadpool(_render, req, prompt, response, tokenizer,
+                                         req.model or model_name)
+        answer["metadata"] = {"weight_version": weight_version}
+        return JSONResponse(answer)
 
     return app
 
@@ -133,10 +185,23 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def _longest_token(tokenizer: PreTrainedTokenizerBase | None) -> int:
+    """The most characters one token stands for: a text of more than N times this
+    cannot tokenize into N tokens (a tokenizer whose normalizer deletes characters
+    aside), so it is refused before the tokenizer spends seconds on it."""
+    if tokenizer is None:
+        return 1
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
 def _parse(body: bytes) -> CompletionRequest:
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(400, f"request body nests {depth} levels deep; the limit is "
+                            f"{MAX_JSON_DEPTH}")
     try:
         payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an int of 5000 digits
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(payload, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(payload).__name__}")
@@ -144,7 +209,7 @@ def _parse(body: bytes) -> CompletionRequest:
         return CompletionRequest.model_validate(payload)
     except ValidationError as e:
         message, param = describe_validation_error(e)
-        if param == "prompt":
+        if param == "prompt" and e.errors()[0]["type"] != "value_error":  # a union's branches
             message = ("prompt must be a string, a list of token ids, or a list holding one "
                        "of those")
         raise APIError(400, message, param) from None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
+
+API_KEY_VARIABLE = "PREFIXGYM_API_KEY"
 
 
 @dataclass
@@ -10,7 +13,8 @@ class ServeConfig:
     model: str = "tiny"
     """A built-in preset (tiny, small) or a local Hugging Face checkpoint directory."""
     host: str = "127.0.0.1"
-    """Address to bind. The default answers this machine only; 0.0.0.0 exposes the engine."""
+    """Address to bind. The default answers this machine only; 0.0.0.0 exposes the engine
+    (give it an API key)."""
     port: int = 8000
     """TCP port (0 picks a free one)."""
     seed: int = 0
@@ -27,6 +31,10 @@ class ServeConfig:
     """Keep the prefix KV cache (off: every prompt is prefilled in full)."""
     log_level: str = "warning"
     """uvicorn's log level."""
+    api_key: str = ""
+    """Require `Authorization: Bearer KEY` on the /v1 routes, as OpenAI-compatible servers
+    do (default: the PREFIXGYM_API_KEY environment variable, which other users of this
+    machine cannot read from the process list; empty: no key)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -41,3 +49,13 @@ class ServeConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def is_loopback(self) -> bool:
+        """Whether `host` answers this machine only."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a host name: assume it reaches beyond this machine
+            return False

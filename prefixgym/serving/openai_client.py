@@ -11,34 +11,35 @@ Usage maps into prefixgym's ledger: `prompt_tokens_details.cached_tokens` ->
 `prefill_cached_tokens`, prompt - cached -> `prefill_computed_tokens`, completion ->
 `sampled_tokens` (a server that reports no cached tokens counts all as computed).
 
+Each response's `weights_version` is the label of the weights that sampled it, read
+from `metadata.weight_version` (SGLang, `prefixgym serve`), or for an adapter
+(`version_from="model"`) from the answer's `model`, which vLLM and SGLang set to
+the adapter's name; None where the server says neither.
+
 Requests run on a thread pool with one shared httpx client, so a future works with
-`.result()` and with `await`. The remote server samples from *its own* weights:
-prefixgym cannot publish trained weights to it (use it for rollouts and evaluation,
-or have the server reload checkpoints itself). This module knows nothing of the
-engine; an HTTP 4xx answer becomes a ValueError carrying the server's message.
+`.result()` and with `await`; `sample_now` is the same request made on the calling
+thread (what `serving.pool` uses). The weight routes (`update_weights_from_disk`,
+`load_lora_adapter`, `unload_lora_adapter`) are what `serving.weight_sync` pushes new
+weights with. This module knows nothing of the engine; an HTTP 4xx answer becomes a
+ValueError carrying the server's message, an unreachable server a ConnectionError,
+an HTTP 5xx a RuntimeError.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
-from typing import Self
+from typing import Literal, Self
 
 import httpx
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.futures import APIFuture
-from prefixgym.protocols import TrainingClient, UsageSink
+from prefixgym.protocols import UsageSink
 from prefixgym.types import (
-    AdamParams,
-    Datum,
-    ForwardBackwardOutput,
     JSONObject,
     ModelInput,
-    OptimStepOutput,
     SampledSequence,
     SampleResponse,
     SamplingParams,
@@ -63,6 +64,7 @@ class OpenAISamplingClient:
         receives every response's usage; `transport` replaces httpx's (tests)."""
         url = base_url.rstrip("/")
         self.base_url = url if url.endswith("/v1") else url + "/v1"
+        self.root_url = self.base_url.removesuffix("/v1")
         self.tokenizer = tokenizer
         self.ledger = ledger
         self._model = model
@@ -92,12 +94,12 @@ class OpenAISamplingClient:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
         params = sampling_params if sampling_params is not None else SamplingParams()
         return APIFuture(self._pool.submit(
-            self._sample, ids, num_samples, params, include_prompt_logprobs))
+            self.sample_now, ids, num_samples, params, include_prompt_logprobs))
 
     def compute_logprobs(self, prompt: ModelInput | list[int]) -> APIFuture[list[float | None]]:
         """log p(token i | tokens before i) for every position (None first), via `echo`."""
         ids = _ids(prompt)
-        return APIFuture(self._pool.submit(self._prompt_logprobs, ids))
+        return APIFuture(self._pool.submit(lambda: self._prompt_logprobs(ids)[0]))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -121,10 +123,13 @@ class OpenAISamplingClient:
                 self._model = str(data[0]["id"])
             return self._model
 
-    def _sample(self, ids: list[int], n: int, params: SamplingParams,
-                with_prompt_logprobs: bool) -> SampleResponse:
+    def sample_now(self, ids: list[int], n: int, params: SamplingParams,
+                   with_prompt_logprobs: bool = False, model: str | None = None,
+                   version_from: Literal["metadata", "model"] = "metadata") -> SampleResponse:
+        """One completions request on this thread; `model` overrides the served model
+        (an adapter's name), `version_from` says where the weights' label is read."""
         body: JSONObject = {
-            "model": self.model, "prompt": ids, "n": n, "max_tokens": params.max_tokens,
+            "model": model or self.model, "prompt": ids, "n": n, "max_tokens": params.max_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "logprobs": 1,
             "return_token_ids": True, "include_stop_str_in_output": True,
             "skip_special_tokens": False,
@@ -151,10 +156,61 @@ class OpenAISamplingClient:
         usage = _usage(data.get("usage") or {}, len(ids), sequences)
         if self.ledger is not None:
             self.ledger.add(usage)
-        return SampleResponse(sequences=sequences, prompt_logprobs=prompt_logprobs, usage=usage)
+        return SampleResponse(sequences=sequences, prompt_logprobs=prompt_logprobs, usage=usage,
+                              weights_version=_weights_version(data, version_from),
+                              prompt_cache_hit_tokens=usage.prefill_cached_tokens)
 
-    def _prompt_logprobs(self, ids: list[int]) -> list[float | None]:
-        body: JSONObject = {"model": self.model, "prompt": ids, "max_tokens": 0,
+    def prompt_logprobs_now(self, ids: list[int], model: str | None = None
+                            ) -> tuple[list[float | None], str | None]:
+        """`compute_logprobs` on this thread, with the label of the weights that computed it."""
+        values, version = self._prompt_logprobs(ids, model)
+        return values, version
+
+    # -- pushing weights (SGLang's and vLLM's routes; prefixgym serve has both) ---------
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> str:
+        """Have the server load full weights from `model_path` (an HF checkpoint
+        directory it can read); ValueError with the server's message when it cannot."""
+        data = self._call("POST", f"{self.root_url}/update_weights_from_disk",
+                          {"model_path": model_path, "weight_version": weight_version},
+                          absolute=True)
+        if "success" not in data:  # vLLM has no such route (docs/scaling.md)
+            raise ValueError(f"{self.root_url} cannot load full weights from disk (it has no "
+                             f"/update_weights_from_disk: {str(data)[:200]}); use SGLang or "
+                             "prefixgym serve, or LoRA adapters")
+        if data.get("success") is not True:
+            raise ValueError(f"{self.root_url} did not load {model_path}: "
+                             f"{data.get('message')}")
+        return str(data.get("message", ""))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """vLLM's /v1/load_lora_adapter, or SGLang's /load_lora_adapter where that is absent."""
+        body = {"lora_name": lora_name, "lora_path": lora_path}
+        self._admin(["/v1/load_lora_adapter", "/load_lora_adapter"], body)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self._admin(["/v1/unload_lora_adapter", "/unload_lora_adapter"],
+                    {"lora_name": lora_name})
+
+    def _admin(self, routes: list[str], body: JSONObject) -> None:
+        """POST `body` to the first of `routes` the server has (their answers are text)."""
+        for route in routes:
+            try:
+                reply = self._http.post(f"{self.root_url}{route}", json=body)
+            except httpx.HTTPError as e:
+                raise ConnectionError(f"cannot reach the sampling server at {self.root_url}: "
+                                      f"{e}") from e
+            if reply.status_code == 404 and route != routes[-1] and "error" not in reply.text:
+                continue  # no such route here: try the other server's name
+            if reply.status_code >= 400:
+                error = ValueError if reply.status_code < 500 else RuntimeError
+                raise error(f"{self.root_url}{route} answered HTTP {reply.status_code}: "
+                            f"{_message(reply)}")
+            return
+
+    def _prompt_logprobs(self, ids: list[int], model: str | None = None
+                         ) -> tuple[list[float | None], str | None]:
+        body: JSONObject = {"model": model or self.model, "prompt": ids, "max_tokens": 0,
                                 "echo": True, "logprobs": 1, "temperature": 1.0}
         try:
             data = self._call("POST", "/completions", body)
@@ -167,7 +223,7 @@ class OpenAISamplingClient:
         usage = Usage(prefill_computed_tokens=len(ids))
         if self.ledger is not None:
             self.ledger.add(usage)
-        return values
+        return values, _weights_version(data, "model" if model else "metadata")
 
     def _sequence(self, choice: JSONObject, skip: int) -> SampledSequence:
         logprobs = choice.get("logprobs") or {}
@@ -204,17 +260,17 @@ class OpenAISamplingClient:
         text = str(choice.get("text") or "")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _call(self, method: str, path: str, body: JSONObject | None = None) -> JSONObject:
+    def _call(self, method: str, path: str, body: JSONObject | None = None,
+              absolute: bool = False) -> JSONObject:
         try:
             reply = self._http.request(method, path, json=body)
         except httpx.HTTPError as e:
             raise ConnectionError(f"cannot reach the sampling server at {self.base_url}: "
                                   f"{e}") from e
         if reply.status_code >= 400:
-            try:
-                message = reply.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = reply.text[:500]
+            if absolute and reply.status_code < 500 and _is_json_object(reply):
+                return dict(reply.json())  # a route that answers its errors in its own shape
+            message = _message(reply)
             error = ValueError if reply.status_code < 500 else RuntimeError
             raise error(f"the sampling server answered HTTP {reply.status_code}: {message}")
         data = reply.json()
@@ -222,6 +278,36 @@ class OpenAISamplingClient:
             raise ValueError(  # noqa: TRY004 - a bad answer is a ValueError throughout
                 f"the sampling server answered {type(data).__name__}, not an object")
         return data
+
+
+def _message(reply: httpx.Response) -> str:
+    try:
+        data = reply.json()
+    except ValueError:
+        return reply.text[:500]
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in data:
+            return str(data["message"])
+    return reply.text[:500]
+
+
+def _is_json_object(reply: httpx.Response) -> bool:
+    try:
+        return isinstance(reply.json(), dict)
+    except ValueError:
+        return False
+
+
+def _weights_version(data: JSONObject, version_from: str) -> str | None:
+    """The label of the weights that answered (see the module docstring)."""
+    if version_from == "model":
+        model = data.get("model")
+        return str(model) if model is not None else None
+    version = (data.get("metadata") or {}).get("weight_version")
+    return str(version) if version is not None else None
 
 
 def _ids(prompt: ModelInput | list[int]) -> list[int]:
@@ -251,32 +337,3 @@ def _usage(usage: JSONObject, prompt_len: int, sequences: list[SampledSequence])
     return Usage(prefill_computed_tokens=prompt_tokens - cached, prefill_cached_tokens=cached,
                  sampled_tokens=sampled)
 
-
-class RemoteSamplingTrainer:
-    """A training client whose sampling clients are a remote server's.
-
-    Training calls go to `training`; `save_weights_and_get_sampling_client()` returns
-    `sampler`: nothing is published, the remote server samples from its own weights.
-    """
-
-    def __init__(self, training: TrainingClient, sampler: OpenAISamplingClient) -> None:
-        self.training = training
-        self.sampler = sampler
-
-    def forward_backward(
-        self, datums: Sequence[Datum], loss_fn: str,
-        loss_fn_config: Mapping[str, float] | None = None,
-    ) -> APIFuture[ForwardBackwardOutput]:
-        return self.training.forward_backward(datums, loss_fn, loss_fn_config)
-
-    def optim_step(self, adam: AdamParams) -> APIFuture[OptimStepOutput]:
-        return self.training.optim_step(adam)
-
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> OpenAISamplingClient:
-        return self.sampler
-
-    def save_state(self, path: str | os.PathLike[str]) -> APIFuture[str]:
-        return self.training.save_state(path)
-
-    def load_state(self, path: str | os.PathLike[str]) -> APIFuture[int]:
-        return self.training.load_state(path)

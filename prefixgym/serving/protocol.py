@@ -1,8 +1,11 @@
 """The OpenAI completions request that `prefixgym serve` accepts, and its error shape.
 
 `CompletionRequest` checks types and ranges strictly (a string where a number belongs
-is refused, not coerced) and turns the request into engine terms: prompt token ids,
-`SamplingParams`, and how to present the answer. Checks that need the model -- token
+is refused, not coerced; a negative token id; text holding a lone surrogate, which
+no tokenizer can encode) and turns the request into engine terms: prompt token ids,
+`SamplingParams`, and how to present the answer. `json_depth` measures how deep a
+body nests before it is parsed, so that a body nested 100,000 deep is refused
+instead of overflowing the parser's recursion. Checks that need the model -- token
 ids inside the vocabulary, prompt + max_tokens within the context -- are the
 engine's, and limits of this server (`max_n`, `max_request_tokens`) are the app's.
 
@@ -14,8 +17,10 @@ Unknown fields are ignored, as vLLM does. This module knows nothing of HTTP.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from prefixgym.types import JSONObject, SamplingParams
@@ -24,6 +29,32 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 MAX_LOGPROBS = 20
+MAX_JSON_DEPTH = 32
+"""How deep a request body may nest (a completion request needs 3 levels)."""
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_OPENERS, _CLOSERS = b"[{", b"]}"
+_BRACKET_STEP = bytes.maketrans(_OPENERS + _CLOSERS, b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(set(range(256)) - set(_OPENERS + _CLOSERS))
+
+
+def json_depth(body: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest (brackets inside strings do
+    not count); linear in the body, without recursion."""
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    steps = np.frombuffer(brackets.translate(_BRACKET_STEP), dtype=np.int8)  # +1 opens, -1 closes
+    return int(np.cumsum(steps, dtype=np.int32).max())
+
+
+def _valid_text(value: str, where: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} holds a lone surrogate ({value[e.start]!r} at character "
+                         f"{e.start}); text must be valid Unicode") from None
+    return value
 
 
 class CompletionRequest(BaseModel):
@@ -54,6 +85,26 @@ class CompletionRequest(BaseModel):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {value}")
         return value
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: str | list[int] | list[str] | list[list[int]]
+                ) -> str | list[int] | list[str] | list[list[int]]:
+        items = [value] if isinstance(value, str) else value
+        for item in items:
+            if isinstance(item, str):
+                _valid_text(item, "prompt")
+            for t in [item] if isinstance(item, int) else item if isinstance(item, list) else []:
+                if t < 0:
+                    raise ValueError(f"prompt holds the token id {t}; ids are non-negative")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        for text in [value] if isinstance(value, str) else value or []:
+            _valid_text(text, "stop")
+        return value
+
     @field_validator("stream")
     @classmethod
     def _no_stream(cls, value: bool) -> bool:
@@ -64,6 +115,12 @@ class CompletionRequest(BaseModel):
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None and self.logprobs is not False
+
+    @property
+    def prompt_texts(self) -> list[str]:
+        """The prompt's text parts (none for token ids)."""
+        prompt = self.prompt
+        return [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
 
     @property
     def stop_strings(self) -> list[str]:
@@ -119,4 +176,5 @@ def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
     shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    return f"{where}: {first.get('msg', 'invalid value')} (got {shown}){more}", param
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # pydantic's
+    return f"{where}: {msg} (got {shown}){more}", param

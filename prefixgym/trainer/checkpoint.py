@@ -1,28 +1,48 @@
-"""Resumable run state: the training client's state plus the loop's own, saved atomically.
+"""Resumable run state: the training client's state plus the loop's own, saved atomically
+and verified before it is used.
 
 Layout under OUT/checkpoints/:
-  step-000009/train/     the training client's save_state (weights, optimizer, RNG)
-  step-000009/loop.json  next step, evaluations so far, cumulative usage
-  warm_start/train/      the weights after the warm start (the KL reference)
-  latest                 the name of the newest complete checkpoint
+  step-000009/train/            the training client's save_state (weights, optimizer, RNG)
+  step-000009/loop.json         next step, evaluations so far, cumulative usage
+  step-000009/config.json      the run's full resolved config (when the run gave it)
+  step-000009/checkpoint.json   the run's identity and a checksum of every file above
+  warm_start/...                the same, after the warm start (the KL reference)
+  latest                        the name of the newest complete step checkpoint
 
 Each checkpoint is written into a temporary directory and renamed into place, and
 `latest` is replaced atomically after it (`prefixgym.files`), so a crash leaves the
-previous one intact.
-Knows the training client's save/load protocol and JSON; nothing of models.
+previous one intact; `remove_leftovers` deletes what killed writes left behind.
+
+`find_checkpoint` is how a run picks what to resume from: `latest`, then the other
+step checkpoints newest first, then the warm start -- the first one that is intact
+(every checksum matches) and belongs to this run (same identity, `run_identity` in
+config.py). A damaged one is passed over with a reason; one of another run is
+refused unless forced. Knows the training client's save/load protocol and JSON;
+nothing of models.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefixgym.files import write_dir_atomically, write_text_atomically
+from prefixgym.files import (
+    file_checksum,
+    remove_temporaries,
+    verify_checksums,
+    write_dir_atomically,
+    write_text_atomically,
+)
 from prefixgym.protocols import TrainingClient
 from prefixgym.types import JSONObject, Usage
 
 WARM_START = "warm_start"
+LATEST = "latest"
+MANIFEST = "checkpoint.json"
+FORMAT_VERSION = 1
+_STEP_NAME = re.compile(r"step-\d{6,}")
 
 
 @dataclass
@@ -41,14 +61,31 @@ class LoopState:
         }, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> LoopState:
-        d = json.loads(text)
-        return cls(d["next_step"], d["evals"], Usage(**d["usage"]), Usage(**d["sft_usage"]),
-                   d["wall_s"])
+    def from_json(cls, text: str, where: Path) -> LoopState:
+        try:
+            d = json.loads(text)
+            return cls(int(d["next_step"]), list(d["evals"]), Usage(**d["usage"]),
+                       Usage(**d["sft_usage"]), float(d["wall_s"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{where} is not a loop state: {type(e).__name__}: {e}") from None
+
+
+class ForeignCheckpointError(ValueError):
+    """The only intact checkpoints belong to another run."""
+
+
+@dataclass
+class Found:
+    """What `find_checkpoint` chose, and what it passed over and why."""
+
+    path: Path | None
+    passed_over: list[str] = field(default_factory=list)
 
 
 def save_checkpoint(
-    out: Path, training: TrainingClient, state: LoopState, name: str | None = None
+    out: Path, training: TrainingClient, state: LoopState, identity: JSONObject,
+    name: str | None = None,
+    config: JSONObject | None = None,
 ) -> Path:
     root = out / "checkpoints"
     name = name or f"step-{state.next_step - 1:06d}"
@@ -56,27 +93,122 @@ def save_checkpoint(
     def fill(tmp: Path) -> None:
         training.save_state(tmp / "train")
         (tmp / "loop.json").write_text(state.to_json())
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        checksums = {str(p.relative_to(tmp)): file_checksum(p)
+                     for p in sorted(tmp.rglob("*")) if p.is_file()}
+        manifest = {"format": FORMAT_VERSION, "run": identity, "checksums": checksums}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True))
 
     write_dir_atomically(root / name, fill)
-    if name.startswith("step-"):
-        write_text_atomically(root / "latest", name)
+    mark_latest(root / name)
     return root / name
 
 
-def latest_checkpoint(out: Path) -> Path | None:
-    pointer = out / "checkpoints" / "latest"
-    if not pointer.exists():
-        return None
-    path = out / "checkpoints" / pointer.read_text().strip()
-    return path if (path / "loop.json").exists() else None
+def mark_latest(checkpoint: Path) -> None:
+    """Point `latest` at a step checkpoint (the warm start is never `latest`)."""
+    pointer = checkpoint.parent / LATEST
+    if _STEP_NAME.fullmatch(checkpoint.name) and not (
+            pointer.is_file() and pointer.read_bytes() == checkpoint.name.encode()):
+        write_text_atomically(pointer, checkpoint.name)
 
 
-def newest_checkpoint(out: Path) -> Path | None:
-    """The latest GRPO checkpoint, else the warm-start one, else None."""
-    warm = out / "checkpoints" / WARM_START
-    return latest_checkpoint(out) or (warm if (warm / "loop.json").exists() else None)
+def remove_leftovers(out: Path) -> list[str]:
+    """Delete the temporaries of killed writes in OUT and OUT/checkpoints."""
+    return remove_temporaries(out) + remove_temporaries(out / "checkpoints")
+
+
+def verify_checkpoint(path: Path) -> JSONObject:
+    """The run identity a checkpoint records, once every checksum in its manifest
+    matches and it lists loop.json and the training state. ValueError otherwise."""
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory")
+    if not manifest_path.is_file():
+        raise ValueError(f"{manifest_path} is missing (an incomplete checkpoint, or one "
+                         "written by an older prefixgym)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{manifest_path} is not readable JSON: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{manifest_path} is not a format-{FORMAT_VERSION} checkpoint manifest")
+    checksums, identity = manifest.get("checksums"), manifest.get("run")
+    if (not isinstance(checksums, dict) or "loop.json" not in checksums
+            or not any(name.startswith("train/") for name in checksums)
+            or not isinstance(identity, dict)):
+        raise ValueError(f"{manifest_path} must list loop.json, the training state and the "
+                         "run's identity")
+    verify_checksums(path, checksums, manifest_path)
+    return identity
+
+
+def differences(mine: JSONObject, theirs: JSONObject) -> str:
+    """`field: here X, there Y` for each field where two identities differ."""
+    keys = sorted(set(mine) | set(theirs))
+    return "; ".join(f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} there"
+                     for k in keys if mine.get(k) != theirs.get(k))
+
+
+def candidates(out: Path, passed_over: list[str]) -> list[Path]:
+    """Where a run may resume from, in order: `latest`, the other step checkpoints
+    newest first, the warm start. A `latest` that names nothing usable is noted."""
+    root = out / "checkpoints"
+    names: list[str] = []
+    pointer = root / LATEST
+    if pointer.is_file():
+        try:
+            name = pointer.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        if _STEP_NAME.fullmatch(name) and (root / name).is_dir():
+            names.append(name)
+        else:
+            passed_over.append(f"{pointer} does not name a checkpoint directory ({name[:40]!r})")
+    if root.is_dir():
+        steps = sorted((p.name for p in root.iterdir() if _STEP_NAME.fullmatch(p.name)),
+                       key=lambda n: int(n.removeprefix("step-")), reverse=True)
+        names += steps
+    names.append(WARM_START)
+    return [root / name for name in dict.fromkeys(names)]
+
+
+def find_checkpoint(out: Path, identity: JSONObject | None, force: bool = False) -> Found:
+    """The newest intact checkpoint of the run with `identity` (None: of any run).
+
+    Damaged checkpoints are passed over (their reasons in `passed_over`). When the
+    only intact ones belong to another run, raises ForeignCheckpointError naming the
+    fields that differ, unless `force`, which takes the newest of them."""
+    found = Found(None)
+    foreign: list[tuple[Path, JSONObject]] = []
+    for path in candidates(out, found.passed_over):
+        if not path.exists():  # no warm start (yet)
+            continue
+        try:
+            theirs = verify_checkpoint(path)
+        except ValueError as e:
+            found.passed_over.append(str(e))
+            continue
+        if identity is None or theirs == identity:
+            found.path = path
+            return found
+        foreign.append((path, theirs))
+    if foreign and identity is not None:
+        path, theirs = foreign[0]
+        if force:
+            found.path = path
+            found.passed_over.append(f"{path} belongs to another run "
+                                     f"({differences(identity, theirs)}); loaded anyway "
+                                     "(--force-resume)")
+            return found
+        raise ForeignCheckpointError(
+            f"{path} belongs to another run ({differences(identity, theirs)})")
+    return found
 
 
 def load_checkpoint(path: Path, training: TrainingClient) -> LoopState:
+    """Load a checkpoint `verify_checkpoint` accepted (it is verified again here)."""
+    verify_checkpoint(path)
+    state = LoopState.from_json((path / "loop.json").read_text(), path / "loop.json")
     training.load_state(path / "train")
-    return LoopState.from_json((path / "loop.json").read_text())
+    return state

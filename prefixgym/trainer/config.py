@@ -2,19 +2,40 @@
 
 Every field's docstring is its `--help` text. The defaults are the main job: the
 built-in `tiny` model learning the built-in GuessNumber env on two CPU cores.
+
+`run_identity(config)` is the part of a config that determines a run's results:
+every field but those in `RESUMABLE_CHANGES`, which a `--resume` may change (how far
+the run goes, how often it evaluates and checkpoints, where samples come from, how it
+shows progress). A checkpoint records its run's identity; `--resume` refuses one
+with another identity.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass, field, fields
 
+from prefixgym.trainer.tracking import TRACKERS
 from prefixgym.types import JSONObject
 
-LOSSES = ("importance_sampling", "ppo")
+LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_ENV = "prefixgym/GuessNumber-v0"
 DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+BACKENDS = ("local", "tinker")
+LORA_TARGETS = ("attn", "mlp", "unembed")
+NONFINITE_UPDATES = ("skip", "error")
+RESUMABLE_CHANGES = (
+    "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
+    "num_threads", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
+)
+"""Fields a resumed run may set differently from the run it continues. `steps` extends
+(or shortens) a run; with the cosine schedule the remaining steps then follow the new
+length. `sampler_url` moves sampling to another server, whose weights are its own.
+`share_prefixes`, like `num_threads`, changes how the same sums are computed, not what.
+Every other field determines results (`eval_episodes` too: evaluations before and
+after the change would not compare)."""
 
 
 def default_env_kwargs(env: str) -> JSONObject:
@@ -32,7 +53,17 @@ class TrainConfig:
     default GuessNumber (binary search then wins 94%, so there is room to learn), {} for
     any other env."""
     model: str = "tiny"
-    """A built-in preset (tiny, small) or a local Hugging Face checkpoint directory."""
+    """A built-in preset (tiny, small) or a local Hugging Face Llama/Qwen2 checkpoint
+    directory (config.json, *.safetensors and its tokenizer); its chat template is used
+    when it is append-only, and the run stops with the reason when it is not."""
+    lora_rank: int = 0
+    """Train LoRA adapters of this rank on the frozen model instead of every weight (0:
+    full training). The adapter is written to OUT/adapter in PEFT's format."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator: the update is scaled by alpha / rank."""
+    lora_targets: str = "attn,mlp"
+    """Comma-separated layers that get adapters: attn (q, k, v, o projections), mlp
+    (gate, up, down), unembed (the output head)."""
     out: str = "runs/latest"
     """Directory for metrics.jsonl, report.md, plots and checkpoints."""
     seed: int = 0
@@ -57,7 +88,7 @@ class TrainConfig:
     """GRPO learning-rate schedule: constant, or cosine (decay from --lr to --lr/10 over
     the steps, so the final weights are not a snapshot of a noisy large step)."""
     loss: str = "ppo"
-    """GRPO loss: importance_sampling or ppo."""
+    """GRPO loss: importance_sampling, ppo, cispo, dro, gspo or stable_reinforce."""
     kl_coef: float = 0.0
     """Penalty on the sampled tokens' log-ratio to the warm-start weights (0 = off)."""
     normalize_std: bool = True
@@ -72,8 +103,17 @@ class TrainConfig:
     """Held-out seeds per evaluation."""
     async_mode: bool = False
     """Sample step t+1 while step t trains (at most one step off-policy)."""
+    deterministic: bool = True
+    """Fix every batch the engine runs by the rollout schedule (each turn of all live
+    episodes is one round, run alone, in episode order), so that a run's results depend
+    only on its seed and config; off, requests batch as they arrive (faster, but the
+    last bits of logprobs, and after a few updates the run, vary)."""
     resume: bool = False
-    """Continue from the last checkpoint in OUT/checkpoints."""
+    """Continue from the newest intact checkpoint of this run in OUT/checkpoints (a run
+    with nothing to continue from starts anew)."""
+    force_resume: bool = False
+    """With --resume, also load a checkpoint of another run (one whose config differs
+    in a field that determines results)."""
     checkpoint_every: int = 10
     """Save resumable state every this many GRPO steps."""
     compute_dtype: str = "auto"
@@ -81,6 +121,9 @@ class TrainConfig:
     faster where the CPU has bf16 matmuls, about 2x slower where it emulates them), or
     auto: bfloat16 where bf16 matmuls are native (AVX512-BF16 or AMX, a bf16 GPU), else
     float32."""
+    nonfinite_update: str = "skip"
+    """An update whose gradient norm is NaN or inf: skip (weights unchanged, counted as
+    optim/skipped_nonfinite in metrics.jsonl) or error (stop the run)."""
     share_prefixes: bool = True
     """Compute each token prefix shared by a training call's datums once (exact; off runs
     every datum in full, the reference path)."""
@@ -88,12 +131,25 @@ class TrainConfig:
     """torch threads (0 = torch's default)."""
     progress: bool = True
     """Show a progress bar."""
-    sampler_url: str = ""
-    """OpenAI-compatible completions server for rollouts and evaluation (vLLM, SGLang,
-    prefixgym serve), e.g. http://host:8000/v1; empty samples in-process. The server
-    samples from its own weights: trained weights are not sent to it."""
+    tracker: str = ""
+    """Also send every metrics line to an experiment tracker: tensorboard (event files
+    in OUT/tensorboard; needs `pip install 'prefixgym[tracking]'`), or empty for none."""
+    sampler_url: list[str] = field(default_factory=list)
+    """OpenAI-compatible completions server for rollouts and evaluation (SGLang,
+    prefixgym serve; vLLM with LoRA), e.g. http://host:8000/v1; repeat the flag for
+    several (episodes stick to one, groups spread by load, a failed one is left out).
+    Every update is pushed to them from OUT/sampler_weights, which they must be able to
+    read (a shared filesystem). None: sample in-process."""
+    backend: str = "local"
+    """Where training and sampling run: local (the built-in engine) or tinker (the hosted
+    service, docs/tinker.md: API key from TINKER_API_KEY, --model names its base model,
+    LoRA rank 32 unless --lora-rank says otherwise)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.sampler_url, str):  # a run saved before the flag repeated
+            self.sampler_url = [self.sampler_url] if self.sampler_url else []
+        if not all(isinstance(u, str) and u for u in self.sampler_url):
+            raise ValueError(f"--sampler-url must be URLs, got {self.sampler_url!r}")
         if self.env_kwargs is None:
             self.env_kwargs = default_env_kwargs(self.env)
         if not isinstance(self.env_kwargs, dict):
@@ -103,6 +159,24 @@ class TrainConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, "
                              f"got {self.lr_schedule!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, "
+                             f"got {self.backend!r}")
+        if self.backend == "tinker" and self.sampler_url:
+            raise ValueError("--sampler-url and --backend tinker do not go together: the "
+                             "hosted service samples")
+        targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        if not targets or set(targets) - set(LORA_TARGETS):
+            raise ValueError(f"--lora-targets must be a comma-separated subset of "
+                             f"{', '.join(LORA_TARGETS)}, got {self.lora_targets!r}")
+        if self.lora_rank < 0 or not self.lora_alpha > 0:
+            raise ValueError(f"--lora-rank must be >= 0 and --lora-alpha positive, got "
+                             f"{self.lora_rank} and {self.lora_alpha}")
+        if self.nonfinite_update not in NONFINITE_UPDATES:
+            raise ValueError(f"--nonfinite-update must be one of {', '.join(NONFINITE_UPDATES)}, "
+                             f"got {self.nonfinite_update!r}")
+        if self.tracker not in TRACKERS:
+            raise ValueError(f"--tracker must be tensorboard or empty, got {self.tracker!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")
@@ -119,6 +193,9 @@ class TrainConfig:
                             "num_threads": self.num_threads}.items():
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        for name, value in asdict(self).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
         for name, rate in {"lr": self.lr, "sft_lr": self.sft_lr}.items():
             if not rate > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {rate}")
@@ -129,3 +206,18 @@ class TrainConfig:
                 f"--group-size must be at least 2 (group-relative advantages), got "
                 f"{self.group_size}"
             )
+
+
+def run_identity(config: TrainConfig) -> JSONObject:
+    """The fields that determine the run's results (all but `RESUMABLE_CHANGES`)."""
+    return {k: v for k, v in asdict(config).items() if k not in RESUMABLE_CHANGES}
+
+
+def saved_run_identity(saved: JSONObject) -> JSONObject:
+    """The identity of a run from its saved config.json (fields it lacks take their
+    defaults; ValueError when the saved values are not a valid config)."""
+    names = {f.name for f in fields(TrainConfig)}
+    try:
+        return run_identity(TrainConfig(**{k: v for k, v in saved.items() if k in names}))
+    except TypeError as e:
+        raise ValueError(f"not a prefixgym train config: {e}") from None

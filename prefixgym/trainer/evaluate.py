@@ -73,10 +73,9 @@ def evaluate(
         out: list[Trajectory] = []
         for start in range(0, episodes, width):
             seeds = range(start, min(start + width, episodes))
-            groups = await asyncio.gather(*(
-                rollouts.run_group([envs[i % width]], EVAL_SEED_BASE + s, f"eval/{s}")
-                for i, s in enumerate(seeds)
-            ))
+            groups = await rollouts.run_groups([
+                ([envs[i % width]], EVAL_SEED_BASE + s, f"eval/{s}") for i, s in enumerate(seeds)
+            ])
             out.extend(t for g in groups for t in g.trajectories)
             if on_episodes is not None:
                 on_episodes(len(seeds), len(out), sum(t.is_success for t in out))

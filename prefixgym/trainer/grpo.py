@@ -7,6 +7,9 @@ One step (numbered as in the code):
   3) one complete Datum per episode, with the sampler's logprobs;
   4) forward_backward + optim_step; publish the new weights to the sampler;
   5) log per-phase tokens, evaluate and checkpoint at their intervals.
+Before 2), samples from weights other than the expected ones are refused
+(`versions.py`). Under torchrun each rank samples its share of the B groups
+(`collect(..., rank, world)`) and every rank trains on all of them, gathered.
 
 Knows the sampling and training protocols, envs and conversations; not the engine.
 """
@@ -27,6 +30,7 @@ from prefixgym.rollouts.types import Trajectory, TrajectoryGroup
 from prefixgym.trainer.advantages import group_advantages
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.datum import loss_mask, num_loss_tokens, rl_datum, trainable
+from prefixgym.trainer.versions import StepWeights, keep_on_policy, max_logprob_gap
 from prefixgym.types import AdamParams, Datum, ModelInput, Usage
 
 Collected = tuple[list[TrajectoryGroup], float]  # one step's groups, seconds spent sampling
@@ -42,20 +46,19 @@ def step_seeds(config: TrainConfig, step: int) -> list[int]:
 
 def collect(
     sampler: SamplingClient, tokenizer: PreTrainedTokenizerBase, envs: Sequence[AgentGymEnv],
-    config: TrainConfig, step: int, rollout_config: RolloutConfig,
+    config: TrainConfig, step: int, rollout_config: RolloutConfig, rank: int = 0, world: int = 1,
 ) -> Collected:
-    """Step 1: B groups of G episodes, all concurrently. Returns groups and seconds."""
+    """Step 1: B groups of G episodes, all concurrently; with `world` ranks, this rank's
+    groups (i % world == rank). Returns groups and seconds."""
     start = time.perf_counter()
     rollouts = Rollouts(sampler, tokenizer, rollout_config)
     g = config.group_size
 
-    async def _all() -> list[TrajectoryGroup]:
-        return list(await asyncio.gather(*(
-            rollouts.run_group(envs[i * g:(i + 1) * g], seed, f"step{step}/g{i}")
-            for i, seed in enumerate(step_seeds(config, step))
-        )))
-
-    return asyncio.run(_all()), time.perf_counter() - start
+    groups = asyncio.run(rollouts.run_groups([
+        (envs[i * g:(i + 1) * g], seed, f"step{step}/g{i}")
+        for i, seed in enumerate(step_seeds(config, step)) if i % world == rank
+    ]))
+    return groups, time.perf_counter() - start
 
 
 def assemble(
@@ -151,32 +154,57 @@ def phase_metrics(usage: Usage) -> dict[str, float]:
 
 
 class StepPipeline:
-    """Step 1 in sync or async mode: where the next step's groups come from."""
+    """Step 1 in sync or async mode: where the next step's groups come from.
+
+    Sync: step t+1 samples from the weights step t published, starting right after
+    the update. Async: step t+1 samples from the weights before step t's update,
+    while step t trains -- except where `sync_before(t + 1)` (a checkpoint follows
+    step t): then it waits for step t's weights, as a run resumed from that
+    checkpoint would, so resuming is exact."""
 
     def __init__(
-        self, sample_fn: Callable[[SamplingClient, int], Collected], async_mode: bool
+        self, sample_fn: Callable[[SamplingClient, int], Collected], async_mode: bool,
+        sync_before: Callable[[int], bool] = lambda step: False,
     ) -> None:
         self._sample = sample_fn
         self._async = async_mode
+        self._sync_before = sync_before
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
         self._pending: Future[Collected] | None = None
+        self._pending_sampler: SamplingClient | None = None
+        self._pending_step = -1
+        self._pending_lag = 0
 
-    def start(self, sampler: SamplingClient, step: int) -> None:
+    def start(self, sampler: SamplingClient, step: int, lag: int = 0) -> None:
+        """Sample step `step` from `sampler`, which will be `lag` versions behind the
+        newest weights when the step trains (1: started before the update it overlaps)."""
         self._pending = self._pool.submit(self._sample, sampler, step)
+        self._pending_sampler, self._pending_step, self._pending_lag = sampler, step, lag
 
-    def take(self, sampler: SamplingClient, step: int, last_step: int) -> Collected:
-        """This step's groups; in async mode the next step starts sampling now."""
-        assert self._pending is not None
+    def take(self, sampler: SamplingClient, step: int, last_step: int
+             ) -> tuple[Collected, StepWeights]:
+        """This step's groups, and which weights sampled them (`sampler` holds the
+        newest); in async mode the next step starts sampling now."""
+        assert self._pending is not None and self._pending_sampler is not None
+        assert self._pending_step == step
         result = self._pending.result()
+        weights = StepWeights(self._pending_sampler, sampler, expected_lag=self._pending_lag)
         self._pending = None
-        if self._async and step + 1 < last_step:
-            self.start(sampler, step + 1)
-        return result
+        if self._async and step + 1 < last_step and not self._sync_before(step + 1):
+            self.start(sampler, step + 1, lag=1)
+        return result, weights
 
     def after_update(self, sampler: SamplingClient, step: int, last_step: int) -> None:
-        """In sync mode the next step samples from the freshly published weights."""
-        if not self._async and step + 1 < last_step:
+        """The next step samples from the freshly published weights, unless it already
+        started (async)."""
+        if self._pending is None and step + 1 < last_step:
             self.start(sampler, step + 1)
+
+    def wait(self) -> None:
+        """Let the next step's sampling finish (before an evaluation, so that the two
+        never share the engine's batches or interleave in its cache)."""
+        if self._pending is not None:
+            self._pending.exception()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -185,17 +213,23 @@ class StepPipeline:
 def grpo_step(
     training: TrainingClient, groups: Sequence[TrajectoryGroup], config: TrainConfig,
     ref_sampler: SamplingClient | None, lr: float | None = None,
+    weights: StepWeights | None = None,
 ) -> tuple[dict[str, float], Usage]:
-    """Steps 2-4 on one step's groups. Returns metrics and the step's usage."""
+    """Steps 2-4 on one step's groups, sampled with `weights` (checked when given).
+    Returns metrics and the step's usage."""
     metrics, usage = rollout_metrics(groups)
+    if weights is not None:
+        groups, checked = keep_on_policy(groups, weights)
+        metrics.update(checked)
     datums, counts = assemble(groups, config, ref_sampler)
     metrics.update(counts)
     if datums:
         out = training.forward_backward(datums, loss_fn=config.loss).result()
+        metrics["sampler/max_logprob_gap"] = max_logprob_gap(datums, out)
         opt = training.optim_step(
             AdamParams(learning_rate=config.lr if lr is None else lr, grad_clip_norm=1.0)
         ).result()
         usage = usage + out.usage
-        metrics["loss"] = out.metrics.get("loss", 0.0)
+        metrics["loss"] = out.metrics.get("loss:sum", out.metrics.get("loss", 0.0))
         metrics.update({f"optim/{k}": v for k, v in opt.metrics.items()})
     return metrics, usage

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prefixgym.files import write_text_atomically
+from prefixgym.trainer.tracking import Tracker
 from prefixgym.types import JSONObject, Usage
 
 PHASE_KEYS = (
@@ -22,20 +23,52 @@ PHASE_KEYS = (
 
 
 class MetricsLog:
-    """Append-only metrics.jsonl; `truncate_after(step)` makes a resumed run exact."""
+    """Append-only metrics.jsonl; `truncate_after(step)` makes a resumed run exact.
 
-    def __init__(self, path: Path) -> None:
+    A process killed mid-write can leave a partial last line: `read` drops it (and
+    `truncate_after` rewrites the file without it); a bad line anywhere else is a
+    ValueError naming the file and line. The log is never deleted: a run that starts
+    over moves it aside (`set_aside`).
+    Each line also goes to `tracker` when one is given (`tracking.py`)."""
+
+    def __init__(self, path: Path, tracker: Tracker | None = None) -> None:
         self.path = path
+        self.tracker = tracker
 
     def write(self, record: JSONObject) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            self.tracker.log(record)
 
     def read(self) -> list[JSONObject]:
         if not self.path.exists():
             return []
-        with open(self.path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+        lines = self.path.read_text().split("\n")  # the last item: after the last newline
+        records: list[JSONObject] = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                if number == len(lines):  # no newline after it: a write cut short
+                    break
+                raise ValueError(f"{self.path}:{number}: not a JSON line ({e})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{self.path}:{number}: not a JSON object")
+            records.append(record)
+        return records
+
+    def set_aside(self) -> Path | None:
+        """Rename an existing log to metrics.N.jsonl (the first free N); its new name."""
+        if not self.path.exists():
+            return None
+        n = 1
+        while (aside := self.path.with_name(f"{self.path.stem}.{n}{self.path.suffix}")).exists():
+            n += 1
+        self.path.rename(aside)
+        return aside
 
     def truncate_after(self, step: int) -> None:
         """Drop what a run logged after the checkpoint of GRPO step `step` was saved

@@ -4,7 +4,15 @@
   2) warm start on expert episodes (SFT), evaluate again;
   3) GRPO steps (see grpo.py), evaluating and checkpointing at intervals;
   4) write report.md and the plots.
-A resumed run skips 1-2 and continues from the last checkpoint exactly.
+A resumed run skips 1-2 and continues exactly from the newest intact checkpoint of
+this run (`checkpoint.find_checkpoint`: the warm start's if no GRPO step was saved;
+another run's only with `force_resume`). A run that starts from step 0 moves an
+earlier metrics.jsonl aside instead of deleting it. OUT is checked writable before
+anything runs, and what killed writes left there is removed.
+Under torchrun (`Ranks`) every rank runs this same loop: each samples its share of a
+step's groups, the groups are gathered so that every rank trains on all of them (the
+training client shards and all-reduces), and only rank 0 evaluates and writes logs,
+report, plots and checkpoints.
 
 The run is handed its clients (`Clients`) and a way to make envs; it builds neither
 a service nor a client itself (`prefixgym.cli.train` does).
@@ -16,23 +24,28 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from prefixgym.files import write_text_atomically
+from prefixgym.files import ensure_writable_dir, write_text_atomically
 from prefixgym.protocols import SamplingClient, TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.rollout import RolloutConfig
+from prefixgym.rollouts.types import TrajectoryGroup
 from prefixgym.trainer.checkpoint import (
     WARM_START,
+    ForeignCheckpointError,
     LoopState,
+    find_checkpoint,
     load_checkpoint,
-    newest_checkpoint,
+    mark_latest,
+    remove_leftovers,
     save_checkpoint,
+    verify_checkpoint,
 )
-from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.config import TrainConfig, run_identity
 from prefixgym.trainer.evaluate import evaluate
 from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step, phase_metrics
 from prefixgym.trainer.plots import write_plots
@@ -40,11 +53,28 @@ from prefixgym.trainer.progress import Progress
 from prefixgym.trainer.report import MetricsLog, write_report
 from prefixgym.trainer.schedule import warmup_cosine_lr
 from prefixgym.trainer.sft import warm_start
+from prefixgym.trainer.tracking import open_tracker
 from prefixgym.types import JSONObject, Usage
 
 RUN_CONFIG = "config.json"
 """The run's full resolved config, written when it starts (read back by --resume and
 `prefixgym rollout --run`)."""
+
+
+@dataclass
+class Ranks:
+    """This process's place in a torchrun job; the default is the only process."""
+
+    rank: int = 0
+    world: int = 1
+    gather: Callable[[list[TrajectoryGroup]], list[TrajectoryGroup]] | None = None
+    """Every rank's groups of one step, in group order, on every rank (a collective)."""
+    barrier: Callable[[], None] | None = None
+    """Waits for every rank (a collective); stands in for rank 0's checkpoint writes."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
 
 
 @dataclass
@@ -58,6 +88,9 @@ class Clients:
     tokenizer: PreTrainedTokenizerBase
     usage: Callable[[], Usage]
     """The cumulative per-phase ledger of everything the clients computed."""
+    sampler_metrics: Callable[[], dict[str, float]] | None = None
+    """Per-sampler counters to log with each step (several remote samplers)."""
+    ranks: Ranks = field(default_factory=Ranks)
 
 
 @dataclass
@@ -72,19 +105,37 @@ class Run:
         self, config: TrainConfig, clients: Clients, make_env: Callable[[], AgentGymEnv]
     ) -> None:
         self.config = config
+        self.identity = run_identity(config)
         self.clients = clients
         self.training = clients.training
         self.tokenizer = clients.tokenizer
+        self.ranks = clients.ranks
+        self.main = clients.ranks.is_main
+        self.out = Path(config.out)
+        ensure_writable_dir(self.out)
         self.envs = [make_env() for _ in range(config.groups_per_step * config.group_size)]
         self.eval_envs = [make_env() for _ in range(min(config.eval_episodes, 100))]
-        self.out = Path(config.out)
-        self.out.mkdir(parents=True, exist_ok=True)
         self.rollout_config = RolloutConfig(
-            max_tokens=config.max_tokens, temperature=config.temperature
+            max_tokens=config.max_tokens, temperature=config.temperature,
+            lockstep=config.deterministic,
         )
-        self.log = MetricsLog(self.out / "metrics.jsonl")
+        self.log = MetricsLog(self.out / "metrics.jsonl", open_tracker(config.tracker, self.out))
+
+    def write(self, record: JSONObject) -> None:
+        if self.main:
+            self.log.write(record)
+
+    def checkpoint(self, state: LoopState, name: str | None = None) -> None:
+        """Rank 0 writes; the other ranks meet it at the barrier its write holds."""
+        if self.main:
+            save_checkpoint(self.out, self.training, state, self.identity, name=name,
+                            config=asdict(self.config))
+        elif self.ranks.barrier is not None:
+            self.ranks.barrier()
 
     def evaluate(self, sampler: SamplingClient, step: int, when: str, state: LoopState) -> None:
+        if not self.main:
+            return
         with Progress(f"eval ({when})", self.config.eval_episodes, "episode",
                       self.config.progress) as progress:
             result = evaluate(
@@ -95,36 +146,53 @@ class Run:
         record = {"step": step, "phase": "eval", "when": when, **result.as_metrics(),
                   **phase_metrics(result.usage)}
         state.evals.append(record)
-        self.log.write(record)
+        self.write(record)
 
     def start(self, base_usage: Usage, t_start: float) -> tuple[LoopState, SamplingClient | None]:
         """A fresh run: steps 1-2. A resumed one: its newest checkpoint (the warm start's if
         no GRPO step was saved). Returns the state and the KL reference sampler."""
         c = self.config
-        ckpt = newest_checkpoint(self.out) if c.resume else None
-        if ckpt is not None:
+        removed = remove_leftovers(self.out) if self.main else []
+        if removed:
+            print(f"removed {len(removed)} leftover temporaries of killed writes in {self.out}",
+                  file=sys.stderr)
+        try:
+            found = find_checkpoint(self.out, self.identity, c.force_resume) if c.resume else None
+        except ForeignCheckpointError as e:
+            raise ValueError(f"{e}: not resuming from it. Start without --resume (or with "
+                             "another --out) for a new run, or pass --force-resume to load it "
+                             "anyway") from None
+        for reason in found.passed_over if found else []:
+            print(f"passed over: {reason}", file=sys.stderr)
+        if found is not None and found.path is not None:
             ref = None
             if c.kl_coef > 0:
-                load_checkpoint(self.out / "checkpoints" / WARM_START, self.training)
-                ref = self.training.save_weights_and_get_sampling_client()
-            state = load_checkpoint(ckpt, self.training)
-            self.log.truncate_after(state.next_step - 1)
-            print(f"resuming from {ckpt} at GRPO step {state.next_step}", file=sys.stderr)
+                ref = self.reference(found.path)
+            state = load_checkpoint(found.path, self.training)
+            if self.main:
+                mark_latest(found.path)  # a damaged `latest` names what was resumed from again
+                self.log.truncate_after(state.next_step - 1)
+                print(f"resuming from {found.path} at GRPO step {state.next_step}",
+                      file=sys.stderr)
             return state, ref
-        if c.resume:
-            print(f"no checkpoint in {self.out / 'checkpoints'}: starting a new run",
-                  file=sys.stderr)
-        self.log.path.unlink(missing_ok=True)
-        write_text_atomically(self.out / RUN_CONFIG, json.dumps(asdict(c), indent=2) + "\n")
+        if c.resume and self.main:
+            print(f"no intact checkpoint of this run in {self.out / 'checkpoints'}: starting a "
+                  "new run", file=sys.stderr)
+        if self.main:
+            aside = self.log.set_aside()
+            if aside is not None:
+                print(f"kept the earlier {self.log.path.name} as {aside}", file=sys.stderr)
+            write_text_atomically(self.out / RUN_CONFIG, json.dumps(asdict(c), indent=2) + "\n")
         state = LoopState(next_step=0)
         # 1) the starting weights
         self.evaluate(self.clients.sampler, 0, "before training", state)
         # 2) warm start
         if c.sft_steps:
-            with Progress("warm start", c.sft_steps, "step", c.progress) as progress:
+            with Progress("warm start", c.sft_steps, "step", c.progress and self.main
+                          ) as progress:
 
                 def on_step(i: int, metrics: dict[str, float], usage: Usage) -> None:
-                    self.log.write({"step": 0, "phase": "sft", "sft_step": i, **metrics,
+                    self.write({"step": 0, "phase": "sft", "sft_step": i, **metrics,
                                     "tokens/train_computed": usage.train_computed_tokens,
                                     "tokens/train_loss": usage.train_loss_tokens,
                                     "tokens/train_shared": usage.train_shared_tokens})
@@ -136,12 +204,37 @@ class Run:
                 )
             ref = self.training.save_weights_and_get_sampling_client()
             self.evaluate(ref, 0, "after warm start", state)
-        else:
-            ref = self.training.save_weights_and_get_sampling_client()
+        else:  # publishing is not free with remote samplers: only for the KL reference
+            ref = self.training.save_weights_and_get_sampling_client() if c.kl_coef > 0 else None
         state.usage = self.clients.usage() - base_usage
         state.wall_s = time.perf_counter() - t_start
-        save_checkpoint(self.out, self.training, state, name=WARM_START)
+        self.checkpoint(state, name=WARM_START)
         return state, ref if c.kl_coef > 0 else None
+
+    def reference(self, resumed_from: Path) -> SamplingClient:
+        """The KL reference of a resumed run: its warm-start weights, checked."""
+        warm = self.out / "checkpoints" / WARM_START
+        try:
+            theirs = verify_checkpoint(warm)
+        except ValueError as e:
+            raise ValueError(f"--kl-coef needs the warm-start weights as its reference: {e}") \
+                from None
+        if theirs != self.identity and not self.config.force_resume:
+            raise ValueError(f"{warm} (the KL reference) belongs to another run than "
+                             f"{resumed_from}")
+        load_checkpoint(warm, self.training)
+        return self.training.save_weights_and_get_sampling_client()
+
+    def _sync_before(self, step: int) -> bool:
+        """Whether async step `step` must sample from the weights of the step before it,
+        so that a run resumed from a checkpoint samples as the uninterrupted one did:
+        a checkpoint was saved just before it, or it would sample from the weights that
+        the evaluation at a checkpoint just sampled from (and left in the cache)."""
+        c = self.config
+        at_checkpoint = step % c.checkpoint_every == 0
+        after_checkpoint_eval = ((step - 1) % c.checkpoint_every == 0
+                                 and (step - 1) % c.eval_every == 0)
+        return at_checkpoint or after_checkpoint_eval
 
     def run(self) -> RunResult:
         c = self.config
@@ -153,40 +246,51 @@ class Run:
         prior_usage, prior_wall = state.usage, state.wall_s
         sampler = self.training.save_weights_and_get_sampling_client()
         pipeline = StepPipeline(
-            lambda s, step: collect(s, self.tokenizer, self.envs, c, step, self.rollout_config),
-            c.async_mode,
+            lambda s, step: collect(s, self.tokenizer, self.envs, c, step, self.rollout_config,
+                                    self.ranks.rank, self.ranks.world),
+            c.async_mode, sync_before=self._sync_before,
         )
-        progress = Progress("GRPO", c.steps, "step", c.progress, initial=state.next_step)
+        progress = Progress("GRPO", c.steps, "step", c.progress and self.main,
+                            initial=state.next_step)
         try:
             if state.next_step < c.steps:
                 pipeline.start(sampler, state.next_step)
             # 3) GRPO: sample, learn, publish
             for step in range(state.next_step, c.steps):
                 t0 = time.perf_counter()
-                groups, sample_s = pipeline.take(sampler, step, c.steps)
+                (groups, sample_s), weights = pipeline.take(sampler, step, c.steps)
+                if self.ranks.gather is not None:  # every rank trains on every rank's groups
+                    groups = self.ranks.gather(groups)
                 lr = (warmup_cosine_lr(step, c.steps, c.lr, warmup_frac=0.0)
                       if c.lr_schedule == "cosine" else c.lr)
-                metrics, usage = grpo_step(self.training, groups, c, ref_sampler, lr)
+                metrics, usage = grpo_step(self.training, groups, c, ref_sampler, lr, weights)
                 sampler = self.training.save_weights_and_get_sampling_client()
                 pipeline.after_update(sampler, step, c.steps)
-                self.log.write({"step": step, "phase": "grpo", **metrics, **phase_metrics(usage),
-                                "time/sample_s": sample_s, "time/step_s": time.perf_counter() - t0})
+                if self.clients.sampler_metrics is not None:
+                    metrics.update(self.clients.sampler_metrics())
+                self.write({"step": step, "phase": "grpo", **metrics, **phase_metrics(usage),
+                            "time/sample_s": sample_s, "time/step_s": time.perf_counter() - t0})
                 state.next_step = step + 1
                 if state.next_step % c.eval_every == 0 or state.next_step == c.steps:
+                    if c.deterministic:
+                        pipeline.wait()
                     self.evaluate(sampler, state.next_step, "GRPO", state)
                 if state.next_step % c.checkpoint_every == 0 or state.next_step == c.steps:
                     state.usage = prior_usage + (self.clients.usage() - base_usage)
                     state.wall_s = prior_wall + time.perf_counter() - t_start
-                    save_checkpoint(self.out, self.training, state)
+                    self.checkpoint(state)
                 progress.update(1, reward=f"{metrics['reward/mean']:.2f}",
                                 hit=f"{usage.cache_hit_rate:.0%}")
         finally:
             pipeline.close()
             progress.close()
+            if self.log.tracker is not None:
+                self.log.tracker.close()
         # 4) report
         state.usage = prior_usage + (self.clients.usage() - base_usage)
         wall = prior_wall + time.perf_counter() - t_start
-        write_report(self.out, f"prefixgym train: {c.env}", asdict(c), state.usage,
-                     state.sft_usage, state.evals, wall)
-        write_plots(self.out, self.log.read())
+        if self.main:
+            write_report(self.out, f"prefixgym train: {c.env}", asdict(c), state.usage,
+                         state.sft_usage, state.evals, wall)
+            write_plots(self.out, self.log.read())
         return RunResult(self.out, state.evals, state.usage)

@@ -56,6 +56,6 @@ def warm_start(
         ).result()
         total = total + out.usage
         if on_step is not None:
-            on_step(step, {"sft/loss": out.metrics["loss"],
+            on_step(step, {"sft/loss": out.metrics["loss:sum"],
                            **{f"optim/{k}": v for k, v in opt.metrics.items()}}, out.usage)
     return total

@@ -26,3 +26,21 @@ def test_bad_values_are_usage_errors(argv, capsys):
         parse_config(TrainConfig, argv, "t", "d", FLAG_NAMES)
     assert e.value.code == 2
     assert "must" in capsys.readouterr().err
+
+
+def test_sampler_url_repeats_and_old_saved_strings_still_load(tmp_path):
+    config = parse_config(TrainConfig, ["--sampler-url", "http://a/v1", "--sampler-url",
+                                        "http://b/v1"], "t", "", FLAG_NAMES)
+    assert config.sampler_url == ["http://a/v1", "http://b/v1"]
+    assert parse_config(TrainConfig, [], "t", "", FLAG_NAMES).sampler_url == []
+    assert TrainConfig(sampler_url="http://a/v1").sampler_url == ["http://a/v1"]  # type: ignore[arg-type]
+    assert TrainConfig(sampler_url="").sampler_url == []  # type: ignore[arg-type]
+    from prefixgym.cli.flags import read_config_file
+
+    (tmp_path / "c.toml").write_text('sampler_url = ["http://a/v1"]\n')
+    assert read_config_file(TrainConfig, str(tmp_path / "c.toml"))["sampler_url"] == ["http://a/v1"]
+    (tmp_path / "one.toml").write_text('sampler_url = "http://a/v1"\n')
+    assert read_config_file(TrainConfig, str(tmp_path / "one.toml"))["sampler_url"] == ["http://a/v1"]
+    (tmp_path / "bad.toml").write_text('sampler_url = [1]\n')
+    with pytest.raises(ValueError, match="list of strings"):
+        read_config_file(TrainConfig, str(tmp_path / "bad.toml"))

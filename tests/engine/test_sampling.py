@@ -97,3 +97,63 @@ def test_prompt_must_be_token_ids(service: LocalService) -> None:
         sampler.sample("hello")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="negative"):
         sampler.sample([3, -1])
+
+
+# -- the hosted service's fields and parameters -------------------------------------------
+
+
+def test_sequence_ids_are_unique_and_cache_hits_are_reported() -> None:
+    with LocalService(SMALL, seed=0, block_size=16) as svc:
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        prompt = list(range(100, 150))  # 50 tokens: 3 full blocks and 2 more
+        params = SamplingParams(max_tokens=2, seed=1)
+        first = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+        second = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
+        ids = [s.sequence_id for r in (first, second) for s in r.sequences]
+        assert len(set(ids)) == 5 and all(isinstance(i, str) and i for i in ids)
+        assert first.prompt_cache_hit_tokens == first.usage.prefill_cached_tokens == 0
+        # the first request's finished samples left their partial 4th block (the prompt's
+        # last 2 tokens, a sampled one) in the cache: all but the last prompt token hit
+        assert second.prompt_cache_hit_tokens == second.usage.prefill_cached_tokens == 49
+
+
+def test_prompt_logprobs_last_n_reads_the_prefix_from_the_cache() -> None:
+    with LocalService(SMALL, seed=0, block_size=16) as svc:
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        prompt = list(range(200, 250))  # 50 tokens
+        full = sampler.compute_logprobs(prompt).result()  # scores all; fills the cache
+        resp = sampler.sample(prompt, sampling_params=SamplingParams(max_tokens=0),
+                              include_prompt_logprobs=True, topk_prompt_logprobs=3,
+                              prompt_logprobs_last_n=10).result()
+        # 50 tokens are cached (3 blocks and a partial one); the positions before the first
+        # scored one's logits, 50 - 10 - 1 = 39, hit: 2 blocks and 7 tokens of the third
+        assert resp.prompt_cache_hit_tokens == 39
+        assert resp.usage.prefill_computed_tokens == 11
+        lp = resp.prompt_logprobs
+        assert lp is not None and lp[:40] == [None] * 40
+        assert lp[40:] == pytest.approx(full[40:], abs=1e-5)
+        top = resp.topk_prompt_logprobs
+        assert top is not None and top[:40] == [None] * 40 and len(top) == 50
+        for i in range(40, 50):
+            ids, values = zip(*top[i], strict=True)
+            assert len(ids) == 3 and list(values) == sorted(values, reverse=True)
+            # the prompt token's own logprob is at most the best one
+            assert values[0] >= lp[i] - 1e-6
+        whole = sampler.sample(prompt, sampling_params=SamplingParams(max_tokens=0),
+                               topk_prompt_logprobs=1).result()
+        assert whole.prompt_logprobs is None  # only the top-k were asked for
+        assert whole.prompt_cache_hit_tokens == 0
+        assert whole.topk_prompt_logprobs is not None and whole.topk_prompt_logprobs[0] is None
+        svc.check_cache_integrity()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"prompt_logprobs_last_n": 3}, "needs include_prompt_logprobs"),
+    ({"include_prompt_logprobs": True, "prompt_logprobs_last_n": 0}, r"\[1, len\(prompt\)"),
+    ({"include_prompt_logprobs": True, "prompt_logprobs_last_n": 5}, r"\[1, len\(prompt\)"),
+    ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs"),
+])
+def test_bad_prompt_scoring_requests_are_refused(service: LocalService, kwargs: dict,
+                                                 match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        service.create_sampling_client().sample([1, 2, 3, 4, 5], **kwargs)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from prefixgym.engine.model import ModelConfig, Transformer
 from prefixgym.local_service import LocalService
-from prefixgym.types import ModelInput, SamplingParams
+from prefixgym.types import ModelInput, SampleRequest, SamplingParams
 
 SMALL = ModelConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                     hidden_dim=128, max_seq_len=512)
@@ -92,7 +92,7 @@ def test_cached_and_uncached_agree_when_prompts_diverge_inside_blocks(
         sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
         rounds = []
         for _ in range(2):
-            futures = [sampler.sample_many([p], num_samples=g, sampling_params=params)[0]
+            futures = [sampler.sample_many([SampleRequest(p, g, params)])[0]
                        for p, (_, _, g) in zip(prompts, cuts)]
             rounds.append([f.result() for f in futures])
             svc.check_cache_integrity()
@@ -157,7 +157,7 @@ def test_a_small_pool_queues_requests_evicts_and_gives_the_same_results() -> Non
     for pool_blocks in (14, 4096):  # 13 usable: two requests of 6 blocks at a time
         with LocalService(SMALL, seed=0, block_size=BS, cache_bytes=pool_blocks * block_bytes) as svc:
             sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
-            futures = sampler.sample_many(prompts, num_samples=2, sampling_params=params)
+            futures = sampler.sample_many([SampleRequest(p, 2, q) for p, q in zip(prompts, params)])
             results.append([[s.tokens for s in f.result().sequences] for f in futures])
             svc.check_cache_integrity()
             stats = svc.cache_stats()
@@ -315,8 +315,9 @@ def test_a_failing_stop_check_fails_only_its_request() -> None:
     with EngineService(SMALL, seed=0, decode=decode) as engine:
         sampler = engine.create_sampling_client()
         svc_params = SamplingParams(max_tokens=6, temperature=0.0)
-        with_stop = sampler.sample_many([[1, 2, 3], [4, 5, 6]], sampling_params=[
-            svc_params.model_copy(update={"stop": ["x"]}), svc_params])
+        with_stop = sampler.sample_many([
+            SampleRequest([1, 2, 3], 1, svc_params.model_copy(update={"stop": ["x"]})),
+            SampleRequest([4, 5, 6], 1, svc_params)])
         with pytest.raises(UnicodeError, match="cannot decode"):
             with_stop[0].result()
         assert len(with_stop[1].result().sequences[0].tokens) == 6
@@ -330,11 +331,11 @@ def test_sample_many_enters_one_step_so_batches_do_not_depend_on_timing() -> Non
     for _ in range(2):
         with LocalService(SMALL, seed=0, thread_tuning=False) as svc:
             sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
-            futures = sampler.sample_many(prompts, sampling_params=params)
+            futures = sampler.sample_many([SampleRequest(p, 1, q) for p, q in zip(prompts, params)])
             tokens = [f.result().sequences[0].tokens for f in futures]
             stats = svc.engine_stats()
             assert (stats["prefill_calls"], stats["max_batch_size"]) == (1, 5)
             runs.append((tokens, stats))
     assert runs[0] == runs[1]
     with LocalService(SMALL, seed=0) as svc, pytest.raises(ValueError, match="token id"):
-        svc.create_sampling_client().sample_many([[1, 2], [1, 99999]])
+        svc.create_sampling_client().sample_many([SampleRequest([1, 2]), SampleRequest([1, 99999])])

@@ -91,7 +91,8 @@ def assert_same_training(datums: list[Datum], loss_fn: str = "ppo", rel: float =
     return shared
 
 
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo"])
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo",
+                                     "dro", "gspo", "stable_reinforce"])
 def test_a_group_sharing_a_prompt_trains_exactly_and_computes_it_once(loss_fn: str) -> None:
     datums = group()  # a 12-token prompt, replies of 5, 9, 3 and 7
     out = assert_same_training(datums, loss_fn)
@@ -212,3 +213,28 @@ def test_any_datums_with_shared_prefixes_train_exactly(case: tuple[list[list[int
     if budget == 8192:
         distinct = len({tuple(t[: k + 1]) for t in tokens for k in range(len(t))})
         assert out.usage.train_computed_tokens == distinct
+
+
+def test_repeated_calls_give_the_same_gradient_bits() -> None:
+    """A shared row's gradient sums its branches in a fixed order (on two threads, where
+    atomic adds would race), so a run can be reproduced bit for bit."""
+    config = ModelConfig(vocab_size=64, dim=128, n_layers=1, n_heads=2, n_kv_heads=2,
+                         hidden_dim=64, max_seq_len=128)
+    prompt = random_ids(100, 1)
+    datums = [make_datum(prompt + random_ids(1 + i % 7, 50 + i), 100, i) for i in range(64)]
+    model = Transformer(config)
+    init_weights(model, 0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        client = TrainingClient(model, share_prefixes=True)
+        grads = []
+        for _ in range(4):
+            client.forward_backward(datums, "ppo").result()
+            grads.append([p.grad.clone() for p in client.model.parameters()])
+            client.model.zero_grad(set_to_none=True)
+        client.close()
+    finally:
+        torch.set_num_threads(previous)
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))

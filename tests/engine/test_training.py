@@ -342,3 +342,80 @@ def test_bf16_autocast_keeps_fp32_master_weights() -> None:
     assert all(p.dtype == torch.float32 for p in client.model.parameters())
     with pytest.raises(ValueError, match="compute_dtype"):
         TrainingClient(make_model(), compute_dtype=torch.float16)
+
+
+# -- the hosted service's conventions -------------------------------------------------------
+
+
+def test_data_is_the_argument_name_and_datums_still_works() -> None:
+    client = TrainingClient(make_model())
+    a = client.forward(data=batch(), loss_fn="ppo").result()
+    b = client.forward(datums=batch(), loss_fn="ppo").result()
+    c = client.forward(batch(), "ppo").result()
+    assert a.metrics["loss:sum"] == b.metrics["loss:sum"] == c.metrics["loss:sum"]
+    assert a.metrics["loss"] == a.metrics["loss:sum"]  # the old name stays
+    with pytest.raises(ValueError, match="once"):
+        client.forward(batch(), "ppo", datums=batch())
+    with pytest.raises(ValueError, match="needs loss_fn"):
+        client.forward(batch())
+
+
+def _service_style_rl_datum(prompt: list[int], sampled: list[int],
+                            sampler_logprobs: list[float], advantage: float) -> Datum:
+    """An RL datum as the hosted service's cookbook builds it: no weights; logprobs and
+    advantages 0 on the prompt."""
+    ob = len(prompt) - 1
+    return Datum(
+        model_input=ModelInput.from_ints(prompt + sampled[:-1]),
+        loss_fn_inputs={"target_tokens": [0] * ob + sampled,
+                        "logprobs": [0.0] * ob + sampler_logprobs,
+                        "advantages": [0.0] * ob + [advantage] * len(sampled)},
+    )
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo", "gspo",
+                                     "stable_reinforce", "dro"])
+def test_rl_datums_without_weights_count_only_their_sampled_positions(loss_fn: str) -> None:
+    client = TrainingClient(make_model())
+    prompt, sampled = [3, 4, 5, 6, 7, 8], [9, 10, 11]
+    # on-policy sampler logprobs: the trainer's own
+    probe = _service_style_rl_datum(prompt, sampled, [0.0] * 3, 1.0)
+    logp = client.forward([probe], "importance_sampling").result().loss_fn_outputs[0]["logprobs"]
+    datum = _service_style_rl_datum(prompt, sampled, logp[-3:], 1.0)
+    out = client.forward_backward(data=[datum], loss_fn=loss_fn).result()
+    assert out.usage.train_loss_tokens == 3 == datum.num_loss_tokens
+    assert out.metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-5)  # not pulled down by prompt
+    assert out.metrics["kl_sampler/mean"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_forward_backward_custom_matches_autograd_through_the_model() -> None:
+    """A loss that no built-in has (a squared mean logprob per datum), trained through
+    forward_backward_custom, gives the gradient that autograd gives end to end."""
+    datums = batch()
+
+    def loss_fn(data: list[Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        per_datum = [(lp * torch.tensor(d.loss_fn_inputs["weights"])).sum() ** 2
+                     for d, lp in zip(data, logprobs, strict=True)]
+        total = torch.stack(per_datum).sum()
+        return total, {"custom/first": float(per_datum[0].detach())}
+
+    client = TrainingClient(make_model())
+    out = client.forward_backward_custom(datums, loss_fn).result()
+
+    reference = make_model()
+    expected = 0.0
+    for d in datums:
+        tokens = torch.tensor([d.model_input.tokens])
+        targets = torch.tensor([d.loss_fn_inputs["target_tokens"]])
+        logp = torch.log_softmax(reference(tokens), -1)[0].gather(1, targets.T)[:, 0]
+        term = (logp * torch.tensor(d.loss_fn_inputs["weights"])).sum() ** 2
+        term.backward()
+        expected += float(term.detach())
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+    assert "custom/first" in out.metrics
+    assert len(out.loss_fn_outputs[1]["logprobs"]) == datums[1].model_input.length
+    for (name, p), q in zip(client.model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+    assert out.usage.train_computed_tokens == 2 * 17  # two forwards
+    with pytest.raises(ValueError, match="callable"):
+        client.forward_backward_custom(datums, "cross_entropy")  # type: ignore[arg-type]

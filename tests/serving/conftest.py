@@ -59,6 +59,12 @@ def wait_healthy_fixture():
     return wait_healthy
 
 
+@pytest.fixture(name="running_server")
+def running_server_fixture():
+    """The RunningServer class, for a test that needs a server of its own."""
+    return RunningServer
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
     service = LocalService(model="tiny", seed=0)
@@ -66,3 +72,19 @@ def server() -> Iterator[RunningServer]:
     yield running
     running.stop()
     service.close()
+
+
+@pytest.fixture
+def start_server():
+    """`start_server(service, config)`: a running server, stopped (and its service closed)
+    when the test ends."""
+    started: list[RunningServer] = []
+
+    def start(service: LocalService, config: ServeConfig = SERVE_CONFIG) -> RunningServer:
+        started.append(RunningServer(service, config))
+        return started[-1]
+
+    yield start
+    for running in started:
+        running.stop()
+        running.service.close()

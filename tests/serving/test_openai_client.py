@@ -126,3 +126,19 @@ def test_no_token_ids_needs_a_tokenizer_and_warns(server) -> None:
           pytest.warns(UserWarning, match="re-tokenizing")):
         seq = c.sample([1, 2, 3]).result().sequences[0]
     assert seq.tokens == tokenizer.encode("hi", add_special_tokens=False)
+
+
+def test_weight_routes_against_a_vllm_like_and_an_sglang_like_server() -> None:
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if request.url.path == "/load_lora_adapter":  # SGLang's name for it
+            return httpx.Response(200, json={"success": True, "error_message": None})
+        return httpx.Response(404, json={"detail": "Not Found"})  # FastAPI's unknown route
+
+    with OpenAISamplingClient("http://fake/v1", transport=httpx.MockTransport(handler)) as c:
+        with pytest.raises(ValueError, match="no /update_weights_from_disk"):
+            c.update_weights_from_disk("/shared/w/v000001", "run-1")
+        c.load_lora_adapter("run-1", "/shared/w/v000001")
+    assert seen == ["/update_weights_from_disk", "/v1/load_lora_adapter", "/load_lora_adapter"]

@@ -1,24 +1,87 @@
-"""`prefixgym train --sampler-url`: rollouts and evaluation go to the HTTP server."""
+"""`prefixgym train --sampler-url`: rollouts and evaluation go to the HTTP server, which
+receives every update and answers only from it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+
 from prefixgym.cli.train import build_run
+from prefixgym.local_service import LocalService
+from prefixgym.serving.config import ServeConfig
 from prefixgym.trainer.config import TrainConfig
 
 
-def test_train_samples_on_the_remote_server(server, tmp_path: Path) -> None:
-    before = server.service.usage().sampled_tokens
-    config = TrainConfig(out=str(tmp_path), sft_steps=0, steps=1, groups_per_step=1,
-                         group_size=2, eval_episodes=2, eval_every=1, max_tokens=4,
-                         progress=False, sampler_url=server.url + "/v1")
+def test_train_samples_on_the_remote_server(start_server, tmp_path: Path) -> None:
+    server = start_server(LocalService(model="tiny", seed=5))  # not the trainer's weights
+    config = TrainConfig(out=str(tmp_path), env="tests/Lengthy-v0", sft_steps=0, steps=2,
+                         groups_per_step=2, group_size=2, eval_episodes=2, eval_every=1,
+                         max_tokens=4,
+                         progress=False, sampler_url=[server.url + "/v1"])
     run, service = build_run(config)
     result = run.run()
-    served = server.service.usage().sampled_tokens - before
+    served = server.service.usage().sampled_tokens
     assert served > 0  # every sampled token came from the server...
     assert service.usage().sampled_tokens == served  # ...and is in the run's ledger
     assert result.usage.sampled_tokens == served
-    phases = [json.loads(line)["phase"] for line in (tmp_path / "metrics.jsonl").open()]
-    assert "grpo" in phases and "eval" in phases
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    steps = [r for r in lines if r["phase"] == "grpo"]
+    assert [r["sampler/version_lag"] for r in steps] == [0.0, 0.0]
+    assert all(r["episodes/off_policy"] == 0 and r["sampler/0/up"] == 1 for r in steps)
+    # the server holds the trainer's newest weights: the start's, then one per step
+    assert server.service.weights_version == 1 + 1 + 2  # cli, run start, two steps
+    trained = service.train_model.state_dict()
+    for name, value in server.service.train_model.state_dict().items():
+        assert bool((value == trained[name]).all()), name
+    on_policy = [r["sampler/max_logprob_gap"] for r in steps if "sampler/max_logprob_gap" in r]
+    assert on_policy and all(gap < 1e-3 for gap in on_policy)
+
+
+@pytest.mark.parametrize(("flag", "message"), [({"async_mode": True}, "LoRA"),
+                                               ({"kl_coef": 0.1}, "in-process")])
+def test_remote_sync_refuses_what_needs_older_versions(flag, message, tmp_path: Path) -> None:
+    config = TrainConfig(out=str(tmp_path), sampler_url=["http://127.0.0.1:9/v1"], **flag)
+    with pytest.raises(ValueError, match=message):
+        build_run(config)
+
+
+def test_a_lora_run_pushes_adapters_and_samples_one_version_behind(start_server,
+                                                                  tmp_path: Path) -> None:
+    server = start_server(LocalService(model="tiny", seed=0))  # the trainer's base weights
+    config = TrainConfig(out=str(tmp_path), env="tests/Lengthy-v0", sft_steps=0, steps=3,
+                         groups_per_step=2, group_size=2, eval_episodes=2, eval_every=10,
+                         checkpoint_every=10, max_tokens=4, progress=False,
+                         sampler_url=[server.url + "/v1"], lora_rank=4, async_mode=True)
+    run, service = build_run(config)
+    run.run()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    steps = [r for r in lines if r["phase"] == "grpo"]
+    # step 1 waits for step 0's weights (the evaluation at the start is a checkpoint
+    # point: resuming stays exact); step 2 samples while step 1 trains
+    assert [r["sampler/version_lag"] for r in steps] == [0.0, 0.0, 1.0]
+    gaps = [r["sampler/max_logprob_gap"] for r in steps if "sampler/max_logprob_gap" in r]
+    # lag 0: the served numbers are the trainer's; lag 1: one update's size apart
+    assert gaps[0] < 1e-3 and gaps[1] < 1e-3 and len(gaps) == 3
+    pushed = sorted(p.name for p in (tmp_path / "sampler_weights").iterdir())
+    assert pushed and all((tmp_path / "sampler_weights" / p / "adapter_config.json").is_file()
+                          for p in pushed)
+
+
+
+def test_train_sends_the_api_key_from_the_environment(start_server, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    server = start_server(LocalService(model="tiny", seed=0),
+                          ServeConfig(model="tiny", api_key="s3cret"))
+    config = TrainConfig(out=str(tmp_path), sampler_url=[server.url + "/v1"],
+                         eval_episodes=1, progress=False)
+    with pytest.raises(ValueError, match="401|API key"):  # the first push is refused
+        build_run(config)
+    assert server.service.weights_version == 0  # nothing was loaded
+    monkeypatch.setenv("PREFIXGYM_API_KEY", "s3cret")
+    run, service = build_run(config)  # the starting weights are pushed with the key
+    try:
+        assert server.service.weights_version == 1  # the starting weights arrived
+    finally:
+        service.close()

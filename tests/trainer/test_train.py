@@ -8,12 +8,11 @@ import pytest
 from prefixgym.cli import main as cli_main
 from prefixgym.cli.train import train
 from prefixgym.envs.registration import make_env
-from prefixgym.futures import APIFuture
 from prefixgym.local_service import LocalService
 from prefixgym.rollouts.rollout import RolloutConfig
+from prefixgym.trainer import run as run_module
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.grpo import assemble, collect, grpo_step
-from prefixgym.types import SampledSequence, SampleResponse, Usage
 
 SMALL = dict(env="tests/Lengthy-v0", sft_steps=1, sft_episodes_per_step=2, groups_per_step=2,
              group_size=3, eval_episodes=4, eval_every=2, max_tokens=6, progress=False)
@@ -84,73 +83,47 @@ def test_cli_run_writes_metrics_report_plots_and_checkpoints(tmp_path):
     assert "prefill, served from the prefix cache" in report and "train, in the loss" in report
     assert (out / "training.png").stat().st_size > 0 and (out / "tokens.png").stat().st_size > 0
     assert (out / "checkpoints" / "latest").read_text() == "step-000001"
+    # the full resolved config, in the report and in every checkpoint
+    config = json.loads((out / "config.json").read_text())
+    assert config["steps"] == 2 and config["deterministic"] is True
+    for name in ("step-000001", "warm_start"):
+        assert json.loads((out / "checkpoints" / name / "config.json").read_text()) == config
+    assert json.dumps(config, sort_keys=True) in report
 
 
-class ReferenceSampler:
-    """Samples one sequence at a time with a full forward per token: slow, but its
-    numbers never depend on what else the engine happened to batch. Used to test that
-    resuming is exact without the engine's float-level batching noise."""
-
-    def __init__(self, model, stop_ids, ledger):
-        self.model, self.stop_ids, self.ledger = model, set(stop_ids), ledger
-
-    def sample(self, prompt, num_samples=1, sampling_params=None, include_prompt_logprobs=False):
-        import random
-
-        import torch
-
-        p = sampling_params
-        sequences = []
-        for i in range(num_samples):
-            rng, tokens, logprobs, reason = random.Random(f"{p.seed}/{i}"), [], [], "length"
-            for _ in range(p.max_tokens):
-                with torch.no_grad():
-                    logits = self.model(torch.tensor([prompt.tokens + tokens]))[0, -1]
-                logp = torch.log_softmax(logits.double(), -1)
-                probs = torch.softmax(logits.double() / max(p.temperature, 1e-6), -1)
-                tok = int(torch.searchsorted(torch.cumsum(probs, 0), rng.random()).clamp(
-                    max=len(probs) - 1))
-                tokens.append(tok)
-                logprobs.append(float(logp[tok]))
-                if tok in self.stop_ids:
-                    reason = "stop"
-                    break
-            sequences.append(SampledSequence(tokens=tokens, logprobs=logprobs,
-                                             stop_reason=reason))
-        usage = Usage(prefill_computed_tokens=prompt.length,
-                      sampled_tokens=sum(len(s.tokens) for s in sequences))
-        self.ledger.add(usage)
-        return APIFuture.completed(SampleResponse(sequences=sequences, usage=usage))
+class Killed(Exception):
+    pass
 
 
-class ReferenceService(LocalService):
-    def create_sampling_client(self, stop_at_end_of_turn=True):
-        return self.publish_weights()
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_same_run_same_metrics_and_resume_continues_exactly(tmp_path, monkeypatch, async_mode):
+    """Deterministic mode (the default): the engine's batches are fixed by the rollout
+    schedule, so two runs of one config log the same numbers, bit for bit (steps 0-1 of
+    "a" and "c"), and a run killed after a checkpoint and resumed logs what the
+    uninterrupted run did (steps 2-3)."""
+    def run(out, resume=False):
+        config = TrainConfig(**SMALL, steps=4, checkpoint_every=2, out=str(tmp_path / out),
+                             resume=resume, async_mode=async_mode)
+        train(config)
 
-    def publish_weights(self):
-        stop_ids = self.create_sampling_client_engine().default_stop_token_ids
-        return ReferenceSampler(self.train_model.clone_for_inference(), stop_ids, self.ledger)
+    run("a")
+    save = run_module.save_checkpoint
 
-    def create_sampling_client_engine(self):
-        return LocalService.create_sampling_client(self)
+    def save_then_die(out, training, state, *args, **kwargs):
+        path = save(out, training, state, *args, **kwargs)
+        if state.next_step == 2:
+            raise Killed  # while step 2 samples, in async mode step 3 too
+        return path
 
-
-def test_resume_continues_exactly(tmp_path):
-    def run(steps, out, resume=False):
-        # a constant lr: the cosine schedule depends on --steps, which the stand-in for
-        # an interrupted run (a shorter --steps) changes
-        config = TrainConfig(**{**SMALL, "sft_steps": 0}, steps=steps, checkpoint_every=2,
-                             out=str(out), resume=resume, lr_schedule="constant")
-        with ReferenceService(model="tiny", seed=0) as service:
-            train(config, service)
-
-    run(4, tmp_path / "a")
-    run(2, tmp_path / "b")
-    run(4, tmp_path / "b", resume=True)
-    a, b = _grpo_lines(tmp_path / "a"), _grpo_lines(tmp_path / "b")
-    assert [r["step"] for r in b if r["phase"] == "grpo"] == [0, 1, 2, 3]
-    assert any(r.get("tokens/train_computed") for r in a), "some step must train"
-    assert a == b
+    monkeypatch.setattr(run_module, "save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        run("c")
+    monkeypatch.undo()
+    run("c", resume=True)
+    a, c = _grpo_lines(tmp_path / "a"), _grpo_lines(tmp_path / "c")
+    assert [r["step"] for r in c if r["phase"] == "grpo"] == [0, 1, 2, 3]
+    assert sum(1 for r in a if r.get("tokens/train_computed")) >= 2, "steps must train"
+    assert a == c
 
 
 def test_failing_env_is_left_out_and_counted():

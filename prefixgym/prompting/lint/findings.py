@@ -50,6 +50,9 @@ RULES: dict[str, Rule] = {
              "the generation prompt opens a reasoning block that the history does not keep"),
         Rule("PG112", "reply-whitespace-changed", "error",
              "the history renders a reply with other whitespace than was sampled"),
+        Rule("PG113", "render-limit", "error",
+             "rendering a probe exceeded the time, memory or output limit (a runaway "
+             "template)"),
         Rule("PG201", "retokenized-history", "error",
              "history was re-tokenized: same text, different token ids"),
         Rule("PG202", "fixed-prefix-changed", "error",

@@ -1,16 +1,21 @@
-"""Render a chat template the way transformers does, at a clock we choose.
+"""Render a chat template the way transformers does, at a clock we choose, within limits.
 
 Uses transformers' own `render_jinja_template` (its sandbox, filters and
 `strftime_now`), so what the linter checks is what `apply_chat_template` produces.
 `strftime_now` reads `datetime.now()` inside transformers; `fixed_clock` pins it so
 that two renders of one conversation compare equal, and so that two different
-clocks reveal a template that prints the date. Knows nothing about what a
-"break" is: it only turns messages into text or raises `RenderError`.
+clocks reveal a template that prints the date. `TemplateRenderer.render` renders in
+a worker process under a time, memory and output limit (`render_worker.py`), so a
+runaway template is a `RenderLimitError`, never a hang; after one, the renderer
+refuses to render that template again (each further render would wait out the limit
+too). Knows nothing about what a "break" is: it only turns messages into text or
+raises `RenderError`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -19,8 +24,13 @@ from typing import Any
 
 import jinja2
 
+from prefixgym.prompting.lint import render_worker
 from prefixgym.prompting.lint.findings import LintInputError
+from prefixgym.prompting.lint.render_worker import RenderError, RenderLimitError, RenderLimits
 from prefixgym.types import JSONObject
+
+__all__ = ["CLOCK_A", "CLOCK_B", "RenderError", "RenderLimitError", "RenderLimits",
+           "TemplateRenderer", "fixed_clock", "render_in_process"]
 
 CLOCK_A = datetime(2024, 1, 15, 9, 30, 0)
 CLOCK_B = datetime(2025, 7, 4, 18, 5, 42)
@@ -29,10 +39,6 @@ CLOCK_B = datetime(2025, 7, 4, 18, 5, 42)
 DATE_READ_PATTERN = re.compile(
     r"strftime_now|\bnow\s*\(|\bdate_string\b|\bcurrent_date\b|\btoday\b|\bdatetime\b"
 )
-
-
-class RenderError(Exception):
-    """The template raised while rendering one conversation (e.g. raise_exception)."""
 
 
 # transformers' chat_template_utils module (Any: its `datetime` global gets patched, which
@@ -54,6 +60,7 @@ class _Clock:
     now_value: datetime = CLOCK_A
 
 
+@functools.lru_cache(maxsize=8)
 def _fallback_compile(template: str) -> jinja2.Template:
     # Used only when the installed transformers has no render_jinja_template.
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -101,26 +108,54 @@ def fixed_clock(when: datetime) -> Iterator[None]:
         _Clock.now_value = previous_value
 
 
+def render_in_process(
+    template: str, messages: list[JSONObject], add_generation_prompt: bool,
+    tools: list[JSONObject] | None, clock: datetime, variables: Mapping[str, Any],
+) -> str:
+    """One render in this process, without limits (what the render worker runs).
+    Raises `RenderError` for anything the template raises but MemoryError."""
+    backend = _transformers_backend()
+    try:
+        with fixed_clock(clock):
+            if backend is None:
+                return _fallback_compile(template).render(
+                    messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                    **variables)
+            rendered, _ = backend[1](
+                conversations=[messages], tools=tools, chat_template=template,
+                add_generation_prompt=add_generation_prompt, **variables,
+            )
+            return str(rendered[0])
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (a template may raise anything; the probe records it)
+        raise RenderError(f"{type(exc).__name__}: {exc}") from None
+
+
 class TemplateRenderer:
-    """Renders message lists with one chat template, BOS and EOS strings.
+    """Renders message lists with one chat template, BOS and EOS strings, each render
+    within `limits`.
 
     `variables` are passed to every render (a tokenizer's other special tokens).
     Raises `LintInputError` at construction when the template does not compile.
     """
 
     def __init__(self, template: str, bos_token: str | None, eos_token: str | None,
-                 origin: str = "<template>", variables: Mapping[str, Any] | None = None) -> None:
+                 origin: str = "<template>", variables: Mapping[str, Any] | None = None,
+                 limits: RenderLimits | None = None) -> None:
         self.template = template
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
         self.variables = dict(variables or {})
-        self._backend = _transformers_backend()
-        try:
-            if self._backend is not None:
-                compiled = self._backend[0]._compile_jinja_template(template)
-                self._fallback = None
+        self.limits = limits or RenderLimits()
+        self.limit_hit: str | None = None
+        """The first limit a render of this template hit; no render is tried after it."""
+        backend = _transformers_backend()
+        try:  # compiling runs nothing of the template, so it needs no limit
+            if backend is not None:
+                compiled = backend[0]._compile_jinja_template(template)
             else:
-                compiled = self._fallback = _fallback_compile(template)
+                compiled = _fallback_compile(template)
             self.syntax_tree = compiled.environment.parse(template)
         except jinja2.TemplateSyntaxError as exc:
             raise LintInputError(f"{origin}:{exc.lineno}: template does not compile: {exc.message}") from None
@@ -133,19 +168,15 @@ class TemplateRenderer:
                tools: list[JSONObject] | None = None, clock: datetime = CLOCK_A,
                variables: Mapping[str, Any] | None = None) -> str:
         """The template's text for `messages`; `variables` (a switch such as
-        enable_thinking) are passed beside the constructor's. Raises `RenderError`."""
+        enable_thinking) are passed beside the constructor's. Raises `RenderError`, or
+        `RenderLimitError` once a render of this template exceeded a limit."""
+        if self.limit_hit is not None:
+            raise RenderLimitError(self.limit_hit)
         kwargs = {**self.variables, **(variables or {}),
                   "bos_token": self.bos_token, "eos_token": self.eos_token}
         try:
-            with fixed_clock(clock):
-                if self._fallback is not None:
-                    return self._fallback.render(messages=messages, tools=tools,
-                                                 add_generation_prompt=add_generation_prompt, **kwargs)
-                assert self._backend is not None
-                rendered, _ = self._backend[1](
-                    conversations=[messages], tools=tools, chat_template=self.template,
-                    add_generation_prompt=add_generation_prompt, **kwargs,
-                )
-                return str(rendered[0])
-        except Exception as exc:  # noqa: BLE001  (a template may raise anything; the probe records it)
-            raise RenderError(f"{type(exc).__name__}: {exc}") from None
+            return render_worker.render(self.template, messages, add_generation_prompt, tools,
+                                        clock, kwargs, self.limits)
+        except RenderLimitError as exc:
+            self.limit_hit = str(exc)
+            raise

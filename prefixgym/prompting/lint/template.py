@@ -8,11 +8,16 @@ for `HFTemplateFormat`, which refuses a template that breaks under its defaults.
 2) Run every probe (`probes.py`) through the `Prober` (`prober.py`), which renders
    it at a fixed clock and records each break as a sighting.
 3) A probe the template raises on is PG106 (only the system message is refused) or
-   PG109 under the defaults, and merely skipped under a switch setting.
+   PG109 under the defaults, and merely skipped under a switch setting. A render
+   that exceeds its time, memory or output limit is PG113, whatever the setting, and
+   ends the probing (every further render would wait out the limit too).
 4) Render at two clocks: a template that prints the date is PG108.
 5) One finding per rule, at its first sighting; when every sighting shares a
    condition that not every probe had, the finding says so ("breaks only when the
    reply contains a <think> block").
+The verdict is append-only only when no rule broke, no render hit a limit, and at
+least one probe was checked under the template's defaults (a template that raises
+on every probe has shown nothing).
 Knows nothing of files or output formats.
 """
 
@@ -26,7 +31,13 @@ from prefixgym.prompting.lint.divergence import context_window, first_divergence
 from prefixgym.prompting.lint.findings import Finding
 from prefixgym.prompting.lint.prober import Prober, Sighting
 from prefixgym.prompting.lint.probes import Probe, Style, probe_conversations
-from prefixgym.prompting.lint.render import CLOCK_A, CLOCK_B, RenderError, TemplateRenderer
+from prefixgym.prompting.lint.render import (
+    CLOCK_A,
+    CLOCK_B,
+    RenderError,
+    RenderLimits,
+    TemplateRenderer,
+)
 from prefixgym.prompting.lint.switches import DEFAULT, Setting, reasoning_markers, switch_settings
 from prefixgym.types import JSONObject
 
@@ -142,13 +153,14 @@ def _date_finding(renderer: TemplateRenderer, origin: str) -> Finding | None:
 
 def probe_template(template_str: str, bos_token: str | None = None, eos_token: str | None = None,
                    tokenizer: PreTrainedTokenizerBase | None = None, origin: str = "<template>",
-                   variables: Mapping[str, Any] | None = None) -> TemplateReport:
+                   variables: Mapping[str, Any] | None = None,
+                   limits: RenderLimits | None = None) -> TemplateReport:
     """Render `template_str` over the probe conversations and report every break.
 
-    `variables` go to every render (a tokenizer's other special tokens). Raises
-    `LintInputError` when the template does not compile.
+    `variables` go to every render (a tokenizer's other special tokens); `limits`
+    bound each render. Raises `LintInputError` when the template does not compile.
     """
-    renderer = TemplateRenderer(template_str, bos_token, eos_token, origin, variables)
+    renderer = TemplateRenderer(template_str, bos_token, eos_token, origin, variables, limits)
     # 1) what the template knows
     markers = reasoning_markers(template_str)
     prober = Prober(renderer, origin, markers, tokenizer)
@@ -157,15 +169,26 @@ def probe_template(template_str: str, bos_token: str | None = None, eos_token: s
     num_checked_by_default = 0
     failures: dict[str, str] = {}
     skipped: dict[str, str] = {}
+    limited: list[str] = []  # the probe that hit a render limit, then those never tried
     for probe in probe_conversations(markers, switch_settings(renderer.syntax_tree)):
+        if renderer.limit_hit is not None:
+            limited.append(probe.name)
+            continue
         outcome = prober.run(probe)
         if outcome == "checked":
             checked.append(probe.name)
             num_checked_by_default += probe.setting == DEFAULT
+        elif outcome == "failed" and renderer.limit_hit is not None:
+            limited.append(probe.name)
         elif outcome == "failed":
             (failures if probe.setting == DEFAULT else skipped)[probe.name] = prober.failed
-    # 3) probes the template raised on
+    # 3) probes the template raised on, or that hit a render limit
     findings = _findings(prober.sightings, prober.seen)
+    if limited:
+        findings.append(Finding(
+            "PG113", f"rendering exceeded a limit ({renderer.limit_hit}): the template loops or "
+            f"grows its text without bound; {len(limited)} probe(s) were not checked",
+            f"{origin}: probe '{limited[0]}'", extra={"probes_not_checked": limited}))
     for name, error in failures.items():
         plain_name = name.removeprefix("system+")
         if name.startswith("system+") and plain_name in checked:
@@ -186,7 +209,8 @@ def probe_template(template_str: str, bos_token: str | None = None, eos_token: s
     shape = prober.shapes.get(DEFAULT)
     return TemplateReport(
         target=origin,
-        append_only=not any(f.rule in BREAK_RULES for f in findings),
+        append_only=(not any(f.rule in BREAK_RULES | {"PG113"} for f in findings)
+                     and num_checked_by_default > 0),
         findings=findings,
         reads_date=date is not None,
         probes_checked=checked,

@@ -3,7 +3,8 @@
 Line format (docs/files.md): {"episode_id", "group_id", "turn", "prompt_tokens": [...],
 "completion_tokens": [[...], ...], "num_samples", "include_prompt_logprobs",
 "usage": {...}}. Only `prompt_tokens` is required. Every problem is a
-`LintInputError` naming the file, the line and the field. Knows nothing of caches.
+`LintInputError` naming the file, the line and the field: a line nested too deeply
+to parse, a usage count that is not a non-negative integer. Knows nothing of caches.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from pathlib import Path
 
 from prefixgym.prompting.lint.findings import LintInputError
 from prefixgym.types import JSONObject
+
+USAGE_COUNTS = ("prefill_computed_tokens", "prefill_cached_tokens", "sampled_tokens",
+                "train_computed_tokens", "train_loss_tokens")
 
 
 @dataclass
@@ -63,6 +67,11 @@ def parse_request(obj: object, where: str, line: int) -> TraceRequest:
     usage = obj.get("usage") or {}
     if not isinstance(usage, dict):
         raise LintInputError(f"{where}: 'usage' must be an object")
+    for key in USAGE_COUNTS:
+        count = usage.get(key, 0)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise LintInputError(f"{where}: 'usage'.{key} must be a non-negative integer, got "
+                                 f"{count!r}")
     return TraceRequest(
         line=line,
         episode_id=_optional_id(obj.get("episode_id")),
@@ -93,6 +102,10 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
             obj = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise LintInputError(f"{p}:{number}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        except RecursionError:
+            raise LintInputError(f"{p}:{number}: JSON nested too deeply to read") from None
+        except ValueError as exc:  # e.g. an integer of more than 4300 digits
+            raise LintInputError(f"{p}:{number}: invalid JSON: {exc}") from None
         requests.append(parse_request(obj, f"{p}:{number}", number))
     if not requests:
         raise LintInputError(f"{p}: the trace holds no requests")

@@ -1,0 +1,84 @@
+"""On-policy, checked: which weights sampled a step, and which samples the step keeps.
+
+A sampler that knows its weights says so through two attributes: `weights_version`,
+the publish number (the engine's version, `RemoteWeightSync`'s n), and, for a remote
+one, `label`, what its servers report on every answer (kept per turn in
+`Turn.weights_version`). Per GRPO step:
+  1) lag = version of the trainer's newest weights - version of the sampler the
+     step's groups came from; it must be 0 in sync mode and exactly 1 in async mode
+     (0 on the first step a pipeline samples, which has nothing older);
+  2) a trajectory with a turn labelled other than its sampler's label is refused;
+  3) with a wrong lag, every trajectory of the step is refused.
+Refused trajectories are left out of training like failed episodes and counted
+(`episodes/off_policy`); `sampler/version_lag` is logged every step, and
+`sampler/max_logprob_gap` -- the largest |sampler logprob - trainer logprob| over
+the sampled tokens the step trained on -- says how far the sampler's numbers are
+from the trainer's (float noise on-policy, one update's worth in async mode).
+This module knows samplers only through those two optional attributes; samplers
+that have neither (an unpinned remote server) are not checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prefixgym.protocols import SamplingClient
+from prefixgym.rollouts.types import TrajectoryGroup
+from prefixgym.types import Datum, ForwardBackwardOutput
+
+
+def weights_version(sampler: SamplingClient) -> int | None:
+    """The publish number of a sampler's weights, where it says."""
+    version = getattr(sampler, "weights_version", None)
+    return version if isinstance(version, int) else None
+
+
+def weights_label(sampler: SamplingClient) -> str | None:
+    """The label a remote sampler's answers carry, where it has one."""
+    label = getattr(sampler, "label", None)
+    return label if isinstance(label, str) else None
+
+
+@dataclass
+class StepWeights:
+    """Which weights a step's samples came from and which the trainer holds."""
+
+    sampled_with: SamplingClient
+    newest: SamplingClient
+    expected_lag: int
+
+
+def keep_on_policy(groups: Sequence[TrajectoryGroup], weights: StepWeights
+                   ) -> tuple[list[TrajectoryGroup], dict[str, float]]:
+    """Steps 1-3: the groups with refused trajectories left out, and the metrics."""
+    used, newest = weights_version(weights.sampled_with), weights_version(weights.newest)
+    metrics: dict[str, float] = {}
+    lag_ok = True
+    if used is not None and newest is not None:
+        metrics["sampler/version_lag"] = float(newest - used)
+        lag_ok = newest - used == weights.expected_lag  # 1)
+    label = weights_label(weights.sampled_with)
+    kept_groups, refused = [], 0
+    for group in groups:
+        kept = [t for t in group.trajectories
+                if lag_ok and (label is None or all(  # 2) 3)
+                    turn.weights_version in (None, label) for turn in t.turns))]
+        refused += len(group.trajectories) - len(kept)
+        kept_groups.append(TrajectoryGroup(group.group_id, group.seed, kept))
+    metrics["episodes/off_policy"] = float(refused)
+    return kept_groups, metrics
+
+
+def max_logprob_gap(datums: Sequence[Datum], out: ForwardBackwardOutput) -> float:
+    """The largest |sampler logprob - trainer logprob| over the datums' trained tokens."""
+    gap = 0.0
+    for datum, result in zip(datums, out.loss_fn_outputs):
+        sampled = datum.loss_fn_inputs.get("logprobs")
+        mask = datum.loss_fn_inputs.get("weights")
+        if sampled is None or mask is None:
+            continue
+        for s, t, w in zip(sampled, result["logprobs"], mask):
+            if w:
+                gap = max(gap, abs(float(s) - t))
+    return gap

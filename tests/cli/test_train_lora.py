@@ -1,0 +1,72 @@
+"""`prefixgym train --model DIR --lora-rank N`: a local HF checkpoint trains a LoRA
+adapter that lands in OUT/adapter and loads back; a chat template that is not
+append-only stops the run with the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from prefixgym.cli import main
+from prefixgym.local_service import LocalService
+from prefixgym.prompting.tokenizer import ASSETS_DIR, load_tokenizer
+
+SMALL = ["--env", "tests/Lengthy-v0", "--sft-steps", "1", "--sft-episodes-per-step", "2",
+         "--groups-per-step", "2", "--group-size", "2", "--eval-episodes", "2", "--steps", "1",
+         "--max-tokens", "4", "--no-progress"]
+LAST_MESSAGE_ONLY = ("{% for m in messages %}{% if loop.last %}<|im_start|>{{ m.role }}\n"
+                     "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_checkpoint(directory: Path, chat_template: str | None = None) -> None:
+    """A tiny random Qwen2 model with the built-in tokenizer, as a local HF directory."""
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(ASSETS_DIR)  # a copy: the shared built-in one stays as is
+    config = Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=len(tokenizer), tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(directory)
+
+
+def test_lora_run_on_a_local_checkpoint_writes_a_loadable_adapter(tmp_path: Path, capsys) -> None:
+    save_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tmp_path / "ckpt"), "--lora-rank", "4",
+            "--lora-targets", "attn,unembed", "--out", str(out), *SMALL]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "conversations use the built-in ChatML format" in err
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 32.0
+    assert config["target_modules"] == ["k_proj", "lm_head", "o_proj", "q_proj", "v_proj"]
+    with LocalService(str(tmp_path / "ckpt"), thread_tuning=False) as service:
+        base = service.create_sampling_client().compute_logprobs([1, 2, 3, 4]).result()
+        tuned = service.create_sampling_client(model_path=out / "adapter")
+        assert tuned.compute_logprobs([1, 2, 3, 4]).result() != base
+
+
+def test_a_template_that_is_not_append_only_stops_the_run(tmp_path: Path, capsys) -> None:
+    save_checkpoint(tmp_path / "ckpt", LAST_MESSAGE_ONLY)
+    argv = ["train", "--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "run"), *SMALL]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "its chat template cannot be used: chat template is not append-only" in err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lora-targets", "attn,embed"], "--lora-targets must be a comma-separated subset"),
+    (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+])
+def test_bad_lora_flags_exit_2(flags: list[str], message: str, tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--out", str(tmp_path), *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

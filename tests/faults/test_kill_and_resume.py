@@ -1,0 +1,101 @@
+"""SIGKILL a small `prefixgym train` at random points (three seeds), after its warm
+start and in the middle of a checkpoint write: what it leaves is consistent (every
+checkpoint that claims to be whole verifies, the metrics parse), and `--resume`
+finishes the run with every metrics line once and no leftover temporaries. Each run
+is a real process, killed with SIGKILL; every wait is bounded."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from faultkit import TINY, TINY_LINES, assert_complete
+
+from prefixgym.cli import main
+from prefixgym.trainer.checkpoint import verify_checkpoint
+from prefixgym.trainer.report import MetricsLog
+
+DEADLINE_S = 300
+
+
+def start(out: Path, *args: str, stderr: Path | None = None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    with open(stderr or os.devnull, "wb") as err:
+        return subprocess.Popen([sys.executable, "-m", "prefixgym", "train", "--out", str(out),
+                                 *args], env=env, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def kill_when(proc: subprocess.Popen[bytes], ready: Callable[[], bool]) -> None:
+    """SIGKILL `proc` at a moment `ready()` holds (polled; at most DEADLINE_S). The
+    process is stopped first and `ready()` checked again, so a passing state (a write
+    in progress) is still there when the kill lands; if it has passed, polling goes on."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        assert proc.poll() is None, "the run ended before the point to kill it at"
+        assert time.monotonic() < deadline, "the run never reached the point to kill it at"
+        if ready():
+            proc.send_signal(signal.SIGSTOP)
+            if ready():
+                break
+            proc.send_signal(signal.SIGCONT)
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=DEADLINE_S) == -signal.SIGKILL
+
+
+def complete_lines(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def assert_consistent_after_kill(out: Path) -> None:
+    """What a killed run leaves: checkpoints that are in place verify, the log parses."""
+    root = out / "checkpoints"
+    for path in root.iterdir() if root.exists() else []:
+        if path.is_dir() and not path.name.startswith("."):
+            verify_checkpoint(path)  # a whole directory or none, never a half-written one
+    MetricsLog(out / "metrics.jsonl").read()  # a partial last line at most
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sigkill_at_a_random_point_then_resume(tmp_path: Path, seed: int) -> None:
+    out = tmp_path / "run"
+    kill_at = random.Random(seed).randint(1, TINY_LINES - 1)  # metrics lines written
+    proc = start(out, *TINY)
+    kill_when(proc, lambda: complete_lines(out) >= kill_at)
+    assert_consistent_after_kill(out)
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert_complete(out)
+
+
+def test_sigkill_after_the_warm_start_then_in_a_checkpoint_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Killed once the warm start is saved (before any GRPO checkpoint): the resume
+    # starts from it. That resume is killed in the middle of a step checkpoint's write:
+    # the half-written directory is a temporary, removed by the next resume.
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    warm = root / "warm_start"
+    kill_when(start(out, *TINY), lambda: (warm / "checkpoint.json").exists())
+    assert_consistent_after_kill(out)
+
+    def writing_a_step_checkpoint() -> bool:
+        return any(p.name.startswith(".step-") for p in root.iterdir())
+
+    log = tmp_path / "resume.err"
+    kill_when(start(out, "--resume", "--no-progress", stderr=log), writing_a_step_checkpoint)
+    assert f"resuming from {warm} at GRPO step 0" in log.read_text()
+    assert any(p.name.endswith(".tmp") for p in root.iterdir())  # the killed write's leftover
+    assert_consistent_after_kill(out)
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert "leftover temporaries" in capsys.readouterr().err
+    assert_complete(out)

@@ -1,0 +1,178 @@
+"""tinker-cookbook's recipes on the local engine, with `tinker.ServiceClient` swapped for
+`prefixgym.tinker.ServiceClient` and nothing else changed but what offline use forces:
+a local dataset (`datasets.load_dataset`), the local tokenizer, and a renderer for a
+model name the cookbook's table does not know. Each runs a few steps on the tiny
+preset, saves, and resumes from its last checkpoint in a second run.
+
+The recipes train LoRA adapters (`create_lora_training_client`): without LoRA in
+LocalService these tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# "tinker.types", not "tinker": without the SDK, this folder itself (tests/tinker/)
+# imports as a namespace package called tinker
+pytest.importorskip("tinker.types")
+import tinker  # noqa: E402
+
+chz = pytest.importorskip("chz")
+pytest.importorskip("tinker_cookbook")
+datasets = pytest.importorskip("datasets")
+
+from prefixgym.local_service import LocalService  # noqa: E402
+from prefixgym.tinker import ServiceClient  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(LocalService, "create_lora_training_client"),
+    reason="the cookbook's recipes train LoRA adapters; LocalService has no "
+           "create_lora_training_client in this build")
+
+GSM8K = [{"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+         for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1), (4, 4), (6, 3)]]
+CHATS = [{"messages": [{"role": "user", "content": f"Name a number near {n}."},
+                       {"role": "assistant", "content": f"{n + 1} is near {n}."}]}
+         for n in range(8)]
+
+
+class Rows:
+    """The few `datasets.Dataset` methods the recipes call, on a list of rows (an
+    in-memory `Dataset` needs its fingerprint hashing, broken with the installed pyarrow)."""
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Any:
+        return iter(self.rows)
+
+    def __getitem__(self, key: str | int) -> Any:
+        if isinstance(key, int):
+            return self.rows[key]
+        return [row[key] for row in self.rows]
+
+    def select(self, indices: Any) -> Rows:
+        return Rows([self.rows[i] for i in indices])
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return list(self.rows)
+
+    def shuffle(self, seed: int = 0) -> Rows:
+        return Rows(self.rows[seed % len(self.rows):] + self.rows[:seed % len(self.rows)])
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
+    """The one swap (ServiceClient), and what offline use forces, in every cookbook module
+    that imported the names: the dataset, the tokenizer, the renderer."""
+    import tinker_cookbook.recipes.chat_sl.chat_datasets
+    import tinker_cookbook.recipes.math_rl.math_env
+    import tinker_cookbook.recipes.rl_basic
+    import tinker_cookbook.recipes.rl_loop
+    import tinker_cookbook.recipes.sl_basic
+    import tinker_cookbook.recipes.sl_loop  # noqa: F401
+    from tinker_cookbook import model_info, tokenizer_utils
+
+    monkeypatch.setattr(tinker, "ServiceClient", ServiceClient)
+    monkeypatch.setenv("PREFIXGYM_TINKER_DIR", str(tmp_path / "service"))
+    tokenizer = LocalService(model="tiny").tokenizer
+
+    def load_dataset(path: str, *args: object, split: str | None = None,
+                     **kwargs: object) -> Any:
+        rows = GSM8K if "gsm8k" in path else CHATS
+        splits = {"train": Rows(rows), "test": Rows(rows[:2])}
+        return splits[split] if split else datasets.DatasetDict(splits)
+
+    replacements = {
+        datasets.load_dataset: load_dataset,
+        tokenizer_utils.get_tokenizer: lambda name: tokenizer,
+        model_info.get_recommended_renderer_name: lambda name: "role_colon",
+    }
+    for module in [m for name, m in sys.modules.items() if name.startswith("tinker_cookbook")]:
+        for attr, value in list(vars(module).items()):
+            if callable(value) and value in replacements:
+                monkeypatch.setattr(module, attr, replacements[value])
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return {"tokenizer": tokenizer}
+
+
+def _checkpoints(log_path: Path) -> list[dict[str, Any]]:
+    lines = (log_path / "checkpoints.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _metrics(log_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def _interrupt_after_first_checkpoint(log_path: Path) -> None:
+    """As if the run had stopped after its first checkpoint: keep only that record."""
+    path = log_path / "checkpoints.jsonl"
+    path.write_text(path.read_text().splitlines()[0] + "\n")
+
+
+@pytest.mark.parametrize("loss_fn", ["stable_reinforce", "gspo"])
+def test_rl_loop_runs_saves_and_resumes(offline: dict[str, Any], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch, loss_fn: str) -> None:
+    from tinker_cookbook.recipes import rl_loop
+
+    log_path = tmp_path / "rl"
+    config = rl_loop.Config(log_path=str(log_path), model_name="tiny", batch_size=2,
+                            group_size=4, max_tokens=12, lora_rank=4, save_every=1,
+                            max_steps=2, loss_fn=loss_fn, learning_rate=1e-3)
+    rl_loop.main(config)
+    assert [c["name"] for c in _checkpoints(log_path)] == ["000001", "final"]
+    _interrupt_after_first_checkpoint(log_path)
+    rl_loop.main(chz.replace(config, max_steps=3))  # resumes at batch 1, from its state
+    assert [m["progress/batch"] for m in _metrics(log_path)] == [0, 1, 1, 2]
+
+
+def test_sl_loop_runs_saves_and_resumes(offline: dict[str, Any], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinker_cookbook.recipes import sl_loop
+
+    log_path = tmp_path / "sl"
+    config = sl_loop.Config(log_path=str(log_path), model_name="tiny", batch_size=2,
+                            max_length=256, lora_rank=4, save_every=1, max_steps=3,
+                            learning_rate=1e-3)
+    sl_loop.main(config)
+    assert [c["name"] for c in _checkpoints(log_path)] == ["000001", "000002", "final"]
+    first = [m["train_mean_nll"] for m in _metrics(log_path)]
+    _interrupt_after_first_checkpoint(log_path)
+    sl_loop.main(config)  # resumes at batch 1 with the saved weights and optimizer
+    again = [m["train_mean_nll"] for m in _metrics(log_path)][3:]
+    assert len(again) == 2 and again == pytest.approx(first[1:], rel=1e-4)
+
+
+def test_sl_basic_runs(offline: dict[str, Any], tmp_path: Path) -> None:
+    from tinker_cookbook.recipes import sl_basic
+    from tinker_cookbook.recipes.chat_sl.chat_datasets import NoRobotsBuilder
+
+    config = sl_basic.build_config_blueprint("tiny").make()
+    common = chz.replace(config.dataset_builder.common_config, batch_size=2, max_length=256)
+    config = chz.replace(config, log_path=str(tmp_path / "sl_basic"), lora_rank=4,
+                         eval_every=0, save_every=2,
+                         dataset_builder=NoRobotsBuilder(common_config=common))
+    sl_basic.main(config)
+    assert [c["name"] for c in _checkpoints(tmp_path / "sl_basic")] == ["000002", "final"]
+
+
+def test_rl_basic_runs(offline: dict[str, Any], tmp_path: Path) -> None:
+    from tinker_cookbook.recipes import rl_basic
+    from tinker_cookbook.recipes.math_rl.math_env import Gsm8kDatasetBuilder
+
+    config = rl_basic.build_config_blueprint("tiny").make()
+    builder = Gsm8kDatasetBuilder(batch_size=2, group_size=4, renderer_name="role_colon",
+                                  model_name_for_tokenizer="tiny")
+    config = chz.replace(config, log_path=str(tmp_path / "rl_basic"), lora_rank=4,
+                         max_tokens=12, save_every=1, max_steps=2, dataset_builder=builder)
+    rl_basic.main(config)
+    assert _checkpoints(tmp_path / "rl_basic")[-1]["name"] == "final"
