@@ -57,7 +57,6 @@ from prefixgym.futures import APIFuture
 from prefixgym.types import SampleResponse, SamplingParams
 
 
-
 class RoundItem(NamedTuple):
     """One request of a `submit_many` round."""
 

@@ -85,10 +85,8 @@ class PagedView:
         ends = [s + n for s, n in zip(starts, lengths)]
         nb = max(-(-e // bs) for e in ends)  # blocks every row's keys fit in
         self.num_keys = nb * bs
-        padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables]
-        table_R_nb = torch.tensor(padded, dtype=torch.long, device=dev)
-        heads = torch.arange(Hkv, device=dev) * N
-        self.gather_rows = self.gather_index(pool, tables, nb)
+        table_R_nb = _table_tensor(pool, tables, nb)
+        self.gather_rows = self.gather_index(pool, table_R_nb)
         start_R = torch.tensor(starts, device=dev)
         query_pos_R_T = start_R.unsqueeze(1) + torch.arange(T, device=dev)
         self.positions_R_T = query_pos_R_T
@@ -103,17 +101,16 @@ class PagedView:
         row_M = self.src_M // T
         block_M = table_R_nb[row_M, pos_M // bs]
         slot_M = block_M * bs + pos_M % bs  # within one head's (N*bs) positions
-        self.slot_index = ((heads * bs).unsqueeze(1) + slot_M).flatten()  # (Hkv*M,)
+        heads_bs = torch.arange(Hkv, device=dev) * (N * bs)
+        self.slot_index = (heads_bs.unsqueeze(1) + slot_M).flatten()  # (Hkv*M,)
         self.last_index_R = torch.tensor(lengths, device=dev) - 1
         # every row starts at 0: its keys are this forward's own, plain causal, no gather
         self.causal = not any(starts)
 
     @staticmethod
-    def gather_index(pool: KVPool, tables: list[list[int]], nb: int) -> torch.Tensor:
-        """(R, Hkv, nb) -> a layer's (Hkv*N) block rows, in table order; short tables
-        are padded with block 0 (always zero, masked)."""
-        padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables]
-        table_R_nb = torch.tensor(padded, dtype=torch.long, device=pool.device)
+    def gather_index(pool: KVPool, table_R_nb: torch.Tensor) -> torch.Tensor:
+        """(R, Hkv, nb) -> a layer's (Hkv*N) block rows, in table order (short tables
+        padded with block 0: always zero, masked)."""
         heads = torch.arange(pool.n_kv_heads, device=pool.device) * pool.num_blocks
         return (heads.view(1, -1, 1) + table_R_nb.unsqueeze(1)).flatten()
 
@@ -134,6 +131,12 @@ class PagedView:
         return k_all, v_all, self.mask
 
 
+def _table_tensor(pool: KVPool, tables: list[list[int]], nb: int) -> torch.Tensor:
+    """(R, nb) block ids: each table cut or padded (with block 0) to `nb` blocks."""
+    padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables]
+    return torch.tensor(padded, dtype=torch.long, device=pool.device)
+
+
 _GROWTH = 64  # positions of headroom a decode workspace is gathered with
 
 
@@ -150,7 +153,7 @@ class DecodeWorkspace:
         self.rows = [weakref.ref(r) for r in rows]  # not kept alive (nor their models)
         nb = -(-(num_positions + _GROWTH) // bs)
         self.capacity = nb * bs
-        gather = PagedView.gather_index(pool, tables, nb)
+        gather = PagedView.gather_index(pool, _table_tensor(pool, tables, nb))
         L, _, _, D = pool.k.shape
         B = len(rows)
         self.k = pool.k.new_empty(L, B, Hkv, self.capacity, D)

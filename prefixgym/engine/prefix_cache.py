@@ -222,7 +222,9 @@ class PrefixCache:
             block, new = self._next_fresh, True
             self._next_fresh += 1
         else:
-            victim = next(e for e in self._lru.values() if e.num_children == 0)
+            victim = self._lru_leaf()
+            if victim is None:
+                raise RuntimeError("no free block and no evictable one, though one was reserved")
             self._remove(victim)
             block, new = victim.block, False
         self._ref[block] = 1
@@ -290,14 +292,15 @@ class PrefixCache:
     def evict(self, num_blocks: int) -> int:
         """Evict up to `num_blocks` unreferenced leaf entries, LRU first; the count."""
         evicted = 0
-        while evicted < num_blocks:
-            victim = next((e for e in self._lru.values() if e.num_children == 0), None)
-            if victim is None:
-                break
+        while evicted < num_blocks and (victim := self._lru_leaf()) is not None:
             self._remove(victim)
             self._free.append(victim.block)
             evicted += 1
         return evicted
+
+    def _lru_leaf(self) -> Entry | None:
+        """The least recently used unreferenced entry without children, if any."""
+        return next((e for e in self._lru.values() if e.num_children == 0), None)
 
     def demote_version(self, version: int) -> None:
         """`version`'s unreferenced entries go first when room is needed (in their LRU
