@@ -34,7 +34,7 @@ class RequestLimits:
 
     max_samples: int = 256
     """Samples of one request at most: the engine's max running sequences, so a request
-    never runs past that bound (admission never splits a request's samples)."""
+    never runs past that bound (the scheduler admits a request's samples together)."""
     max_kv_bytes: int = DEFAULT_MAX_KV_BYTES
     """Bytes of running KV one request may need: samples x (prompt + max_tokens)
     positions x the KV pool's bytes per position (keys and values, every layer), as
