@@ -90,16 +90,16 @@ def main() -> None:
         rows = prompts(64, args.prompt_len, vocab)
         engine_time(svc, rows, 4)
         profiler = cProfile.Profile()
-        step = svc.scheduler._decode_step
+        step = svc.engine.step
 
-        def profiled_step(batch):  # cProfile is per thread: enable it in the engine thread
+        def profiled_step():  # cProfile is per thread: enable it in the engine thread
             profiler.enable()
             try:
-                step(batch)
+                step()
             finally:
                 profiler.disable()
 
-        svc.scheduler._decode_step = profiled_step  # type: ignore[method-assign]
+        svc.engine.step = profiled_step  # type: ignore[method-assign]
         seconds = engine_time(svc, rows, args.new_tokens)
         print(f"64 x {args.new_tokens} tokens in {seconds:.3f} s (profiled)")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
@@ -137,7 +137,7 @@ def main() -> None:
             line += (f" | HF[{name}] ({counts}) tok/s, ratio vs {best}t "
                      f"{common.spread(ratios, '{:.2f}')}")
         print(line, flush=True)
-    print(f"engine thread choices: {svc.scheduler.threads.best()}")
+    print(f"engine thread choices: {svc.engine.threads.best()}")
     svc.close()
 
 

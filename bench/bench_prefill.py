@@ -43,11 +43,11 @@ def prefill_flops(cfg: ModelConfig, non_embedding: int, batch: int, length: int)
 
 def run_all(svc: LocalService, prompts: list[list[int]], params: SamplingParams = ONE) -> float:
     sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
-    svc.scheduler.pause()  # queue everything, then let one wave take it
+    svc.engine.pause()  # queue everything, then let one wave take it
     futures = [sampler.sample(p, sampling_params=params) for p in prompts]
 
     def go() -> None:
-        svc.scheduler.resume()
+        svc.engine.resume()
         for f in futures:
             f.result()
 
@@ -89,7 +89,7 @@ def part_suffix(preset: str, requests: int, repeats: int) -> None:
                 sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
                 sampler.sample(prefix + [1], sampling_params=ONE).result()  # cache the prefix
                 if mode == "one per call":
-                    svc.scheduler.max_prefill_tokens = 1  # every request is its own chunk
+                    svc.engine.scheduler.max_prefill_tokens = 1  # every request is its own chunk
                 calls = svc.engine_stats()["prefill_calls"]
                 times[mode].append(run_all(svc, [prefix + s for s in suffixes]))
                 calls = svc.engine_stats()["prefill_calls"] - calls

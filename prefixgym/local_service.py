@@ -36,7 +36,8 @@ class LocalService(EngineService):
     kind of step's thread count by timing it; `max_running` and `max_kv_bytes` bound
     what one request may ask for (its samples, its running KV); `deterministic` runs
     each `sample_many` round alone, so that rounds submitted in a fixed order give the
-    same bits every run.
+    same bits every run; `device` ("cpu", "cuda", "mps", ...) is where the models, the
+    KV pool and every engine and training tensor live.
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class LocalService(EngineService):
         thread_tuning: bool = True,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
         deterministic: bool = False,
+        device: str | torch.device = "cpu",
     ) -> None:
         # An unknown model name, or a broken config.json, is the engine's error to report,
         # not the tokenizer's (transformers reads config.json too, and words it worse).
@@ -70,6 +72,6 @@ class LocalService(EngineService):
             cache_bytes=cache_bytes, dtype=dtype, end_of_turn_ids=end_of_turn_ids(tok),
             decode=decode, num_threads=num_threads, max_running=max_running,
             thread_tuning=thread_tuning, max_kv_bytes=max_kv_bytes,
-            deterministic=deterministic,
+            deterministic=deterministic, device=device,
         )
         self.tokenizer: PreTrainedTokenizerBase = tok

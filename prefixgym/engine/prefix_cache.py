@@ -1,329 +1,343 @@
-"""The prefix KV cache: fixed-size blocks of KV keyed by a chained hash of their tokens.
+"""The block manager of the KV pool, and the prefix cache that indexes the same blocks.
 
-A block holds the keys and values of `block_size` consecutive prompt positions, as one
-tensor shaped (n_layers, 2, n_kv_heads, block_size, head_dim). Its key is
-`hash((weights_version, parent_key, block_tokens))`, so a key names a whole prefix
-under one set of weights. A hit is an exact token-level prefix match under the same
-weights version: every hit is verified against the stored tokens, version and parent,
-never trusted to the hash alone. Only full blocks are cached.
+`PrefixCache` decides which of the pool's block ids (1 .. num_blocks-1; 0 pads tables)
+are free, which a running sequence references (refcounts), and which hold a cached
+prefix (the index). A block is free, referenced, or cached with no reference: then it
+sits in LRU order and is evicted (least recently used leaf first, so every cached
+block's parent is cached too) only when an allocation finds no free block. There are
+no copies: a hit hands out the cached block ids themselves, and a finished sequence's
+blocks enter the index where they are.
 
-Contract -- which methods read and which change the cache:
+An index entry's key is a chained hash of (weights version, parent key, its tokens),
+so a key names a whole prefix under one set of weights; every hit is verified against
+the stored tokens, version and parent, never trusted to the hash alone. Keys are this
+module's own: callers see block ids, token counts and an opaque `claim`. An entry holds
+`block_size` tokens, or fewer for the last block of a finished sequence (a partial
+block); a match continues below the block with the child that shares the longest
+token prefix (`Match.tail_block`), whose positions the caller copies into a block of
+its own, since a cached block is never written.
 
-- reads (no change to blocks, refcounts, LRU order or statistics):
-  `match_prefix`, `can_insert`, `stats`, `check_integrity`, `block_bytes`, `len()`.
-- changes: `acquire` / `release` (refcounts; a referenced block is never evicted),
-  `insert` (adds blocks, evicting LRU unreferenced blocks to make room; check first
-  with `can_insert`), `evict`, `record_lookup` (statistics only), `clear`,
-  `demote_version` (a stale version's unreferenced blocks go first when room is
-  needed, now and whenever they are released later), `drop_version` (evict every
-  unreferenced block of a version that no client can ask for any more).
+Contract -- reads (no change to refcounts, LRU order, reservations or statistics):
+`match`, `can_reserve`, `stats`, `check_integrity`, `len()`. Changes: `reserve` /
+`unreserve` (blocks promised to admitted sequences, so decoding never runs out),
+`allocate` (takes one reserved block, evicting if needed), `acquire` / `release`
+(refcounts; an unindexed block whose last reference goes is free again), `insert`
+(index a sequence's blocks), `record_lookup` (statistics), `demote_version` (a stale
+version's unreferenced blocks are evicted first), `drop_version`, `clear`.
 
-Eviction takes the least recently used unreferenced block that has no cached child,
-so every cached block's parent is cached too. Callers acquire whole chains from the
-root (a `Match`), so a referenced block's parent is referenced at least as often.
-
-The cache knows nothing of models, requests, slots or tokenizers: it stores tensors
-it is given and hands them back.
+The cache knows nothing of tensors, models, requests or tokenizers: it maps token
+prefixes to block ids and counts references.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import torch
+_ROOT = 0  # the parent key of a chain's first block
 
-_ROOT_KEY = 0
-ROOT_KEY = _ROOT_KEY  # the parent key of a chain's first block
+
+def _key(version: int, parent_key: int, tokens: tuple[int, ...]) -> int:
+    return hash((version, parent_key, tokens))
 
 
 @dataclass(eq=False)
-class Block:
-    """One cached block. `kv` is (n_layers, 2, n_kv_heads, block_size, head_dim)."""
+class Entry:
+    """One indexed block: `tokens` are its positions' tokens (block_size, or fewer)."""
 
     key: int
     parent_key: int
     version: int
     tokens: tuple[int, ...]
-    kv: torch.Tensor
+    block: int
     depth: int
-    ref_count: int = 0
     num_children: int = 0
 
 
 @dataclass
 class Match:
-    """The longest cached block-aligned prefix of a token list, root block first."""
+    """The longest cached prefix of a token list: full `blocks` (root first), then the
+    first `tail_tokens` positions of `tail_block` (to copy). `claim` names the first
+    full block the caller will compute (None when there is none)."""
 
-    blocks: list[Block] = field(default_factory=list)
-    block_size: int = 16
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.blocks) * self.block_size
-
-
-def chain_key(version: int, parent_key: int, tokens: tuple[int, ...]) -> int:
-    return hash((version, parent_key, tokens))
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    tail_block: int | None = None
+    tail_tokens: int = 0
+    claim: Hashable | None = None
 
 
 class PrefixCache:
-    def __init__(
-        self,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        block_size: int = 16,
-        capacity_bytes: int = 256 * 2**20,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, block_bytes: int,
+                 indexing: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        self.block_shape = (n_layers, 2, n_kv_heads, block_size, head_dim)
-        self.block_size = block_size
-        self.capacity_bytes = capacity_bytes
-        self.dtype = dtype
-        element_bytes = torch.empty((), dtype=dtype).element_size()
-        self._block_bytes = n_layers * 2 * n_kv_heads * block_size * head_dim * element_bytes
-        self._blocks: dict[int, Block] = {}
-        # unreferenced blocks, least recently used first
-        self._lru: OrderedDict[int, Block] = OrderedDict()
-        self.used_bytes = 0
-        self.query_tokens = 0
-        self.hit_tokens = 0
-        self.evicted_blocks = 0
-        self.inserted_blocks = 0
+        if num_blocks < 2:
+            raise ValueError(f"the KV pool needs at least 2 blocks, got {num_blocks}")
+        self.num_blocks, self.block_size, self.block_bytes = num_blocks, block_size, block_bytes
+        self.indexing = indexing  # False: blocks are freed, never cached (prefix_cache=False)
+        self._ref = [0] * num_blocks
+        self._free: list[int] = []  # recycled blocks, reused last-freed first
+        self._next_fresh = 1  # blocks >= this were never handed out
+        self._index: dict[int, Entry] = {}
+        self._entry_of: dict[int, Entry] = {}  # block id -> its entry
+        self._children: dict[int, dict[int, Entry]] = {}  # parent key -> children by key
+        self._lru: OrderedDict[int, Entry] = OrderedDict()  # cached, unreferenced; LRU first
         self._stale_versions: set[int] = set()
+        self.reserved = 0
+        self.query_tokens = self.hit_tokens = 0
+        self.inserted_blocks = self.evicted_blocks = 0
 
     # ---- reads -------------------------------------------------------------------
 
-    @property
-    def block_bytes(self) -> int:
-        return self._block_bytes
-
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._index)
 
-    def match_prefix(
-        self, tokens: Sequence[int], version: int, max_tokens: int | None = None
-    ) -> Match:
-        """The longest cached prefix of `tokens[:max_tokens]` in whole blocks. Reads only."""
-        limit = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
-        bs = self.block_size
-        blocks: list[Block] = []
-        parent = _ROOT_KEY
+    def _available(self) -> int:
+        return len(self._free) + self.num_blocks - self._next_fresh + len(self._lru)
+
+    def can_reserve(self, num_blocks: int, pinning: Iterable[int] = ()) -> bool:
+        """Whether `num_blocks` more blocks can be promised after referencing `pinning`."""
+        evictable_pinned = sum(1 for b in set(pinning) if self._ref[b] == 0 and b in self._entry_of)
+        return self._available() - evictable_pinned - self.reserved >= num_blocks
+
+    def match(self, tokens: Sequence[int], version: int, max_tokens: int) -> Match:
+        """The longest cached prefix of `tokens[:max_tokens]`. Reads only."""
+        limit, bs = min(len(tokens), max_tokens), self.block_size
+        found = Match()
+        if not self.indexing:
+            return found
+        parent = _ROOT
         for start in range(0, limit - bs + 1, bs):
-            block_tokens = tuple(tokens[start : start + bs])
-            block = self._blocks.get(chain_key(version, parent, block_tokens))
-            if (
-                block is None
-                or block.tokens != block_tokens
-                or block.version != version
-                or block.parent_key != parent
-            ):
+            entry = self._verified(version, parent, tuple(tokens[start : start + bs]))
+            if entry is None:
                 break
-            blocks.append(block)
-            parent = block.key
-        return Match(blocks=blocks, block_size=bs)
+            found.blocks.append(entry.block)
+            parent = entry.key
+        n = found.num_tokens = len(found.blocks) * bs
+        if n + bs <= len(tokens):
+            found.claim = _key(version, parent, tuple(tokens[n : n + bs]))
+        rest = tokens[n:limit]
+        for child in self._children.get(parent, {}).values() if rest else ():
+            if child.version != version:
+                continue
+            common = 0
+            for a, b in zip(child.tokens, rest):
+                if a != b:
+                    break
+                common += 1
+            if common > found.tail_tokens:
+                found.tail_block, found.tail_tokens = child.block, common
+        found.num_tokens += found.tail_tokens
+        return found
 
-    def can_insert(self, num_blocks: int) -> bool:
-        """Whether `num_blocks` new blocks fit, evicting unreferenced blocks if needed."""
-        evictable = len(self._lru) * self._block_bytes
-        return self.used_bytes + num_blocks * self._block_bytes - evictable <= self.capacity_bytes
+    def _verified(self, version: int, parent: int, tokens: tuple[int, ...]) -> Entry | None:
+        entry = self._index.get(_key(version, parent, tokens))
+        if entry is None or (entry.tokens, entry.version, entry.parent_key) != (
+                tokens, version, parent):
+            return None  # absent, or a hash collision
+        return entry
 
     def stats(self) -> dict[str, int]:
         return {
             "block_size": self.block_size,
-            "capacity_bytes": self.capacity_bytes,
-            "used_bytes": self.used_bytes,
-            "num_blocks": len(self._blocks),
-            "referenced_blocks": len(self._blocks) - len(self._lru),
+            "capacity_bytes": self.num_blocks * self.block_bytes,
+            "used_bytes": len(self._index) * self.block_bytes,
+            "num_blocks": len(self._index),
+            "referenced_blocks": len(self._index) - len(self._lru),
+            "running_blocks": sum(1 for r in self._ref if r > 0),
+            "free_blocks": len(self._free) + self.num_blocks - self._next_fresh,
+            "reserved_blocks": self.reserved,
             "query_tokens": self.query_tokens,
             "hit_tokens": self.hit_tokens,
             "inserted_blocks": self.inserted_blocks,
             "evicted_blocks": self.evicted_blocks,
         }
 
-    def check_integrity(self) -> None:
-        """Raise AssertionError naming the first broken invariant."""
-        n = len(self._blocks)
-        _require(
-            self.used_bytes == n * self._block_bytes,
-            f"used_bytes {self.used_bytes} != {n} blocks x {self._block_bytes} bytes",
-        )
-        _require(
-            self.used_bytes <= self.capacity_bytes,
-            f"used_bytes {self.used_bytes} exceeds capacity_bytes {self.capacity_bytes}",
-        )
+    def check_integrity(self, refs: dict[int, int] | None = None) -> None:
+        """Raise AssertionError naming the first broken invariant. `refs`: the number of
+        running-sequence references to each block, as the caller counts them."""
+        free = set(self._free)
+        _require(len(free) == len(self._free), "a block is on the free list twice")
+        _require(0 not in free and 0 not in self._entry_of and self._ref[0] == 0,
+                 "the padding block 0 is in use")
+        for b in range(1, self.num_blocks):
+            used = self._ref[b] > 0 or b in self._entry_of
+            never = b >= self._next_fresh
+            _require(self._ref[b] >= 0, f"block {b} has ref_count {self._ref[b]}")
+            _require(used + (b in free) + never == 1,
+                     f"block {b}: used={used} free={b in free} never-used={never}")
+            if refs is not None:
+                _require(self._ref[b] == refs.get(b, 0),
+                         f"block {b} counts {self._ref[b]} references, sequences hold "
+                         f"{refs.get(b, 0)}")
+        _require(0 <= self.reserved <= self._available(),
+                 f"{self.reserved} blocks reserved, {self._available()} available")
         children: dict[int, int] = {}
-        for key, block in self._blocks.items():
-            _require(block.key == key, f"block stored under key {key} has key {block.key}")
-            _require(block.ref_count >= 0, f"block {key} has ref_count {block.ref_count}")
-            _require(len(block.tokens) == self.block_size, f"block {key} is not full")
-            _require(
-                tuple(block.kv.shape) == self.block_shape,
-                f"block {key} kv shape {tuple(block.kv.shape)} != {self.block_shape}",
-            )
-            _require(
-                key == chain_key(block.version, block.parent_key, block.tokens),
-                f"block {key} key does not match its (version, parent, tokens)",
-            )
-            _require(
-                (block.ref_count == 0) == (key in self._lru),
-                f"block {key} with ref_count {block.ref_count} "
-                f"{'is' if key in self._lru else 'is not'} in the LRU list",
-            )
-            if block.parent_key != _ROOT_KEY:
-                parent = self._blocks.get(block.parent_key)
-                _require(parent is not None, f"block {key} has an evicted parent")
+        for key, e in self._index.items():
+            _require(e.key == key == _key(e.version, e.parent_key, e.tokens),
+                     f"entry {key} key does not match its (version, parent, tokens)")
+            _require(self._entry_of.get(e.block) is e, f"entry {key} block map is stale")
+            _require(0 < len(e.tokens) <= self.block_size, f"entry {key} has {len(e.tokens)} tokens")
+            _require((self._ref[e.block] == 0) == (e.block in self._lru),
+                     f"entry {key} ref {self._ref[e.block]} vs LRU membership")
+            _require(self._children.get(e.parent_key, {}).get(key) is e,
+                     f"entry {key} missing from its parent's children")
+            if e.parent_key != _ROOT:
+                parent = self._index.get(e.parent_key)
+                _require(parent is not None, f"entry {key} has an evicted parent")
                 assert parent is not None
-                _require(parent.version == block.version, f"block {key} parent has other version")
-                _require(parent.depth + 1 == block.depth, f"block {key} depth is inconsistent")
-                _require(
-                    parent.ref_count >= block.ref_count,
-                    f"block {key} referenced {block.ref_count}x but its parent "
-                    f"{parent.ref_count}x",
-                )
+                _require(len(parent.tokens) == self.block_size, f"entry {key} under a partial block")
+                _require(parent.version == e.version and parent.depth + 1 == e.depth,
+                         f"entry {key} version or depth differs from its parent's")
                 children[parent.key] = children.get(parent.key, 0) + 1
             else:
-                _require(block.depth == 0, f"root block {key} has depth {block.depth}")
-        for key, block in self._blocks.items():
-            _require(
-                block.num_children == children.get(key, 0),
-                f"block {key} counts {block.num_children} children, has {children.get(key, 0)}",
-            )
-        _require(all(k in self._blocks for k in self._lru), "LRU list holds an evicted block")
+                _require(e.depth == 0, f"root entry {key} has depth {e.depth}")
+        for key, e in self._index.items():
+            _require(e.num_children == children.get(key, 0),
+                     f"entry {key} counts {e.num_children} children, has {children.get(key, 0)}")
+        _require(len(self._entry_of) == len(self._index), "block map and index differ")
+        _require(sum(len(c) for c in self._children.values()) == len(self._index),
+                 "children lists and index differ")
 
     # ---- changes -----------------------------------------------------------------
 
-    def acquire(self, blocks: Sequence[Block]) -> None:
-        """Reference a root-first chain of blocks: they cannot be evicted until released."""
-        for block in blocks:
-            if block.ref_count == 0:
-                self._lru.pop(block.key, None)
-            block.ref_count += 1
+    def reserve(self, num_blocks: int) -> None:
+        if not self.can_reserve(num_blocks):
+            raise RuntimeError(f"cannot reserve {num_blocks} blocks: check can_reserve first")
+        self.reserved += num_blocks
 
-    def release(self, blocks: Sequence[Block]) -> None:
-        """Drop one reference on each block of a chain given to `acquire`."""
-        for block in reversed(blocks):  # deepest first, so ancestors end up more recent
-            if block.ref_count <= 0:
-                raise RuntimeError(f"release of block {block.key} that is not acquired")
-            block.ref_count -= 1
-            if block.ref_count == 0 and self._blocks.get(block.key) is block:
-                self._lru[block.key] = block
-                if block.version in self._stale_versions:
-                    self._lru.move_to_end(block.key, last=False)
+    def unreserve(self, num_blocks: int) -> None:
+        if not 0 <= num_blocks <= self.reserved:
+            raise RuntimeError(f"unreserve {num_blocks} of {self.reserved} reserved blocks")
+        self.reserved -= num_blocks
+
+    def allocate(self) -> tuple[int, bool]:
+        """One reserved block, referenced once: (block id, never used before -- zero it)."""
+        self.unreserve(1)
+        if self._free:
+            block, new = self._free.pop(), False
+        elif self._next_fresh < self.num_blocks:
+            block, new = self._next_fresh, True
+            self._next_fresh += 1
+        else:
+            victim = self._lru_leaf()
+            if victim is None:
+                raise RuntimeError("no free block and no evictable one, though one was reserved")
+            self._remove(victim)
+            block, new = victim.block, False
+        self._ref[block] = 1
+        return block, new
+
+    def acquire(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if self._ref[b] == 0:
+                entry = self._entry_of.get(b)
+                if entry is None:
+                    raise RuntimeError(f"acquire of block {b}, which is neither used nor cached")
+                del self._lru[b]
+            self._ref[b] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        for b in reversed(list(blocks)):  # deepest first: ancestors end up more recent
+            if self._ref[b] <= 0:
+                raise RuntimeError(f"release of block {b} that is not acquired")
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                entry = self._entry_of.get(b)
+                if entry is None:
+                    self._free.append(b)
+                else:
+                    self._lru[b] = entry
+                    if entry.version in self._stale_versions:
+                        self._lru.move_to_end(b, last=False)
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         self.query_tokens += query_tokens
         self.hit_tokens += hit_tokens
 
-    def insert(
-        self,
-        tokens: Sequence[int],
-        version: int,
-        kv_of_block: Callable[[int], torch.Tensor],
-        max_tokens: int | None = None,
-    ) -> list[Block]:
-        """Cache the full blocks of `tokens[:max_tokens]` that are not cached yet.
+    def insert(self, tokens: Sequence[int], version: int, table: Sequence[int],
+               num_tokens: int, partial: bool) -> None:
+        """Index the blocks of `table` that hold `tokens[:num_tokens]`: every full block
+        and, with `partial`, the last part-filled one (its writer must be finished).
+        Blocks whose prefix is cached already (under another block) stay unindexed."""
+        if not self.indexing:
+            return
+        bs, parent = self.block_size, _ROOT
+        for i, start in enumerate(range(0, num_tokens, bs)):
+            block_tokens = tuple(tokens[start : min(start + bs, num_tokens)])
+            if len(block_tokens) < bs and not partial:
+                return
+            key = _key(version, parent, block_tokens)
+            entry = self._index.get(key)
+            if entry is not None:
+                if self._verified(version, parent, block_tokens) is None:
+                    return  # a hash collision: this prefix stays uncached
+            elif table[i] in self._entry_of:
+                return  # the block is cached under another prefix (cannot happen; be safe)
+            else:
+                entry = Entry(key, parent, version, block_tokens, table[i], depth=i)
+                self._index[key] = self._entry_of[table[i]] = entry
+                self._children.setdefault(parent, {})[key] = entry
+                if parent != _ROOT:
+                    self._index[parent].num_children += 1
+                self.inserted_blocks += 1
+                if self._ref[table[i]] == 0:  # (a sequence holds it: normally referenced)
+                    self._lru[table[i]] = entry
+            if len(block_tokens) < bs:
+                return
+            parent = key
 
-        `kv_of_block(i)` returns the KV of block i, shaped like `block_shape`; it is
-        copied. Blocks already cached are refreshed in the LRU order. Makes room by
-        evicting unreferenced blocks; stops early when everything left is referenced.
-        Returns the cached chain, root first (possibly shorter than asked).
-        """
-        limit = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
-        bs = self.block_size
-        chain: list[Block] = []
-        parent_key = _ROOT_KEY
-        try:
-            for index, start in enumerate(range(0, limit - bs + 1, bs)):
-                block_tokens = tuple(tokens[start : start + bs])
-                key = chain_key(version, parent_key, block_tokens)
-                block = self._blocks.get(key)
-                if block is not None:
-                    if (
-                        block.tokens != block_tokens
-                        or block.version != version
-                        or block.parent_key != parent_key
-                    ):
-                        break  # a hash collision: this prefix stays uncached
-                else:
-                    if self.used_bytes + self._block_bytes > self.capacity_bytes:
-                        self.evict(self.used_bytes + self._block_bytes - self.capacity_bytes)
-                        if self.used_bytes + self._block_bytes > self.capacity_bytes:
-                            break
-                    kv = kv_of_block(index)
-                    if tuple(kv.shape) != self.block_shape:
-                        raise ValueError(f"block kv shape {tuple(kv.shape)} != {self.block_shape}")
-                    block = Block(
-                        key=key,
-                        parent_key=parent_key,
-                        version=version,
-                        tokens=block_tokens,
-                        kv=kv.to(self.dtype).clone(),
-                        depth=index,
-                    )
-                    self._blocks[key] = block
-                    self.used_bytes += self._block_bytes
-                    self.inserted_blocks += 1
-                    if parent_key != _ROOT_KEY:
-                        self._blocks[parent_key].num_children += 1
-                self.acquire([block])  # pinned so making room never evicts our own chain
-                chain.append(block)
-                parent_key = key
-        finally:
-            self.release(chain)
-        return chain
-
-    def evict(self, num_bytes: int) -> int:
-        """Evict LRU unreferenced leaf blocks until `num_bytes` are freed. Returns blocks evicted."""
-        freed = 0
+    def evict(self, num_blocks: int) -> int:
+        """Evict up to `num_blocks` unreferenced leaf entries, LRU first; the count."""
         evicted = 0
-        while freed < num_bytes:
-            victim = next((b for b in self._lru.values() if b.num_children == 0), None)
-            if victim is None:
-                break
+        while evicted < num_blocks and (victim := self._lru_leaf()) is not None:
             self._remove(victim)
-            freed += self._block_bytes
+            self._free.append(victim.block)
             evicted += 1
         return evicted
 
+    def _lru_leaf(self) -> Entry | None:
+        """The least recently used unreferenced entry without children, if any."""
+        return next((e for e in self._lru.values() if e.num_children == 0), None)
+
     def demote_version(self, version: int) -> None:
-        """Make `version`'s unreferenced blocks the first to be evicted (keeping their
-        relative LRU order), and those released later too. They still serve hits."""
+        """`version`'s unreferenced entries go first when room is needed (in their LRU
+        order), and so do those released later. They still serve hits."""
         self._stale_versions.add(version)
-        stale = [key for key, block in self._lru.items() if block.version == version]
-        for key in reversed(stale):
-            self._lru.move_to_end(key, last=False)
+        stale = [b for b, e in self._lru.items() if e.version == version]
+        for b in reversed(stale):
+            self._lru.move_to_end(b, last=False)
 
     def drop_version(self, version: int) -> int:
-        """Evict every unreferenced block of `version` whose descendants go too (deepest
-        first); referenced blocks stay, demoted. Returns the number evicted."""
+        """Evict every unreferenced entry of `version` whose descendants go too (deepest
+        first); referenced ones stay, demoted. Returns the number evicted."""
         self.demote_version(version)
-        stale = sorted((b for b in self._lru.values() if b.version == version),
-                       key=lambda b: -b.depth)
         removed = 0
-        for block in stale:
-            if block.num_children == 0:
-                self._remove(block)
+        for entry in sorted((e for e in self._lru.values() if e.version == version),
+                            key=lambda e: -e.depth):
+            if entry.num_children == 0:
+                self._remove(entry)
+                self._free.append(entry.block)
                 removed += 1
         return removed
 
     def clear(self) -> None:
-        """Drop every unreferenced block."""
-        self.evict(self.used_bytes)
+        """Drop every unreferenced entry."""
+        self.evict(len(self._lru))
 
-    def _remove(self, block: Block) -> None:
-        del self._lru[block.key]
-        del self._blocks[block.key]
-        self.used_bytes -= self._block_bytes
+    def _remove(self, entry: Entry) -> None:
+        del self._lru[entry.block]
+        del self._index[entry.key]
+        del self._entry_of[entry.block]
+        siblings = self._children[entry.parent_key]
+        del siblings[entry.key]
+        if not siblings:
+            del self._children[entry.parent_key]
+        if entry.parent_key != _ROOT:
+            self._index[entry.parent_key].num_children -= 1
         self.evicted_blocks += 1
-        if block.parent_key != _ROOT_KEY:
-            self._blocks[block.parent_key].num_children -= 1
 
 
 def _require(condition: bool, message: str) -> None:

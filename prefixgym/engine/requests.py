@@ -1,15 +1,16 @@
 """One sampling request inside the engine: its state, its validation, its response.
 
-A `Request` is what `Scheduler.submit` queues: a prompt, decoding settings, the model
+A `Request` is what `Engine.submit` queues: a prompt, decoding settings, the model
 of one weights version and the future to complete. Each of its `num_samples`
-`Sequence`s tracks one continuation: tokens, logprobs, how much of it has KV in its
-slot, and its own random generator. `validate_request` refuses bad input with a
-ValueError naming the field, and a request beyond the engine's `RequestLimits`: more
-samples than may run at once, or running KV that cannot fit in the byte budget (10,000
-samples once tried to allocate 42 GB); `build_response` turns a finished request
-into the wire `SampleResponse` and its `Usage`.
+`Sequence`s tracks one continuation: tokens, logprobs, its block table (the KV pool's
+blocks holding its positions), how many blocks it may still take, and its own random
+generator. `validate_request` refuses bad input with a ValueError naming the field,
+and a request beyond the engine's `RequestLimits`: more samples than may run at once,
+or running KV that cannot fit in the byte budget (10,000 samples once tried to
+allocate 42 GB); `build_response` turns a finished request into the wire
+`SampleResponse` and its `Usage`.
 
-This module knows nothing of slots, batching or the prefix cache.
+This module knows nothing of batching, tensors or the prefix cache's keys.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import random
 from dataclasses import dataclass, field
 
 from prefixgym.engine.model import Transformer
-from prefixgym.engine.prefix_cache import Block
 from prefixgym.futures import APIFuture
 from prefixgym.types import SampledSequence, SampleResponse, SamplingParams, TopkLogprobs, Usage
 
@@ -34,20 +34,24 @@ class RequestLimits:
 
     max_samples: int = 256
     """Samples of one request at most: the engine's max running sequences, so a request
-    never runs past that bound (admission never splits a request's samples)."""
+    never runs past that bound (the scheduler admits a request's samples together)."""
     max_kv_bytes: int = DEFAULT_MAX_KV_BYTES
     """Bytes of running KV one request may need: samples x (prompt + max_tokens)
-    positions x the slot KV's bytes per position (fp32 keys and values, every layer)."""
+    positions x the KV pool's bytes per position (keys and values, every layer), as
+    if no block were shared."""
+    kv_element_size: int = 4
+    """Bytes of one key or value element in the KV pool (fp32 on CPU)."""
 
     def __post_init__(self) -> None:
         if self.max_samples < 1 or self.max_kv_bytes < 1:
             raise ValueError(f"request limits must be positive, got {self}")
 
 
-def kv_bytes_per_position(model: Transformer) -> int:
-    """Bytes of running (slot) KV one position takes: fp32 keys and values (kv_slots.py)."""
+def kv_bytes_per_position(model: Transformer, element_size: int = 4) -> int:
+    """Bytes of KV one position takes in the pool: keys and values of every layer, of
+    `element_size` bytes each (fp32 on CPU: kv_pool.py)."""
     cfg = model.config
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * element_size
 
 
 @dataclass(eq=False)
@@ -68,8 +72,8 @@ class Request:
     prompt_logprobs_last_n: int | None = None  # score only the last n prompt tokens
     return_prompt_logprobs: bool = True  # False when only the top-k were asked for
     request_id: int = field(default_factory=lambda: next(_REQUEST_IDS))
-    pinned: list[Block] = field(default_factory=list)
     num_cached_tokens: int = 0
+    tail_pin: list[int] = field(default_factory=list)  # a cached block to copy from
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
     sequences: list[Sequence] = field(default_factory=list)
@@ -86,7 +90,9 @@ class Sequence:
     stop_token_ids: frozenset[int]
     stop_strings: list[str]
     stop_window: int
-    kv_len: int  # positions whose KV is in the slot; the next input sits at this position
+    kv_len: int  # positions whose KV is in its blocks; the next input sits at this position
+    table: list[int] = field(default_factory=list)  # block ids, position p in table[p // bs]
+    reserved: int = 0  # blocks promised to it, not yet allocated
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
@@ -107,6 +113,12 @@ def new_sequences(req: Request) -> list[Sequence]:
                  window, kv_len=len(req.prompt))
         for i in range(req.num_samples)
     ]
+
+
+def kv_positions(req: Request) -> int:
+    """Positions a sample of `req` stores KV for: the prompt and every sampled token
+    but the last (no step reads it)."""
+    return len(req.prompt) + max(req.params.max_tokens - 1, 0)
 
 
 def build_response(req: Request) -> SampleResponse:
@@ -157,7 +169,7 @@ def validate_request(
             f"prompt length {len(prompt)} + max_tokens {params.max_tokens} = {total} exceeds the "
             f"model's max_seq_len {cfg.max_seq_len}; shorten the prompt or lower max_tokens"
         )
-    kv_bytes = num_samples * total * kv_bytes_per_position(model)
+    kv_bytes = num_samples * total * kv_bytes_per_position(model, limits.kv_element_size)
     if kv_bytes > limits.max_kv_bytes:
         raise ValueError(
             f"{num_samples} samples x {total} positions need {kv_bytes / 2**20:,.0f} MiB of KV, "

@@ -1,7 +1,7 @@
 """SamplingClient: `sample()` and `compute_logprobs()` against one frozen weights version.
 
 A client is a thin, thread-safe handle: it validates nothing itself beyond what the
-wire types do, and hands requests to the engine's scheduler, which refuses bad input
+wire types do, and hands requests to the engine, which refuses bad input
 with a ValueError at call time and answers through an `APIFuture` (`.result()` or
 `await`). Every response's `usage` is added to the service's ledger by the engine:
 prefill computed + prefill cached = prompt length for every request (a G-sample
@@ -14,28 +14,32 @@ without top-k/top-p filtering -- what the trainer's forward pass computes.
 passes its tokenizer's) are added to every request's `stop_token_ids`; create the
 client with `stop_at_end_of_turn=False` on the service to turn that off.
 
-The client knows nothing of the cache or of batching: those are the scheduler's.
+The client knows nothing of the cache or of batching: those are the engine's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
+from prefixgym.engine.engine import RoundItem
 from prefixgym.engine.model import Transformer
-from prefixgym.engine.scheduler import RoundItem, Scheduler
 from prefixgym.futures import APIFuture
 from prefixgym.types import ModelInput, SampleRequest, SampleResponse, SamplingParams
+
+if TYPE_CHECKING:
+    from prefixgym.engine.engine import Engine
 
 
 class SamplingClient:
     def __init__(
         self,
-        scheduler: Scheduler,
+        engine: Engine,
         model: Transformer,
         weights_version: int,
         default_stop_token_ids: Iterable[int] = (),
     ) -> None:
-        self._scheduler = scheduler
+        self._engine = engine
         self._model = model
         self.weights_version = weights_version
         self.default_stop_token_ids: tuple[int, ...] = tuple(default_stop_token_ids)
@@ -59,34 +63,20 @@ class SamplingClient:
         before them are None), so the prefix before them may be served from the cache
         (the hosted service's parameters, with its rules).
         """
-        tokens = _ids(prompt)
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if self.default_stop_token_ids:
-            merged = list(dict.fromkeys([*params.stop_token_ids, *self.default_stop_token_ids]))
-            params = params.model_copy(update={"stop_token_ids": merged})
-        return self._scheduler.submit(
-            tokens, self._model, self.weights_version, params,
-            num_samples=num_samples, include_prompt_logprobs=include_prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs,
-            prompt_logprobs_last_n=prompt_logprobs_last_n,
-        )
+        item = self._item(prompt, num_samples, sampling_params, include_prompt_logprobs,
+                          topk_prompt_logprobs, prompt_logprobs_last_n)
+        return self._engine.submit_many([item], self._model, self.weights_version)[0]
 
     def sample_many(
         self, requests: Sequence[SampleRequest], include_prompt_logprobs: bool = False
     ) -> list[APIFuture[SampleResponse]]:
-        """`sample` for each request, queued atomically as one round in this order (a
-        deterministic engine runs the round alone). Bad input in any request raises a
+        """`sample` for each request, queued atomically as one round in this order: the
+        round enters the engine in one step, whatever other threads submit meanwhile (a
+        deterministic engine runs it alone). Bad input in any request raises a
         ValueError and queues none."""
-        items = []
-        for req in requests:
-            params = req.sampling_params if req.sampling_params is not None else SamplingParams()
-            if self.default_stop_token_ids:
-                merged = list(dict.fromkeys([*params.stop_token_ids,
-                                             *self.default_stop_token_ids]))
-                params = params.model_copy(update={"stop_token_ids": merged})
-            items.append(RoundItem(_ids(req.prompt), params, req.num_samples,
-                                   include_prompt_logprobs))
-        return self._scheduler.submit_many(items, self._model, self.weights_version)
+        items = [self._item(r.prompt, r.num_samples, r.sampling_params, include_prompt_logprobs)
+                 for r in requests]
+        return self._engine.submit_many(items, self._model, self.weights_version)
 
     def compute_logprobs(self, prompt: ModelInput | list[int]) -> APIFuture[list[float | None]]:
         """log p(token i | tokens before i) for every position; None for the first.
@@ -94,11 +84,20 @@ class SamplingClient:
         Recomputes the whole sequence (never read from the cache; counted as prefill
         computed).
         """
-        future = self._scheduler.submit(
-            _ids(prompt), self._model, self.weights_version, SamplingParams(max_tokens=0),
-            num_samples=1, include_prompt_logprobs=True,
-        )
+        item = RoundItem(_ids(prompt), SamplingParams(max_tokens=0), 1, True)
+        [future] = self._engine.submit_many([item], self._model, self.weights_version)
         return future.map(lambda response: list(response.prompt_logprobs or []))
+
+    def _item(
+        self, prompt: ModelInput | list[int], num_samples: int, params: SamplingParams | None,
+        include_prompt_logprobs: bool, topk: int = 0, last_n: int | None = None,
+    ) -> RoundItem:
+        """One request for the engine, with this client's default stop ids added."""
+        params = params if params is not None else SamplingParams()
+        if self.default_stop_token_ids:
+            merged = list(dict.fromkeys([*params.stop_token_ids, *self.default_stop_token_ids]))
+            params = params.model_copy(update={"stop_token_ids": merged})
+        return RoundItem(_ids(prompt), params, num_samples, include_prompt_logprobs, topk, last_n)
 
 
 def _ids(prompt: ModelInput | list[int]) -> list[int]:

@@ -1,398 +1,395 @@
-"""Continuous batching on one background thread: admit new requests, decode all.
+"""The scheduler: which requests run next, and what their results change.
 
-Callers (any thread, or asyncio through `await future`) `submit` a request and get an
-`APIFuture[SampleResponse]`. The engine thread runs this loop (`_loop`):
+`schedule()` returns the next `Batch`: a prefill (requests leaving the waiting queue)
+whenever waiting requests fit, else one decode step over every running sequence of
+one weights version (versions take turns). `postprocess(batch, output)` applies what
+the model runner computed: tokens appended, stop checks, retirement, cache insertion,
+futures completed. Neither calls the other or the runner.
 
-1. collect new requests (blocking only when nothing runs);
-2. admit the waiting requests in waves: match cached prefixes, batched prefill, cache
-   the new blocks, fan out the G samples and sample their first tokens (admission.py);
-3. one decode step per weights version: a single forward over every running
-   sequence, vectorised sampling, then stop checks; finished sequences write their
-   full blocks to the cache and free their slot (the last slot moves into it);
-4. versions: a newer weights version demotes older versions' cache blocks (evicted
-   first), an older version's slot buffer is freed once it runs nothing, and its
-   blocks are dropped once nothing holds its model (no client, no request).
+Admission, in `schedule()`: requests leave the waiting queue in arrival order, as a
+wave, while they fit under `max_running` rows and the KV pool can promise every block
+they may need (`PrefixCache.can_reserve`); the first that does not fit waits, and so
+does everything behind it. Each takes its longest cached prefix (at most
+len(prompt)-1 tokens, since the last prompt token must be computed for its logits; a
+request that scores its prompt reads none, or, with `prompt_logprobs_last_n`, only
+the prefix before the positions it scores). A request whose first uncached block
+an earlier request of the wave will compute waits one wave and hits the cache instead.
+The wave is prefilled in chunks of similar uncached length (prompt-logprob and
+zero-token requests alone). A request's G samples share its prompt's full blocks;
+each gets its own copy of a part-filled last block.
 
-A bad request is refused at `submit` with a ValueError; an error inside the engine
-fails only the requests it touches, and the thread keeps serving.
+Errors travel: `fail(requests, error)` fails those requests' futures and frees what
+they hold; the caller decides which requests an error belongs to.
 
-Deterministic mode (`deterministic=True`): a request's logprobs depend, in their last
-bits, on which other rows share its forwards (a matmul of a few rows takes other
-kernels than one of many). So `submit_many` queues a list of requests as one *round*
-(atomically: nothing else can slip in between them), and the engine takes the next
-round only when the previous one has finished: every batch it runs is then a
-function of the round's requests, in their order, and the cache's contents. A caller
-that submits each step of its work as one round in a fixed order (`rollouts` in
-lockstep) gets the same bits every run, whatever the threads' timing.
-
-The scheduler knows nothing of chat formats or training: it gets token ids, a
-`decode(ids) -> str` for stop strings, and a model per weights version.
+This module knows nothing of tensors or models beyond handing a request's model on:
+block ids, token counts and futures are all it moves.
 """
 
 from __future__ import annotations
 
-import queue
-import random
-import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
-import torch
-
-from prefixgym.engine.admission import Admission, Batch
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.prefix_cache import PrefixCache
-from prefixgym.engine.requests import (
-    DEFAULT_MAX_KV_BYTES,
-    Request,
-    RequestLimits,
-    Sequence,
-    build_response,
-    validate_prompt_scoring,
-    validate_request,
-)
-from prefixgym.engine.threads import ThreadTuner, size_bucket
-from prefixgym.engine.token_sampler import RowParams, sample_tokens
+from prefixgym.engine.requests import Request, Sequence, build_response, kv_positions, new_sequences
 from prefixgym.engine.usage import UsageLedger
-from prefixgym.futures import APIFuture
-from prefixgym.types import SampleResponse, SamplingParams
+from prefixgym.types import TopkLogprobs
+
+_CALL_COST_TOKENS = 64  # a forward call's fixed cost, in padded positions
 
 
-class RoundItem(NamedTuple):
-    """One request of a `submit_many` round."""
+@dataclass(eq=False)
+class Batch:
+    """One forward. Prefill: `requests`, row r computing prompt[starts[r]:] of request
+    r into `tables[r]`; `seqs` are all their samples, sampled from row `source_rows`.
+    Decode: one row per running sequence of `seqs`. Before the forward the runner zeroes
+    `new_blocks` and makes `tail_copies`; after it, `fork_copies` ((src, dst, positions))."""
 
-    prompt: list[int]
-    params: SamplingParams
-    num_samples: int = 1
-    include_prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    prompt_logprobs_last_n: int | None = None
+    kind: str  # "prefill" or "decode"
+    model: Transformer
+    version: int
+    seqs: list[Sequence]
+    tables: list[list[int]]
+    starts: list[int]
+    lengths: list[int]
+    tokens: list[list[int]]
+    requests: list[Request] = field(default_factory=list)
+    source_rows: list[int] = field(default_factory=list)
+    new_blocks: list[int] = field(default_factory=list)
+    tail_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    fork_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    prompt_logprobs: bool = False
+
+
+@dataclass
+class Output:
+    """What the runner computed: one token and logprob per sequence of the batch, and
+    for a prompt-scoring prefill its request's prompt logprobs and top-k."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
+
 
 class Scheduler:
     def __init__(
-        self,
-        cache: PrefixCache | None,
-        decode: Callable[[list[int]], str] | None = None,
-        ledger: UsageLedger | None = None,
-        seed: int = 0,
-        max_running: int = 256,
-        max_prefill_tokens: int = 2048,
-        thread_tuning: bool = True,
-        max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
-        deterministic: bool = False,
+        self, cache: PrefixCache, decode: Callable[[list[int]], str] | None,
+        ledger: UsageLedger | None, max_running: int, max_prefill_tokens: int,
     ) -> None:
         self.cache = cache
-        self.cache_lock = threading.Lock()
         self._decode = decode
         self._ledger = ledger
-        self._seed_rng = random.Random(seed)
-        self._submit_lock = threading.Lock()  # guards the seed generator and closing
         self.max_running = max_running
-        self.limits = RequestLimits(max_samples=max_running, max_kv_bytes=max_kv_bytes)
-        # padded positions per prefill forward: 2048 ran tiny 8x512 prefills ~10% faster
-        # than one 4096-position forward (bench_prefill.py), smaller ones fit the caches
         self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, list[Sequence]] = {}  # by weights version, in admission order
+        self._chunks: deque[list[Request]] = deque()  # admitted, not yet prefilled
         self._version_models: dict[int, weakref.ref[Transformer]] = {}
-        self.deterministic = deterministic
-        # an item is one request, or a round of them (`submit_many`); None closes
-        self._queue: queue.SimpleQueue[Request | list[Request] | None] = queue.SimpleQueue()
-        self._waiting: deque[Request] = deque()
-        self._batches: dict[int, Batch] = {}
         self._latest_version = -1
-        self._gate = threading.Event()
-        self._gate.set()
-        self._closed = False
+        self._turn = 0
         self.counters = dict.fromkeys(
             ("prefill_calls", "prefill_positions", "decode_steps", "decoded_tokens",
              "max_batch_size", "requests_completed", "requests_failed"), 0)
-        # the engine thread's forwards pick their torch thread count by timing (threads.py)
-        self.threads = ThreadTuner(enabled=thread_tuning)
-        self._admission = Admission(
-            cache, self.cache_lock, self._waiting, self._batches, self.counters, self.threads,
-            note_version=self._note_version, advance=self._advance,
-            complete=self._complete, fail=self._fail,
-        )
-        self._thread = threading.Thread(target=self._loop, name="prefixgym-engine", daemon=True)
-        self._thread.start()
 
-    # ---- caller side -------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self._chunks or any(self.running.values()))
 
-    def submit(
-        self,
-        prompt: list[int],
-        model: Transformer,
-        version: int,
-        params: SamplingParams,
-        num_samples: int = 1,
-        include_prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        prompt_logprobs_last_n: int | None = None,
-    ) -> APIFuture[SampleResponse]:
-        """Validate and queue one request. Raises ValueError for bad input."""
-        [future] = self.submit_many(
-            [RoundItem(prompt, params, num_samples, include_prompt_logprobs,
-                       topk_prompt_logprobs, prompt_logprobs_last_n)], model, version)
-        return future
+    def in_flight(self) -> list[Request]:
+        """Every admitted, unfinished request."""
+        reqs = [r for chunk in self._chunks for r in chunk]
+        reqs += [s.request for seqs in self.running.values() for s in seqs]
+        return list(dict.fromkeys(reqs))
 
-    def submit_many(
-        self, requests: list[RoundItem], model: Transformer, version: int,
-    ) -> list[APIFuture[SampleResponse]]:
-        """Validate every request, then queue them as one round, in this order. Raises
-        ValueError for bad input (naming the request's index), queueing none of them."""
-        for i, item in enumerate(requests):
-            try:
-                validate_request(item.prompt, model, item.params, item.num_samples,
-                                 self._decode is not None, self.limits)
-                validate_prompt_scoring(len(item.prompt), item.include_prompt_logprobs,
-                                        item.topk_prompt_logprobs,
-                                        item.prompt_logprobs_last_n, model.config.vocab_size)
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}" if len(requests) > 1 else str(e)) from None
-        with self._submit_lock:
-            if self._closed:
-                raise RuntimeError("the engine is closed; create a new LocalService")
-            round_: list[Request] = []
-            for item in requests:
-                params = item.params
-                seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-                round_.append(Request(
-                    list(item.prompt), item.num_samples, params,
-                    item.include_prompt_logprobs or item.topk_prompt_logprobs > 0, model,
-                    version, seed, topk_k=item.topk_prompt_logprobs,
-                    prompt_logprobs_last_n=item.prompt_logprobs_last_n,
-                    return_prompt_logprobs=item.include_prompt_logprobs))
-            if round_:
-                self._queue.put(round_)
-        return [r.future for r in round_]
+    def check_integrity(self) -> None:
+        """The cache's invariants, with its refcounts and promised blocks against what
+        the admitted requests' sequences hold. Raises AssertionError."""
+        refs: dict[int, int] = {}
+        promised = 0
+        for req in self.in_flight():
+            started = bool(req.sequences[0].tokens)  # prefilled: its samples hold the promise
+            for block in req.tail_pin + [b for s in req.sequences for b in s.table]:
+                refs[block] = refs.get(block, 0) + 1
+            for seq in req.sequences:
+                if seq.reserved < 0:
+                    raise AssertionError(f"a sequence holds {seq.reserved} promised blocks")
+            if started:
+                promised += sum(s.reserved for s in req.sequences)
+            else:
+                promised += _blocks_needed(req, len(req.sequences[0].table), self.cache.block_size)
+        if promised != self.cache.reserved:
+            raise AssertionError(f"requests hold {promised} promised blocks, the cache "
+                                 f"counts {self.cache.reserved}")
+        self.cache.check_integrity(refs)
 
-    def pause(self) -> None:
-        """Hold admission and decoding (requests queue up) until `resume`. For tests."""
-        self._gate.clear()
+    # ---- schedule ----------------------------------------------------------------
 
-    def resume(self) -> None:
-        self._gate.set()
+    def schedule(self) -> Batch | None:
+        """The next batch: a prefill when waiting requests fit, else a decode step."""
+        self._drop_dead_versions()
+        if not self._chunks and self.waiting:
+            self._admit_wave()
+        if self._chunks:
+            return self._prefill_batch(self._chunks.popleft())
+        versions = sorted(v for v, seqs in self.running.items() if seqs)
+        if not versions:
+            return None
+        self._turn += 1
+        return self._decode_batch(versions[self._turn % len(versions)])
 
-    def close(self) -> None:
-        with self._submit_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._queue.put(None)
-        self._gate.set()
-        self._thread.join()
+    def _admit_wave(self) -> None:
+        claimed: set[object] = set()
+        deferred: list[Request] = []
+        wave: list[Request] = []
+        rows = sum(len(seqs) for seqs in self.running.values())
+        bs = self.cache.block_size
+        while self.waiting:
+            req = self.waiting[0]
+            P = len(req.prompt)
+            if rows and rows + req.num_samples > self.max_running:
+                break
+            limit = _cache_limit(req)
+            reuse = not req.include_prompt_logprobs or req.prompt_logprobs_last_n is not None
+            match = self.cache.match(req.prompt, req.version, limit) if reuse else None
+            hit = match.blocks if match else []
+            if match and match.claim in claimed and (len(hit) + 1) * bs <= limit:
+                deferred.append(self.waiting.popleft())  # it hits the cache next wave
+                continue
+            pins = hit + ([match.tail_block] if match and match.tail_block is not None else [])
+            if not self.cache.can_reserve(_blocks_needed(req, len(hit), bs), pinning=pins):
+                break
+            self.waiting.popleft()
+            self.cache.acquire(pins)
+            self.cache.reserve(_blocks_needed(req, len(hit), bs))
+            req.num_cached_tokens = match.num_tokens if match else 0
+            req.tail_pin = pins[len(hit):]
+            req.sequences = new_sequences(req)
+            req.unfinished = req.num_samples
+            req.sequences[0].table = list(hit)
+            if reuse:
+                self.cache.record_lookup(P, req.num_cached_tokens)
+                if match and match.claim is not None:
+                    claimed.add(match.claim)
+            self._note_version(req)
+            wave.append(req)
+            rows += req.num_samples
+        self.waiting.extendleft(reversed(deferred))
+        single = [r for r in wave if r.include_prompt_logprobs or r.params.max_tokens == 0]
+        alone = [[r] for r in single]
+        together = sorted((r for r in wave if r not in single),
+                          key=lambda r: (r.version, len(r.prompt) - r.num_cached_tokens))
+        self._chunks.extend(alone + _chunks(together, self.max_prefill_tokens))
 
-    def cache_stats(self) -> dict[str, int]:
-        with self.cache_lock:
-            return self.cache.stats() if self.cache is not None else {}
+    def _prefill_batch(self, reqs: list[Request]) -> Batch:
+        bs = self.cache.block_size
+        batch = Batch("prefill", reqs[0].model, reqs[0].version, [], [], [], [], [],
+                      requests=reqs, prompt_logprobs=reqs[0].include_prompt_logprobs)
+        for r, req in enumerate(reqs):
+            P, first = len(req.prompt), req.sequences[0]
+            n_hit = len(first.table)
+            first.reserved, other = _blocks_per_sample(req, bs)
+            first.reserved -= n_hit
+            for _ in range(-(-P // bs) - n_hit):
+                first.table.append(self._allocate(first, batch))
+            if req.tail_pin:
+                batch.tail_copies.append((req.tail_pin[0], first.table[n_hit],
+                                          req.num_cached_tokens % bs))
+            batch.tables.append(first.table)
+            batch.starts.append(req.num_cached_tokens)
+            batch.lengths.append(P - req.num_cached_tokens)
+            batch.tokens.append(req.prompt[req.num_cached_tokens :])
+            for seq in req.sequences if req.params.max_tokens else req.sequences[:1]:
+                if seq is not first:  # shares the full prompt blocks, copies a partial one
+                    seq.reserved = other
+                    seq.table = first.table[: P // bs]
+                    self.cache.acquire(seq.table)
+                    if P % bs:
+                        seq.table.append(self._allocate(seq, batch))
+                        batch.fork_copies.append((first.table[-1], seq.table[-1], P % bs))
+                batch.seqs.append(seq)
+                batch.source_rows.append(r)
+        return batch
 
-    def check_cache_integrity(self) -> None:
-        with self.cache_lock:
-            if self.cache is not None:
-                self.cache.check_integrity()
+    def _decode_batch(self, version: int) -> Batch:
+        seqs = self.running[version]
+        batch = Batch("decode", seqs[0].request.model, version, seqs, [], [], [], [])
+        bs = self.cache.block_size
+        for seq in seqs:
+            if seq.kv_len == len(seq.table) * bs:  # its next position starts a block
+                seq.table.append(self._allocate(seq, batch))
+            batch.tables.append(seq.table)
+            batch.starts.append(seq.kv_len)
+            batch.lengths.append(1)
+            batch.tokens.append(seq.tokens[-1:])
+        return batch
 
-    # ---- engine thread -----------------------------------------------------------
+    def _allocate(self, seq: Sequence, batch: Batch) -> int:
+        seq.reserved -= 1
+        block, new = self.cache.allocate()
+        if new:
+            batch.new_blocks.append(block)
+        return block
 
-    def _loop(self) -> None:
-        with torch.inference_mode():
-            # 1) collect new requests (blocking only when nothing runs)
-            while self._collect():
-                try:
-                    # 2) admit waiting requests: match, prefill, fan out (admission.py)
-                    self._admission.admit(self.max_running, self.max_prefill_tokens)
-                    # 3) one decode step per weights version
-                    for batch in list(self._batches.values()):
-                        if batch.seqs:
-                            self._decode_step(batch)
-                    # 4) versions: free idle slot buffers, drop versions nobody holds
-                    self._drop_idle_batches()
-                    self._drop_dead_versions()
-                except Exception as error:  # noqa: BLE001 - last resort: the thread survives
-                    for request in {s.request for b in self._batches.values() for s in b.seqs}:
-                        self._fail(request, error)
-            # inside inference mode: failing a running row compacts its slot buffer
-            self._fail_everything(
-                RuntimeError("the engine was closed before this request finished"))
+    # ---- postprocess -------------------------------------------------------------
 
-    def _collect(self) -> bool:
-        """Move queued requests to `_waiting`, blocking only when nothing runs and
-        while paused; False once the engine is closed. Deterministic: one round at a
-        time, and only once the previous round has finished."""
-        busy = bool(self._waiting) or any(b.seqs for b in self._batches.values())
-        if self.deterministic and busy:
-            return not self._closed
-        if not busy:
-            first = self._queue.get()
-            if first is None:
-                return False
-            self._take(first)
-            if self.deterministic:
-                self._gate.wait()
-                return True
-        self._gate.wait()
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return True
-            if item is None:
-                return False
-            self._take(item)
-
-    def _take(self, item: Request | list[Request]) -> None:
-        self._waiting.extend(item if isinstance(item, list) else [item])
-
-    def _note_version(self, req: Request) -> None:
-        """Track versions: a newer one demotes older versions' cache blocks."""
-        if req.version not in self._version_models:
-            self._version_models[req.version] = weakref.ref(req.model)
-        if req.version > self._latest_version:
-            self._latest_version = req.version
-            if self.cache is not None:
-                with self.cache_lock:
-                    for version in self._version_models:
-                        if version < req.version:
-                            self.cache.demote_version(version)
-
-    def _drop_dead_versions(self) -> None:
-        """A version whose model nobody holds (no client, no request) loses its blocks."""
-        dead = [v for v, ref in self._version_models.items()
-                if v != self._latest_version and v not in self._batches and ref() is None]
-        for version in dead:
-            del self._version_models[version]
-            if self.cache is not None:
-                with self.cache_lock:
-                    self.cache.drop_version(version)
-
-    def _decode_step(self, batch: Batch) -> None:
-        seqs = batch.seqs
-        try:
-            if batch.params is None:
-                batch.params = RowParams.build(
-                    [s.request.params.temperature for s in seqs],
-                    [s.request.params.top_k for s in seqs],
-                    [s.request.params.top_p for s in seqs],
-                )
-            tokens_B_1 = torch.tensor([[s.tokens[-1]] for s in seqs])
-            positions_B = torch.tensor([s.kv_len for s in seqs])
-            view = batch.kv.decode_view(positions_B)
-            uniforms = [s.rng.random() if s.request.params.temperature > 0 else 0.0 for s in seqs]
-            key = ("decode", size_bucket(len(seqs)), size_bucket(max(128, view.num_keys)))
-            with self.threads.run(key, work=len(seqs)):
-                logits_B_1_V = batch.model(tokens_B_1, positions_B.unsqueeze(1), kv=view,
-                                           last_only=True)
-                tokens_B, logprobs_B = sample_tokens(logits_B_1_V[:, 0], batch.params, uniforms)
-            for s in seqs:
-                s.kv_len += 1
-        except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
-            for request in {s.request for s in seqs}:
-                self._fail(request, error)
-            return
-        self.counters["decode_steps"] += 1
-        self.counters["decoded_tokens"] += len(seqs)
-        self.counters["max_batch_size"] = max(self.counters["max_batch_size"], len(seqs))
-        self._advance(batch, range(len(seqs)), tokens_B.tolist(), logprobs_B.tolist())
-
-    def _advance(
-        self, batch: Batch, rows: range, tokens: list[int], logprobs: list[float]
-    ) -> None:
-        """Append one token to each row, then retire the rows that stopped."""
-        finished: list[int] = []
-        for row, token, logprob in zip(rows, tokens, logprobs):
-            seq = batch.seqs[row]
+    def postprocess(self, batch: Batch, output: Output) -> None:
+        """Append each sequence's token, retire the finished, complete their requests."""
+        if batch.kind == "prefill":
+            self.counters["prefill_calls"] += 1
+            self.counters["prefill_positions"] += sum(batch.lengths)
+            for req in batch.requests:
+                first = req.sequences[0]
+                self.cache.insert(req.prompt, req.version, first.table, len(req.prompt),
+                                  partial=False)
+                self.cache.release(req.tail_pin)
+                req.tail_pin = []
+                req.prompt_logprobs = output.prompt_logprobs
+                req.topk_prompt_logprobs = output.topk_prompt_logprobs
+                if req.params.max_tokens == 0:
+                    self._retire(first)
+                    for seq in req.sequences[1:]:
+                        self._finish(seq, "length")
+                else:
+                    self.running.setdefault(req.version, []).extend(req.sequences)
+        else:
+            for seq in batch.seqs:
+                seq.kv_len += 1
+            self.counters["decode_steps"] += 1
+            self.counters["decoded_tokens"] += len(batch.seqs)
+            self.counters["max_batch_size"] = max(self.counters["max_batch_size"],
+                                                  len(batch.seqs))
+        finished = False
+        for seq, token, logprob in zip(batch.seqs, output.tokens, output.logprobs):
+            if seq.stop_reason is not None or seq.request.future.done():
+                continue  # a zero-token request, or one that failed
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
-            if token in seq.stop_token_ids or (seq.stop_strings and self._hits_stop(seq)):
-                seq.stop_reason = "stop"
-            elif len(seq.tokens) >= seq.max_tokens:
-                seq.stop_reason = "length"
-            else:
+            try:
+                stop = token in seq.stop_token_ids or (seq.stop_strings and self._hits_stop(seq))
+            except Exception as error:  # noqa: BLE001 - the caller's decode failed: its request fails
+                self.fail([seq.request], error)
+                finished = True
                 continue
-            finished.append(row)
-        for row in reversed(finished):  # descending: compaction only moves rows from above
-            self._retire(batch, row)
+            if stop or len(seq.tokens) >= seq.max_tokens:
+                self._retire(seq, "stop" if stop else "length")
+                finished = True
+        if finished:
+            for version, seqs in self.running.items():
+                self.running[version] = [s for s in seqs if s.stop_reason is None]
 
     def _hits_stop(self, seq: Sequence) -> bool:
         assert self._decode is not None
         text = self._decode(seq.tokens[-seq.stop_window :])
         return any(stop in text for stop in seq.stop_strings)
 
-    def _retire(self, batch: Batch, row: int) -> None:
-        seqs, kv = batch.seqs, batch.kv
-        seq = seqs[row]
+    def _retire(self, seq: Sequence, reason: str = "length") -> None:
+        """Index the sequence's blocks where they are (partial last block included),
+        drop its references and promises, complete its request if it was the last."""
         req = seq.request
-        try:
-            self._admission.cache_blocks(req, kv, row, req.prompt + seq.tokens, seq.kv_len, pin=False)
-        except Exception as error:  # noqa: BLE001 - caching is an optimisation
-            _ = error
-        _free_row(batch, row)
+        self.cache.insert(req.prompt + seq.tokens, req.version, seq.table, seq.kv_len,
+                          partial=True)
+        self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        req = seq.request
+        self._free(seq)
+        seq.stop_reason = reason
         req.unfinished -= 1
         if req.unfinished == 0 and not req.future.done():
-            self._complete(req)
+            response = build_response(req)
+            if self._ledger is not None:
+                self._ledger.add(response.usage)
+            self.counters["requests_completed"] += 1
+            req.future.set_result(response)
 
-    def _complete(self, req: Request) -> None:
-        self._unpin(req)
-        response = build_response(req)
-        if self._ledger is not None:
-            self._ledger.add(response.usage)
-        self.counters["requests_completed"] += 1
-        req.future.set_result(response)
+    def _free(self, seq: Sequence) -> None:
+        self.cache.release(seq.table)
+        self.cache.unreserve(seq.reserved)
+        seq.table, seq.reserved = [], 0
 
-    def _unpin(self, req: Request) -> None:
-        if self.cache is not None and req.pinned:
-            with self.cache_lock:
-                self.cache.release(req.pinned)
-        req.pinned = []
+    def fail(self, requests: list[Request], error: BaseException) -> None:
+        """Fail these requests with `error`, wherever they are, and free what they hold."""
+        for req in dict.fromkeys(requests):
+            for seq in req.sequences:
+                self._free(seq)
+                seq.stop_reason = seq.stop_reason or "error"
+            self.cache.release(req.tail_pin)
+            req.tail_pin = []
+            if req in self.waiting:
+                self.waiting.remove(req)
+            for chunk in self._chunks:
+                if req in chunk:
+                    chunk.remove(req)
+            self.counters["requests_failed"] += 1
+            if not req.future.done():
+                req.future.set_exception(error)
+        self._chunks = deque(c for c in self._chunks if c)
+        for version, seqs in self.running.items():
+            self.running[version] = [s for s in seqs if not s.request.future.done()]
 
-    def _fail(self, req: Request, error: BaseException) -> None:
-        batch = self._batches.get(req.version)
-        if batch is not None:
-            for row in reversed(range(len(batch.seqs))):
-                if batch.seqs[row].request is req:
-                    _free_row(batch, row)
-        self._unpin(req)
-        self.counters["requests_failed"] += 1
-        if not req.future.done():
-            req.future.set_exception(error)
+    # ---- weights versions --------------------------------------------------------
 
-    def _drop_idle_batches(self) -> None:
-        for version in [v for v, b in self._batches.items() if not b.seqs]:
-            if version != self._latest_version:
-                del self._batches[version]
+    def _note_version(self, req: Request) -> None:
+        """A newer version demotes older versions' cache blocks (evicted first)."""
+        self._version_models.setdefault(req.version, weakref.ref(req.model))
+        if req.version > self._latest_version:
+            self._latest_version = req.version
+            for version in self._version_models:
+                if version < req.version:
+                    self.cache.demote_version(version)
 
-    def _fail_everything(self, error: BaseException) -> None:
-        requests: list[Request] = list(self._waiting)
-        requests += [s.request for b in self._batches.values() for s in b.seqs]
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, list):
-                requests += item
-            elif item is not None:
-                requests.append(item)
-        for request in dict.fromkeys(requests):
-            self._fail(request, error)
-        self._waiting.clear()
-        self._batches.clear()
-
-    def stats(self) -> dict[str, int]:
-        return dict(self.counters)
-
-    def slot_buffer_bytes(self) -> dict[int, int]:
-        """Bytes of the running-sequence KV buffer held per weights version."""
-        return {version: batch.kv.nbytes for version, batch in list(self._batches.items())}
+    def _drop_dead_versions(self) -> None:
+        """A version whose model nobody holds (no client, no request) loses its blocks."""
+        dead = [v for v, ref in self._version_models.items()
+                if v != self._latest_version and not self.running.get(v) and ref() is None]
+        for version in dead:
+            del self._version_models[version]
+            self.running.pop(version, None)
+            self.cache.drop_version(version)
 
 
-def _free_row(batch: Batch, row: int) -> None:
-    """Drop a sequence from the batch; the last row moves into its slot (compaction)."""
-    seqs = batch.seqs
-    last = len(seqs) - 1
-    if row != last:
-        batch.kv.copy_slot(last, row, seqs[last].kv_len)
-        seqs[row] = seqs[last]
-    seqs.pop()
-    batch.params = None
+def _cache_limit(req: Request) -> int:
+    """How many prompt tokens may come from the cache: all but the last (its logits are
+    needed); for a request scoring its prompt, none, or those before the position whose
+    logits score the first of its last `prompt_logprobs_last_n` tokens."""
+    P = len(req.prompt)
+    if not req.include_prompt_logprobs:
+        return P - 1
+    last_n = req.prompt_logprobs_last_n
+    return 0 if last_n is None else P - last_n - 1
 
+
+def _blocks_per_sample(req: Request, block_size: int) -> tuple[int, int]:
+    """(blocks of the first sample's table, blocks each other sample takes beyond the
+    prompt's full blocks, which it shares)."""
+    total = -(-kv_positions(req) // block_size)
+    return total, 0 if req.params.max_tokens == 0 else total - len(req.prompt) // block_size
+
+
+def _blocks_needed(req: Request, cached: int, block_size: int) -> int:
+    first, other = _blocks_per_sample(req, block_size)
+    return first - cached + (req.num_samples - 1) * other
+
+
+def _chunks(reqs: list[Request], max_tokens: int) -> list[list[Request]]:
+    """Split requests sorted by (version, uncached length) into prefill batches of one
+    version: a new batch starts when padding it to the newcomer's length would cost more
+    than a call, or it would pass `max_tokens` padded positions."""
+    chunks: list[list[Request]] = []
+    current: list[Request] = []
+    width = 0
+    for req in reqs:
+        n = len(req.prompt) - req.num_cached_tokens
+        if current and (current[0].version != req.version
+                        or len(current) * (n - width) > _CALL_COST_TOKENS
+                        or (len(current) + 1) * n > max_tokens):
+            chunks.append(current)
+            current = []
+        current.append(req)
+        width = n
+    if current:
+        chunks.append(current)
+    return chunks

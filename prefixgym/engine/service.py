@@ -1,8 +1,8 @@
 """EngineService: the built-in sampling and training service, in token ids.
 
 It owns the trainable model, one frozen inference copy per published weights version,
-the prefix KV cache, the engine's scheduler thread and the usage ledger, and hands out
-clients: `create_sampling_client()` (latest version, or a saved LoRA adapter with
+the KV pool and the prefix cache over its blocks, the engine thread and the usage
+ledger, all on one torch device, and hands out clients: `create_sampling_client()` (latest version, or a saved LoRA adapter with
 `model_path=`), `create_training_client()` (every weight),
 `create_lora_training_client()` (LoRA adapters on the frozen model, `lora.py`),
 `publish_weights()` (snapshot the trainable model as a new version). A LoRA version
@@ -27,6 +27,8 @@ import torch
 
 from prefixgym.engine import peft_format
 from prefixgym.engine.checkpoint_io import nonfinite_tensor
+from prefixgym.engine.engine import Engine
+from prefixgym.engine.kv_pool import KVPool
 from prefixgym.engine.lora import (
     LoraSpec,
     adapter_module,
@@ -37,9 +39,8 @@ from prefixgym.engine.lora import (
 )
 from prefixgym.engine.model import ModelConfig, Transformer, init_weights, load_model
 from prefixgym.engine.prefix_cache import PrefixCache
-from prefixgym.engine.requests import DEFAULT_MAX_KV_BYTES
+from prefixgym.engine.requests import DEFAULT_MAX_KV_BYTES, RequestLimits
 from prefixgym.engine.sampling import SamplingClient
-from prefixgym.engine.scheduler import Scheduler
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.types import Usage
 
@@ -56,6 +57,10 @@ class EngineService:
     `end_of_turn_ids`: token ids every sampling client stops at by default (ids
     outside the model's vocabulary are dropped). `decode`: ids -> text, needed only
     for requests with stop strings. `prefix_cache=False` runs the same engine without cache reads or writes.
+    `cache_bytes`: the KV pool, preallocated on `device` (pages are touched as blocks are
+    first used): running sequences' KV and the cached blocks, in `block_size` blocks.
+    `device`: where the models, the KV pool and every engine and training tensor live
+    ("cpu", "cuda", "cuda:1", "mps", ... as torch knows them).
     `num_threads` sets torch's intra-op threads (process-wide) only when given.
     `thread_tuning` lets the engine run each kind of step on the thread count (up to
     torch's count at construction) that it measured fastest (`engine/threads.py`).
@@ -63,7 +68,7 @@ class EngineService:
     `max_kv_bytes` the running KV one request may need (`engine/requests.py`).
     `deterministic` runs each `sample_many` round alone, so that a caller submitting
     its work in fixed rounds gets the same logprobs, bit for bit, every run
-    (`engine/scheduler.py`).
+    (`engine/engine.py`).
     """
 
     def __init__(
@@ -72,7 +77,7 @@ class EngineService:
         seed: int = 0,
         prefix_cache: bool = True,
         block_size: int = 16,
-        cache_bytes: int = 256 * 2**20,
+        cache_bytes: int = 2**30,
         dtype: str | torch.dtype = "float32",
         end_of_turn_ids: Iterable[int] = (),
         decode: Callable[[list[int]], str] | None = None,
@@ -81,25 +86,43 @@ class EngineService:
         thread_tuning: bool = True,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
         deterministic: bool = False,
+        device: str | torch.device = "cpu",
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
         if torch_dtype is None or torch_dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        self.train_model = _build_model(model, torch_dtype, seed)
+        try:
+            self.device = torch.device(device)
+            torch.empty(0, device=self.device)
+        except (RuntimeError, AssertionError) as error:  # torch's words, in one line
+            raise ValueError(f"device {device!r} is not usable here: {error}") from error
+        self.train_model = _build_model(model, torch_dtype, seed).to(self.device)
         self.model_name = model if isinstance(model, str) else ""
         self._seed = seed
         cfg = self.train_model.config
-        self._cache = (
-            PrefixCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size=block_size,
-                        capacity_bytes=cache_bytes, dtype=torch_dtype)
-            if prefix_cache else None
-        )
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        # CPU attention is fastest in fp32 (exact for bf16 values: docs/benchmarks.md)
+        kv_dtype = torch.float32 if self.device.type == "cpu" else torch_dtype
+        kv_element_size = torch.empty((), dtype=kv_dtype).element_size()
+        block_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * block_size * cfg.head_dim * (
+            kv_element_size)
+        num_blocks = cache_bytes // block_bytes
+        if num_blocks < 2:
+            raise ValueError(f"cache_bytes={cache_bytes} holds {num_blocks} KV blocks of "
+                             f"{block_bytes} bytes; the engine needs at least 2")
+        pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size,
+                      kv_dtype, self.device)
+        self._prefix_cache = prefix_cache
+        cache = PrefixCache(num_blocks, block_size, block_bytes, indexing=prefix_cache)
         self.ledger = UsageLedger()
-        self.scheduler = Scheduler(self._cache, decode=decode, ledger=self.ledger, seed=seed,
-                                   max_running=max_running, thread_tuning=thread_tuning,
-                                   max_kv_bytes=max_kv_bytes, deterministic=deterministic)
+        limits = RequestLimits(max_samples=max_running, max_kv_bytes=max_kv_bytes,
+                               kv_element_size=kv_element_size)
+        self.engine = Engine(pool, cache, decode=decode, ledger=self.ledger, seed=seed,
+                             max_running=max_running, thread_tuning=thread_tuning,
+                             limits=limits, deterministic=deterministic)
         self._default_stop_ids = tuple(
             dict.fromkeys(int(i) for i in end_of_turn_ids if 0 <= int(i) < cfg.vocab_size))
         self._lock = threading.Lock()
@@ -143,10 +166,10 @@ class EngineService:
             with self._lock:
                 self._last_version_id += 1
                 version = self._last_version_id
-            return SamplingClient(self.scheduler, lora, version, default_stop_token_ids=stop_ids)
+            return SamplingClient(self.engine, lora, version, default_stop_token_ids=stop_ids)
         with self._lock:
             model, version = self._inference_model, self._version
-        return SamplingClient(self.scheduler, model, version, default_stop_token_ids=stop_ids)
+        return SamplingClient(self.engine, model, version, default_stop_token_ids=stop_ids)
 
     def publish_weights(self) -> SamplingClient:
         """Snapshot `train_model` as a new frozen weights version; a client for it.
@@ -235,21 +258,19 @@ class EngineService:
         return self.ledger.total()
 
     def cache_stats(self) -> dict[str, int]:
-        """block_size, capacity_bytes, used_bytes, num_blocks, query/hit tokens, evictions."""
-        if self._cache is None:
-            return {"enabled": 0, "block_size": 0, "capacity_bytes": 0, "used_bytes": 0,
-                    "num_blocks": 0, "query_tokens": 0, "hit_tokens": 0, "evicted_blocks": 0}
-        return {"enabled": 1, **self.scheduler.cache_stats()}
+        """block_size, capacity_bytes (the KV pool), used_bytes and num_blocks (cached),
+        running/free/reserved blocks, query/hit tokens, insertions, evictions."""
+        return {"enabled": int(self._prefix_cache), **self.engine.cache_stats()}
 
     def engine_stats(self) -> dict[str, int]:
         """Engine counters: prefill calls/positions, decode steps, max batch size, ..."""
-        return self.scheduler.stats()
+        return self.engine.stats()
 
     def check_cache_integrity(self) -> None:
-        self.scheduler.check_cache_integrity()
+        self.engine.check_integrity()
 
     def close(self) -> None:
-        self.scheduler.close()
+        self.engine.close()
         for client in self._training_clients:
             client.close()
 

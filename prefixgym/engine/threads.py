@@ -16,9 +16,13 @@ and 1-thread trials of a big prefill would cost more than tuning could ever save
 first call of a new shape can be slow (kernel setup), which is why no decision rests
 on one sample.
 
-torch's thread count is process-wide: while the engine runs a step on fewer threads,
-a forward in another Python thread (e.g. training in async GRPO) gets fewer too. The
-count is restored after each step. `LocalService(thread_tuning=False)` turns it off.
+`torch.set_num_threads` sets the calling thread's OpenMP and MKL counts, which other
+threads that already ran torch keep their own of, and the process default, which a
+thread takes when it first runs torch. So the engine's choices never reach a training
+step already running in another thread; a thread started while an engine step runs
+would inherit them, which is why the training client's worker sets its creator's
+count when it starts (tests/engine/test_threads.py checks both). The count is
+restored after each step. `LocalService(thread_tuning=False)` turns tuning off.
 
 This module knows nothing of models or requests: it maps keys to thread counts.
 """

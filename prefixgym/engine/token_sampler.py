@@ -33,11 +33,12 @@ class RowParams:
     all_unit_temperature: bool = False
 
     @classmethod
-    def build(cls, temperatures: list[float], top_ks: list[int], top_ps: list[float]) -> RowParams:
+    def build(cls, temperatures: list[float], top_ks: list[int], top_ps: list[float],
+              device: torch.device | str = "cpu") -> RowParams:
         return cls(
-            temperature_B=torch.tensor(temperatures, dtype=torch.float32),
-            top_k_B=torch.tensor(top_ks, dtype=torch.int64),
-            top_p_B=torch.tensor(top_ps, dtype=torch.float32),
+            temperature_B=torch.tensor(temperatures, dtype=torch.float32, device=device),
+            top_k_B=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_p_B=torch.tensor(top_ps, dtype=torch.float32, device=device),
             all_greedy=all(t == 0 for t in temperatures),
             any_top_k=any(k > 0 for k in top_ks),
             any_top_p=any(p < 1.0 for p in top_ps),
@@ -95,7 +96,7 @@ def _sample_filtered(
         scaled_B_V = scaled_B_V.masked_fill(drop_B_V, float("-inf"))
     probs_B_V = scaled_B_V.softmax(dim=-1)
     cdf_B_V = probs_B_V.cumsum(dim=-1)
-    u_B = torch.tensor(uniforms, dtype=torch.float32) * cdf_B_V[:, -1]
+    u_B = torch.tensor(uniforms, dtype=torch.float32, device=cdf_B_V.device) * cdf_B_V[:, -1]
     drawn_B = torch.searchsorted(cdf_B_V, u_B.unsqueeze(1), right=True).squeeze(1).clamp(max=V - 1)
     # rounding at the top of the CDF can land on a filtered token: fall back to the best kept
     kept = probs_B_V.gather(1, drawn_B.unsqueeze(1)).squeeze(1) > 0

@@ -137,8 +137,11 @@ class TrainingClient:
         self._optimizer: torch.optim.AdamW | None = None
         self._step = 0
         self._generator = torch.Generator().manual_seed(seed)
+        # the worker runs on its creator's thread count: torch gives a new thread the
+        # process default, which the engine thread moves while it tunes (threads.py)
         self._worker = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="prefixgym-train"
+            1, thread_name_prefix="prefixgym-train", initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
         )
 
     @property
@@ -423,7 +426,7 @@ class TrainingClient:
             return self._skip_update(grad_norm, adam)
         if adam.grad_clip_norm > 0 and grads:
             torch.nn.utils.clip_grads_with_norm_(
-                params, adam.grad_clip_norm, torch.tensor(grad_norm)
+                params, adam.grad_clip_norm, torch.tensor(grad_norm, device=grads[0].device)
             )
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)

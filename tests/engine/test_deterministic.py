@@ -29,11 +29,11 @@ def test_a_round_runs_alone_and_gives_the_same_bits_beside_other_rounds() -> Non
         alone = outputs(svc.create_sampling_client().sample_many(mine))
     with LocalService(SMALL, seed=0, deterministic=True) as svc:
         sampler = svc.create_sampling_client()
-        svc.scheduler.pause()  # both rounds are queued before the engine looks
+        svc.engine.pause()  # both rounds are queued before the engine looks
         ours = sampler.sample_many(mine)
         theirs = sampler.sample_many(round_of(5, 200, max_tokens=12))
         single = sampler.sample([9] * 11, sampling_params=SamplingParams(max_tokens=4, seed=1))
-        svc.scheduler.resume()
+        svc.engine.resume()
         beside = outputs(ours)
         outputs(theirs), single.result()
         # never more rows than the largest round (5 requests, 7 samples) in one batch
@@ -44,9 +44,9 @@ def test_a_round_runs_alone_and_gives_the_same_bits_beside_other_rounds() -> Non
 def test_free_running_batches_rounds_together() -> None:
     with LocalService(SMALL, seed=0) as svc:
         sampler = svc.create_sampling_client()
-        svc.scheduler.pause()
+        svc.engine.pause()
         futures = [*sampler.sample_many(round_of(3, 100)), *sampler.sample_many(round_of(5, 200))]
-        svc.scheduler.resume()
+        svc.engine.resume()
         outputs(futures)
         assert svc.engine_stats()["max_batch_size"] == 4 + 7
 
@@ -67,7 +67,7 @@ def test_a_bad_request_refuses_the_whole_round_and_queues_nothing() -> None:
 def test_closing_fails_the_round_that_runs_and_those_queued(deterministic: bool) -> None:
     svc = LocalService(SMALL, seed=0, deterministic=deterministic)
     sampler = svc.create_sampling_client()
-    svc.scheduler.pause()
+    svc.engine.pause()
     first = sampler.sample_many(round_of(2, 100, max_tokens=200))
     second = sampler.sample_many(round_of(2, 300))
     svc.close()

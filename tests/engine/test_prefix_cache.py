@@ -1,170 +1,180 @@
-"""The prefix cache: exact block-aligned prefix matches, refcounts, LRU within a budget."""
+"""The block manager and prefix index: prefix matches down to the token, refcounts,
+reservations, LRU leaf-first eviction, versions."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from prefixgym.engine import prefix_cache as pc
 from prefixgym.engine.prefix_cache import PrefixCache
 
-L, H, D, BS = 2, 1, 2, 4
+BS = 4
 
 
-def make_cache(capacity_blocks: int = 64) -> PrefixCache:
-    cache = PrefixCache(L, H, D, block_size=BS, capacity_bytes=0)
-    cache.capacity_bytes = capacity_blocks * cache.block_bytes
-    return cache
+def run_sequence(cache: PrefixCache, tokens: list[int], version: int = 0,
+                 partial: bool = True, keep: bool = False) -> list[int]:
+    """What the scheduler does for one sequence that computes all of `tokens`: promise
+    and take its blocks, index them when finished, drop its references (unless `keep`)."""
+    need = -(-len(tokens) // BS)
+    cache.reserve(need)
+    table = [cache.allocate()[0] for _ in range(need)]
+    cache.insert(tokens, version, table, len(tokens), partial=partial)
+    if not keep:
+        cache.release(table)
+    return table
 
 
-def kv_fn(tokens: list[int], version: int = 0):
-    """KV whose values encode (version, block tokens), so a wrong hit is visible."""
-
-    def kv_of_block(i: int) -> torch.Tensor:
-        block = tokens[i * BS : (i + 1) * BS]
-        value = float(version * 1000 + sum(block) + 7 * i)
-        return torch.full((L, 2, H, BS, D), value)
-
-    return kv_of_block
-
-
-def test_match_returns_longest_block_aligned_prefix() -> None:
-    cache = make_cache()
-    tokens = list(range(11))  # two full blocks and a partial one
-    chain = cache.insert(tokens, version=0, kv_of_block=kv_fn(tokens))
-    assert len(chain) == 2 and len(cache) == 2
-    assert cache.match_prefix(tokens, 0).num_tokens == 8
-    assert cache.match_prefix(tokens[:7], 0).num_tokens == 4
-    assert cache.match_prefix(tokens, 0, max_tokens=7).num_tokens == 4
-    assert cache.match_prefix([0, 1, 2, 99] + tokens[4:], 0).num_tokens == 0
-    assert cache.match_prefix(tokens[:4] + [99] + tokens[5:], 0).num_tokens == 4
-    match = cache.match_prefix(tokens, 0)
-    assert torch.equal(match.blocks[1].kv, kv_fn(tokens)(1))
+def test_match_full_blocks_then_down_to_the_token() -> None:
+    cache = PrefixCache(num_blocks=32, block_size=BS, block_bytes=1)
+    tokens = list(range(11))  # two full blocks and a partial one of 3
+    table = run_sequence(cache, tokens)
+    assert len(cache) == 3
+    m = cache.match(tokens + [99], 0, max_tokens=11)
+    assert (m.blocks, m.num_tokens, m.tail_block, m.tail_tokens) == (table[:2], 11, table[2], 3)
+    m = cache.match(tokens[:10] + [77, 78], 0, max_tokens=12)  # diverges inside the partial
+    assert (m.num_tokens, m.tail_tokens) == (10, 2)
+    m = cache.match(tokens[:6] + [50, 51, 52], 0, max_tokens=9)  # inside a full block
+    assert (m.blocks, m.num_tokens, m.tail_block) == (table[:1], 6, table[1])
+    assert cache.match(tokens, 0, max_tokens=7).num_tokens == 7
+    assert cache.match([5] + tokens[1:], 0, max_tokens=11).num_tokens == 0
     cache.check_integrity()
 
 
 def test_other_weights_version_never_hits() -> None:
-    cache = make_cache()
-    tokens = list(range(8))
-    cache.insert(tokens, version=0, kv_of_block=kv_fn(tokens))
-    assert cache.match_prefix(tokens, version=1).num_tokens == 0
-    cache.insert(tokens, version=1, kv_of_block=kv_fn(tokens, version=1))
-    match = cache.match_prefix(tokens, version=1)
-    assert match.num_tokens == 8
-    assert all(b.version == 1 for b in match.blocks)
-    assert match.blocks[0].kv[0, 0, 0, 0, 0].item() == 1000 + sum(range(4))
+    cache = PrefixCache(num_blocks=32, block_size=BS, block_bytes=1)
+    tokens = list(range(10))
+    run_sequence(cache, tokens, version=0)
+    assert cache.match(tokens, 1, 10).num_tokens == 0
+    table = run_sequence(cache, tokens, version=1)
+    m = cache.match(tokens, 1, 10)
+    assert m.blocks == table[:2] and m.tail_block == table[2]
 
 
 def test_hash_collision_is_verified_not_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pc, "chain_key", lambda version, parent, tokens: 1)
-    cache = make_cache()
-    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
-    cache.insert(a, 0, kv_fn(a))
-    assert cache.match_prefix(b, 0).num_tokens == 0
-    assert cache.insert(b, 0, kv_fn(b)) == []  # cannot be stored under a taken key
-    assert cache.match_prefix(a, 0).num_tokens == 4
+    monkeypatch.setattr(pc, "_key", lambda version, parent, tokens: 1)
+    cache = PrefixCache(num_blocks=32, block_size=BS, block_bytes=1)
+    run_sequence(cache, [1, 2, 3, 4])
+    assert cache.match([5, 6, 7, 8, 9], 0, 5).num_tokens == 0
+    run_sequence(cache, [5, 6, 7, 8])  # cannot be indexed under the taken key
+    assert len(cache) == 1 and cache.match([1, 2, 3, 4, 0], 0, 5).num_tokens == 4
+    cache.check_integrity()
 
 
-def test_referenced_blocks_are_not_evicted_and_insert_stops_when_full() -> None:
-    cache = make_cache(capacity_blocks=2)
-    a = list(range(8))
-    chain = cache.insert(a, 0, kv_fn(a))
-    cache.acquire(chain)
-    assert not cache.can_insert(1)
-    b = list(range(100, 108))
-    assert cache.insert(b, 0, kv_fn(b)) == []
-    assert cache.match_prefix(a, 0).num_tokens == 8
-    cache.release(chain)
-    assert cache.can_insert(2)
-    assert len(cache.insert(b, 0, kv_fn(b))) == 2
-    assert cache.match_prefix(a, 0).num_tokens == 0
+def test_reservations_refcounts_and_lru_leaf_first_eviction() -> None:
+    cache = PrefixCache(num_blocks=5, block_size=BS, block_bytes=1)  # 4 usable
+    a = list(range(8))  # a0 <- a1
+    held = run_sequence(cache, a, keep=True)
+    assert cache.can_reserve(2) and not cache.can_reserve(3)
+    b = [50, 51, 52, 53]
+    run_sequence(cache, b)
+    c = [70, 71, 72, 73]
+    run_sequence(cache, c)  # the pool is full: b, c cached and unreferenced
+    assert not cache.can_reserve(3)  # a is referenced
+    assert cache.can_reserve(2) and not cache.can_reserve(2, pinning=cache.match(b, 0, 4).blocks)
+    cache.release(held)  # a1 then a0 join the LRU list after b and c
+    for touched in (b, c):  # use b and c again: a is now the least recently used
+        m = cache.match(touched, 0, 4)
+        cache.acquire(m.blocks)
+        cache.release(m.blocks)
+    run_sequence(cache, [90, 91, 92, 93])  # evicts the LRU leaf a1, not its parent a0
+    assert cache.match(a, 0, 8).num_tokens == 4
+    run_sequence(cache, [95, 96, 97, 98])  # then a0 (now a leaf), before b
+    assert cache.match(a, 0, 8).num_tokens == 0 and cache.match(b, 0, 4).num_tokens == 4
     assert cache.stats()["evicted_blocks"] == 2
     cache.check_integrity()
 
 
-def test_eviction_is_least_recently_used_leaf_first() -> None:
-    cache = make_cache(capacity_blocks=3)
-    a = list(range(8))  # blocks a0 <- a1
-    b = list(range(50, 54))
-    cache.insert(a, 0, kv_fn(a))
-    cache.insert(b, 0, kv_fn(b))
-    cache.insert(a, 0, kv_fn(a))  # refresh a: b is now the least recently used
-    c = list(range(70, 74))
-    cache.insert(c, 0, kv_fn(c))
-    assert cache.match_prefix(b, 0).num_tokens == 0
-    assert cache.match_prefix(a, 0).num_tokens == 8
-    d = list(range(90, 94))
-    cache.insert(d, 0, kv_fn(d))  # evicts the leaf a1 before its parent a0
-    assert cache.match_prefix(a, 0).num_tokens == 4
-    cache.check_integrity()
-
-
-def test_release_without_acquire_is_refused() -> None:
-    cache = make_cache()
-    chain = cache.insert(list(range(4)), 0, kv_fn(list(range(4))))
+def test_refused_misuse() -> None:
+    cache = PrefixCache(num_blocks=3, block_size=BS, block_bytes=1)
+    table = run_sequence(cache, [1, 2, 3, 4])
     with pytest.raises(RuntimeError, match="not acquired"):
-        cache.release(chain)
+        cache.release(table)
+    with pytest.raises(RuntimeError, match="reserve"):
+        cache.reserve(3)
+    with pytest.raises(RuntimeError, match="unreserve"):
+        cache.allocate()
+    with pytest.raises(ValueError, match="at least 2"):
+        PrefixCache(num_blocks=1, block_size=BS, block_bytes=1)
     cache.check_integrity()
 
 
 def test_check_integrity_reports_broken_accounting() -> None:
-    cache = make_cache()
-    cache.insert(list(range(4)), 0, kv_fn(list(range(4))))
-    cache.used_bytes += 1
-    with pytest.raises(AssertionError, match="used_bytes"):
+    cache = PrefixCache(num_blocks=8, block_size=BS, block_bytes=1)
+    table = run_sequence(cache, [1, 2, 3, 4], keep=True)
+    with pytest.raises(AssertionError, match="sequences hold 0"):
+        cache.check_integrity(refs={})
+    cache.check_integrity(refs={table[0]: 1})
+    cache.reserved = 100
+    with pytest.raises(AssertionError, match="reserved"):
         cache.check_integrity()
 
 
-def _expected_match(stored: set[tuple[int, tuple[int, ...]]], tokens: list[int], v: int) -> int:
+def test_versions_demoted_first_and_dropped() -> None:
+    cache = PrefixCache(num_blocks=5, block_size=BS, block_bytes=1)
+    old, new = [1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14]
+    run_sequence(cache, old, version=0)
+    run_sequence(cache, new, version=1)
+    cache.demote_version(0)
+    for i in (2, 3, 4):  # the first fills the pool, the others evict version 0's blocks
+        run_sequence(cache, [10 * i + 1, 10 * i + 2, 10 * i + 3, 10 * i + 4], version=1)
+    assert cache.match(old, 0, 8).num_tokens == 0 and cache.match(new, 1, 4).num_tokens == 4
+    held = run_sequence(cache, [41, 42, 43], version=2, keep=True)
+    assert cache.drop_version(2) == 0 and len(cache) == 4  # referenced: stays
+    cache.release(held)
+    assert cache.drop_version(2) == 1
+    cache.check_integrity()
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
     n = 0
-    while n + BS <= len(tokens) and (v, tuple(tokens[: n + BS])) in stored:
-        n += BS
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
     return n
 
 
 op = st.one_of(
-    st.tuples(st.just("insert"), st.lists(st.integers(0, 2), max_size=14), st.integers(0, 1)),
-    st.tuples(st.just("match"), st.lists(st.integers(0, 2), max_size=14), st.integers(0, 1)),
-    st.tuples(st.just("acquire"), st.lists(st.integers(0, 2), max_size=14), st.integers(0, 1)),
-    st.tuples(st.just("release"), st.integers(0, 10), st.just(0)),
-    st.tuples(st.just("evict"), st.integers(1, 3), st.just(0)),
+    st.tuples(st.just("run"), st.lists(st.integers(0, 2), min_size=1, max_size=14),
+              st.integers(0, 1), st.booleans()),
+    st.tuples(st.just("match"), st.lists(st.integers(0, 2), max_size=14), st.integers(0, 1),
+              st.booleans()),
+    st.tuples(st.just("release"), st.integers(0, 10), st.just(0), st.booleans()),
+    st.tuples(st.just("evict"), st.integers(1, 3), st.just(0), st.booleans()),
 )
 
 
-@given(st.lists(op, max_size=40), st.integers(1, 5))
-def test_random_operations_keep_invariants(ops: list[tuple], capacity_blocks: int) -> None:
-    cache = make_cache(capacity_blocks)
-    held: list[list[pc.Block]] = []
-    for name, arg, version in ops:
-        if name == "insert":
-            chain = cache.insert(arg, version, kv_fn(arg, version))
-            assert len(chain) <= len(arg) // BS
+@given(st.lists(op, max_size=40), st.integers(6, 12))
+def test_random_operations_keep_invariants_and_match_the_longest_cached_prefix(
+    ops: list[tuple], num_blocks: int
+) -> None:
+    cache = PrefixCache(num_blocks=num_blocks, block_size=BS, block_bytes=1)
+    held: list[list[int]] = []
+    refs: dict[int, int] = {}
+    for name, arg, version, flag in ops:
+        if name == "run" and cache.can_reserve(-(-len(arg) // BS)):
+            table = run_sequence(cache, arg, version, partial=True, keep=flag)
+            if flag:
+                held.append(table)
+                for b in table:
+                    refs[b] = refs.get(b, 0) + 1
         elif name == "match":
-            match = cache.match_prefix(arg, version)
-            stored = {(b.version, _prefix_of(cache, b)) for b in cache._blocks.values()}
-            assert match.num_tokens == _expected_match(stored, arg, version)
-            for i, block in enumerate(match.blocks):
-                assert torch.equal(block.kv, kv_fn(arg, version)(i))
-        elif name == "acquire":
-            match = cache.match_prefix(arg, version)
-            cache.acquire(match.blocks)
-            held.append(match.blocks)
+            m = cache.match(arg, version, len(arg))
+            stored = [_entry_prefix(cache, e) for e in cache._index.values() if e.version == version]
+            assert m.num_tokens == max((_lcp(arg, s) for s in stored), default=0)
+            assert len(m.blocks) == m.num_tokens // BS
         elif name == "release" and held:
-            cache.release(held.pop(arg % len(held)))
+            for b in held.pop(arg % len(held)):
+                cache.release([b])
+                refs[b] -= 1
         elif name == "evict":
-            cache.evict(arg * cache.block_bytes)
-        cache.check_integrity()
-        for chain in held:  # referenced blocks are still cached
-            assert all(cache._blocks.get(b.key) is b for b in chain)
-        assert cache.used_bytes <= cache.capacity_bytes
+            cache.evict(arg)
+        cache.check_integrity(refs={b: n for b, n in refs.items() if n})
 
 
-def _prefix_of(cache: PrefixCache, block: pc.Block) -> tuple[int, ...]:
-    tokens: tuple[int, ...] = ()
-    while True:
-        tokens = block.tokens + tokens
-        if block.parent_key == 0:
-            return tokens
-        block = cache._blocks[block.parent_key]
+def _entry_prefix(cache: PrefixCache, entry: pc.Entry) -> list[int]:
+    tokens = list(entry.tokens)
+    while entry.parent_key != 0:
+        entry = cache._index[entry.parent_key]
+        tokens = list(entry.tokens) + tokens
+    return tokens

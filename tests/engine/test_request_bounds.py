@@ -23,7 +23,8 @@ def test_samples_beyond_max_running_are_refused_at_submit() -> None:
             with pytest.raises(ValueError, match=f"num_samples {n} exceeds this engine's limit "
                                                  "of 8 sequences"):
                 sampler.sample([1, 2, 3], num_samples=n, sampling_params=PARAMS)
-        assert svc.scheduler.slot_buffer_bytes() == {}  # nothing was allocated
+        stats = svc.cache_stats()  # no KV block was taken or promised
+        assert stats["running_blocks"] == stats["reserved_blocks"] == stats["num_blocks"] == 0
         assert len(sampler.sample([1, 2, 3], num_samples=8,
                                   sampling_params=PARAMS).result().sequences) == 8
 
@@ -31,10 +32,10 @@ def test_samples_beyond_max_running_are_refused_at_submit() -> None:
 def test_running_sequences_never_exceed_max_running() -> None:
     with EngineService(SMALL, max_running=8, thread_tuning=False) as svc:
         sampler = svc.create_sampling_client()
-        svc.scheduler.pause()
+        svc.engine.pause()
         futures = [sampler.sample([i + 1] * 5, num_samples=n, sampling_params=PARAMS)
                    for i, n in enumerate((8, 5, 3, 8))]
-        svc.scheduler.resume()
+        svc.engine.resume()
         assert [len(f.result().sequences) for f in futures] == [8, 5, 3, 8]
         assert svc.engine_stats()["max_batch_size"] <= 8
 

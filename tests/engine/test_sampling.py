@@ -105,14 +105,16 @@ def test_prompt_must_be_token_ids(service: LocalService) -> None:
 def test_sequence_ids_are_unique_and_cache_hits_are_reported() -> None:
     with LocalService(SMALL, seed=0, block_size=16) as svc:
         sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
-        prompt = list(range(100, 150))  # 50 tokens: 3 full blocks
+        prompt = list(range(100, 150))  # 50 tokens: 3 full blocks and 2 more
         params = SamplingParams(max_tokens=2, seed=1)
         first = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
         second = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
         ids = [s.sequence_id for r in (first, second) for s in r.sequences]
         assert len(set(ids)) == 5 and all(isinstance(i, str) and i for i in ids)
         assert first.prompt_cache_hit_tokens == first.usage.prefill_cached_tokens == 0
-        assert second.prompt_cache_hit_tokens == second.usage.prefill_cached_tokens == 48
+        # the first request's finished samples left their partial 4th block (the prompt's
+        # last 2 tokens, a sampled one) in the cache: all but the last prompt token hit
+        assert second.prompt_cache_hit_tokens == second.usage.prefill_cached_tokens == 49
 
 
 def test_prompt_logprobs_last_n_reads_the_prefix_from_the_cache() -> None:
@@ -123,9 +125,10 @@ def test_prompt_logprobs_last_n_reads_the_prefix_from_the_cache() -> None:
         resp = sampler.sample(prompt, sampling_params=SamplingParams(max_tokens=0),
                               include_prompt_logprobs=True, topk_prompt_logprobs=3,
                               prompt_logprobs_last_n=10).result()
-        # the 48 cached tokens hold no scored position only up to 50 - 10 - 1 = 39 -> 32
-        assert resp.prompt_cache_hit_tokens == 32
-        assert resp.usage.prefill_computed_tokens == 18
+        # 50 tokens are cached (3 blocks and a partial one); the positions before the first
+        # scored one's logits, 50 - 10 - 1 = 39, hit: 2 blocks and 7 tokens of the third
+        assert resp.prompt_cache_hit_tokens == 39
+        assert resp.usage.prefill_computed_tokens == 11
         lp = resp.prompt_logprobs
         assert lp is not None and lp[:40] == [None] * 40
         assert lp[40:] == pytest.approx(full[40:], abs=1e-5)

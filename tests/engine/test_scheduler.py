@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from prefixgym.engine.model import ModelConfig, Transformer
 from prefixgym.local_service import LocalService
-from prefixgym.types import ModelInput, SamplingParams
+from prefixgym.types import ModelInput, SampleRequest, SamplingParams
 
 SMALL = ModelConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                     hidden_dim=128, max_seq_len=512)
@@ -68,9 +68,43 @@ def test_cached_and_uncached_agree_and_turns_hit_the_cache(
         assert a.sequences[0].logprobs == pytest.approx(b.sequences[0].logprobs, abs=1e-5)
         assert a.usage.prefill_computed_tokens + a.usage.prefill_cached_tokens == len(prompt)
         assert b.usage.prefill_cached_tokens == 0
-        assert a.usage.prefill_cached_tokens >= previous_shared - BS
+        # every position the previous turn stored is reused, partial last block included
+        assert a.usage.prefill_cached_tokens >= previous_shared - 1
         previous_shared = len(prompt) + len(a.sequences[0].tokens)
     service.check_cache_integrity()
+
+
+@settings(max_examples=5, derandomize=True, deadline=None)
+@given(base=st.lists(st.integers(1, 4000), min_size=20, max_size=60),
+       cuts=st.lists(st.tuples(st.integers(0, 60), tokens, st.integers(1, 3)),
+                     min_size=2, max_size=6))
+def test_cached_and_uncached_agree_when_prompts_diverge_inside_blocks(
+    service: LocalService, uncached: LocalService, base: list[int],
+    cuts: list[tuple[int, list[int], int]]
+) -> None:
+    """Prompts that share a prefix of any length (so hits end mid-block, on full and on
+    partial blocks), G samples each, in two rounds submitted atomically: the cache
+    changes nothing but the counts."""
+    prompts = [base[:cut] + tail for cut, tail, _ in cuts]
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    results = []
+    for svc in (service, uncached):
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        rounds = []
+        for _ in range(2):
+            futures = [sampler.sample_many([SampleRequest(p, g, params)])[0]
+                       for p, (_, _, g) in zip(prompts, cuts)]
+            rounds.append([f.result() for f in futures])
+            svc.check_cache_integrity()
+        results.append(rounds)
+    for cached_round, plain_round in zip(*results):
+        for prompt, a, b in zip(prompts, cached_round, plain_round):
+            assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+            for sa, sb in zip(a.sequences, b.sequences):
+                assert sa.logprobs == pytest.approx(sb.logprobs, abs=1e-5)
+            assert a.usage.prefill_computed_tokens + a.usage.prefill_cached_tokens == len(prompt)
+    for prompt, again in zip(prompts, results[0][1]):  # round 2 finds all but the last token
+        assert again.usage.prefill_cached_tokens == len(prompt) - 1
 
 
 def test_group_of_eight_prefills_the_prompt_once(service: LocalService) -> None:
@@ -106,36 +140,34 @@ def test_a_new_weights_version_never_hits_old_blocks() -> None:
         prompt = list(range(200, 260))
         old = svc.create_sampling_client()
         old.sample(prompt, sampling_params=GREEDY).result()
-        assert old.sample(prompt, sampling_params=GREEDY).result().usage.prefill_cached_tokens == 48
+        assert old.sample(prompt, sampling_params=GREEDY).result().usage.prefill_cached_tokens == 59  # all but the last token: partial blocks too
         new = svc.publish_weights()
         assert (new.weights_version, svc.weights_version) == (1, 1)
         first = new.sample(prompt, sampling_params=GREEDY).result()
         assert first.usage.prefill_cached_tokens == 0
-        assert new.sample(prompt, sampling_params=GREEDY).result().usage.prefill_cached_tokens == 48
-        assert old.sample(prompt, sampling_params=GREEDY).result().usage.prefill_cached_tokens == 48
+        assert new.sample(prompt, sampling_params=GREEDY).result().usage.prefill_cached_tokens == 59
+        assert old.sample(prompt, sampling_params=GREEDY).result().usage.prefill_cached_tokens == 59
 
 
-def test_cache_stays_within_budget_under_a_large_workload() -> None:
-    with LocalService(SMALL, seed=0, block_size=BS, cache_bytes=0) as svc:
-        cache = svc.scheduler.cache
-        assert cache is not None
-        cache.capacity_bytes = 6 * cache.block_bytes
-        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
-        svc.scheduler.pause()
-        futures = [
-            sampler.sample(list(range(i * 50 + 1, i * 50 + 41)), num_samples=2,
-                           sampling_params=SamplingParams(max_tokens=20, seed=i))
-            for i in range(6)
-        ]
-        svc.scheduler.resume()
-        for future in futures:
-            resp = future.result()
-            assert resp.usage.prefill_computed_tokens + resp.usage.prefill_cached_tokens == 40
+def test_a_small_pool_queues_requests_evicts_and_gives_the_same_results() -> None:
+    block_bytes = 2 * SMALL.n_layers * SMALL.n_kv_heads * BS * SMALL.head_dim * 4
+    prompts = [list(range(i * 50 + 1, i * 50 + 41)) for i in range(6)]
+    params = [SamplingParams(max_tokens=20, seed=i) for i in range(6)]
+    results = []
+    for pool_blocks in (14, 4096):  # 13 usable: two requests of 6 blocks at a time
+        with LocalService(SMALL, seed=0, block_size=BS, cache_bytes=pool_blocks * block_bytes) as svc:
+            sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+            futures = sampler.sample_many([SampleRequest(p, 2, q) for p, q in zip(prompts, params)])
+            results.append([[s.tokens for s in f.result().sequences] for f in futures])
             svc.check_cache_integrity()
-        stats = svc.cache_stats()
-        assert stats["used_bytes"] <= stats["capacity_bytes"]
-        assert stats["evicted_blocks"] > 0
-        assert stats["referenced_blocks"] == 0  # every finished request unpinned its blocks
+            stats = svc.cache_stats()
+            assert stats["used_bytes"] <= stats["capacity_bytes"]
+            assert stats["referenced_blocks"] == stats["reserved_blocks"] == 0
+            if pool_blocks == 14:
+                assert stats["evicted_blocks"] > 0
+                with pytest.raises(ValueError, match="KV pool holds 13"):
+                    sampler.sample(list(range(1, 200)), sampling_params=params[0])
+    assert results[0] == results[1]
 
 
 def test_seeds_reproduce_while_other_requests_share_the_batch(service: LocalService) -> None:
@@ -163,10 +195,10 @@ def test_seeds_reproduce_while_other_requests_share_the_batch(service: LocalServ
 def test_concurrent_requests_are_batched() -> None:
     with LocalService(SMALL, seed=0) as svc:
         sampler = svc.create_sampling_client()
-        svc.scheduler.pause()
+        svc.engine.pause()
         futures = [sampler.sample([i + 5] * 9, sampling_params=SamplingParams(max_tokens=4, seed=i))
                    for i in range(5)]
-        svc.scheduler.resume()
+        svc.engine.resume()
         assert all(len(f.result().sequences) == 1 for f in futures)
         assert svc.engine_stats()["max_batch_size"] == 5
 
@@ -241,9 +273,69 @@ def test_an_error_inside_the_engine_fails_only_its_request(service: LocalService
         raise RuntimeError("boom")
 
     broken.forward = explode  # type: ignore[method-assign]
-    future = service.scheduler.submit([1, 2, 3], broken, 99, GREEDY)
+    future = service.engine.submit([1, 2, 3], broken, 99, GREEDY)
     with pytest.raises(RuntimeError, match="boom"):
         future.result()
     resp = service.create_sampling_client().sample([1, 2, 3], sampling_params=GREEDY).result()
     assert len(resp.sequences[0].tokens) >= 1
     service.check_cache_integrity()
+
+
+def test_a_failing_forward_fails_its_requests_while_others_keep_running() -> None:
+    with LocalService(SMALL, seed=0, block_size=BS) as svc:
+        broken = Transformer(SMALL)
+        calls = {"n": 0}
+
+        def explode_on_second_call(*args: object, **kwargs: object) -> torch.Tensor:
+            calls["n"] += 1
+            if calls["n"] == 2:  # the first decode step, after a good prefill
+                raise RuntimeError("boom in decode")
+            return Transformer.forward(broken, *args, **kwargs)  # type: ignore[arg-type]
+
+        broken.forward = explode_on_second_call  # type: ignore[method-assign]
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        svc.engine.pause()
+        good = sampler.sample(list(range(1, 40)), num_samples=2, sampling_params=GREEDY)
+        bad = svc.engine.submit(list(range(1, 40)), broken, 7, GREEDY, num_samples=3)
+        svc.engine.resume()
+        with pytest.raises(RuntimeError, match="boom in decode"):
+            bad.result()
+        assert [len(s.tokens) for s in good.result().sequences] == [12, 12]
+        svc.check_cache_integrity()  # the failed request's blocks and promises are freed
+        assert svc.cache_stats()["reserved_blocks"] == 0
+        assert svc.engine_stats()["requests_failed"] == 1
+
+
+def test_a_failing_stop_check_fails_only_its_request() -> None:
+    from prefixgym.engine.service import EngineService
+
+    def decode(ids: list[int]) -> str:
+        raise UnicodeError("cannot decode")
+
+    with EngineService(SMALL, seed=0, decode=decode) as engine:
+        sampler = engine.create_sampling_client()
+        svc_params = SamplingParams(max_tokens=6, temperature=0.0)
+        with_stop = sampler.sample_many([
+            SampleRequest([1, 2, 3], 1, svc_params.model_copy(update={"stop": ["x"]})),
+            SampleRequest([4, 5, 6], 1, svc_params)])
+        with pytest.raises(UnicodeError, match="cannot decode"):
+            with_stop[0].result()
+        assert len(with_stop[1].result().sequences[0].tokens) == 6
+        engine.check_cache_integrity()
+
+
+def test_sample_many_enters_one_step_so_batches_do_not_depend_on_timing() -> None:
+    prompts = [[i + 5] * (9 + i) for i in range(5)]
+    params = [SamplingParams(max_tokens=4, seed=i) for i in range(5)]
+    runs = []
+    for _ in range(2):
+        with LocalService(SMALL, seed=0, thread_tuning=False) as svc:
+            sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+            futures = sampler.sample_many([SampleRequest(p, 1, q) for p, q in zip(prompts, params)])
+            tokens = [f.result().sequences[0].tokens for f in futures]
+            stats = svc.engine_stats()
+            assert (stats["prefill_calls"], stats["max_batch_size"]) == (1, 5)
+            runs.append((tokens, stats))
+    assert runs[0] == runs[1]
+    with LocalService(SMALL, seed=0) as svc, pytest.raises(ValueError, match="token id"):
+        svc.create_sampling_client().sample_many([SampleRequest([1, 2]), SampleRequest([1, 99999])])

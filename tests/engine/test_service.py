@@ -76,7 +76,7 @@ def test_close_stops_the_engine_thread() -> None:
     svc = LocalService(SMALL)
     sampler = svc.create_sampling_client()
     svc.close()
-    assert not svc.scheduler._thread.is_alive()
+    assert not svc.engine._thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         sampler.sample([1, 2, 3])
     svc.close()  # idempotent

@@ -1,6 +1,7 @@
 """ThreadTuner: measures each candidate, settles on the fastest, restores the count,
 measures again after `explore_every` uses. A fake clock makes the timings exact."""
 
+import threading
 from typing import Any
 
 import pytest
@@ -158,8 +159,38 @@ def test_engine_with_two_threads_gives_the_same_greedy_tokens_with_tuning_on_and
                     futures = [client.sample(p, sampling_params=params) for p in prompts]
                     results.append([f.result().sequences[0].tokens for f in futures])
                 if tuning:
-                    assert svc.scheduler.threads.candidates == [1, 2]
+                    assert svc.engine.threads.candidates == [1, 2]
                 assert torch.get_num_threads() == 2
         assert all(r == results[0] for r in results)
     finally:
+        torch.set_num_threads(before)
+
+
+def test_engine_thread_choices_do_not_reach_a_training_thread() -> None:
+    """An engine step on 1 thread (another Python thread) changes neither the count of a
+    thread already running torch nor that of a training worker started meanwhile."""
+    from prefixgym.engine.model import load_model
+    from prefixgym.engine.training import TrainingClient
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    step_running, step_done = threading.Event(), threading.Event()
+
+    def engine_step_on_one_thread() -> None:
+        torch.set_num_threads(1)  # what ThreadTuner.run does for a small step
+        step_running.set()
+        step_done.wait()
+        torch.set_num_threads(2)
+
+    engine = threading.Thread(target=engine_step_on_one_thread)
+    try:
+        engine.start()
+        step_running.wait()
+        assert torch.get_num_threads() == 2  # this thread keeps its own count
+        trainer = TrainingClient(load_model("tiny", seed=0))
+        assert trainer._worker.submit(torch.get_num_threads).result() == 2
+        trainer.close()
+    finally:
+        step_done.set()
+        engine.join()
         torch.set_num_threads(before)

@@ -1,0 +1,204 @@
+"""The KV store of the sampler: one preallocated pool of fixed-size blocks on one device.
+
+`KVPool` holds the keys and values of every running sequence and every cached prefix
+block, as two tensors shaped (n_layers, n_kv_heads * num_blocks, block_size, head_dim):
+block b of head h of a layer is row `h * num_blocks + b`. A sequence's KV is a block
+table, a list of block ids, position p living at offset p % block_size of block
+table[p // block_size]. Block 0 is never handed out: it pads short tables (masked).
+
+`PagedView` is the `KVView` one forward gets: it writes the new keys/values of R rows
+at their positions through their tables, then gathers each row's blocks, in table
+order, into one contiguous (R, n_kv_heads, Tk, head_dim) tensor per layer -- the
+layout SDPA reads fastest on CPU (docs/benchmarks.md, "Decode") -- under an additive
+mask: key position <= the query's position. Indices and the mask are built once per
+forward and shared by every layer.
+
+This module knows nothing of requests, tokens, refcounts or the prefix cache: which
+block is free is the cache's business (prefix_cache.py); this moves tensors.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+class KVPool:
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks, self.block_size, self.n_kv_heads = num_blocks, block_size, n_kv_heads
+        self.dtype, self.device = dtype, device
+        # empty, not zeros: pages are touched only when used; a block is zeroed on its
+        # first allocation (`zero`), so stale or padding keys are always finite
+        shape = (n_layers, n_kv_heads * num_blocks, block_size, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.zero([0])
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.k[:, : self.n_kv_heads].numel() * self.k.element_size()
+
+    def _rows(self, blocks: list[int]) -> torch.Tensor:
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        heads = torch.arange(self.n_kv_heads, device=self.device) * self.num_blocks
+        return (heads.unsqueeze(1) + ids).flatten()  # (Hkv * len(blocks),)
+
+    def zero(self, blocks: list[int]) -> None:
+        rows = self._rows(blocks)
+        self.k[:, rows] = 0
+        self.v[:, rows] = 0
+
+    def copy_block(self, src: int, dst: int, num_positions: int) -> None:
+        """Copy positions [0, num_positions) of block `src` into block `dst`."""
+        rows_src, rows_dst = self._rows([src]), self._rows([dst])
+        self.k[:, rows_dst, :num_positions] = self.k[:, rows_src, :num_positions]
+        self.v[:, rows_dst, :num_positions] = self.v[:, rows_src, :num_positions]
+
+    def view(
+        self, tables: list[list[int]], starts: list[int], lengths: list[int], width: int
+    ) -> PagedView:
+        return PagedView(self, tables, starts, lengths, width)
+
+
+class PagedView:
+    """R rows, right-padded to T = `width` new tokens: row r computes positions
+    [starts[r], starts[r] + lengths[r]) and its keys [0, starts[r]) are already in its
+    blocks `tables[r]`. Padding queries are not stored and see only finite keys."""
+
+    def __init__(
+        self, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int],
+        width: int,
+    ) -> None:
+        dev, bs, N, Hkv = pool.device, pool.block_size, pool.num_blocks, pool.n_kv_heads
+        T = width
+        self.pool = pool
+        ends = [s + n for s, n in zip(starts, lengths)]
+        nb = max(-(-e // bs) for e in ends)  # blocks every row's keys fit in
+        self.num_keys = nb * bs
+        table_R_nb = _table_tensor(pool, tables, nb)
+        self.gather_rows = self.gather_index(pool, table_R_nb)
+        start_R = torch.tensor(starts, device=dev)
+        query_pos_R_T = start_R.unsqueeze(1) + torch.arange(T, device=dev)
+        self.positions_R_T = query_pos_R_T
+        key_pos = torch.arange(self.num_keys, device=dev)
+        allowed = (key_pos <= query_pos_R_T.unsqueeze(2)).unsqueeze(1)  # (R, 1, T, Tk)
+        self.mask = torch.zeros(allowed.shape, dtype=pool.dtype, device=dev).masked_fill_(
+            allowed.logical_not(), float("-inf")) if any(starts) else None
+        # write targets: the valid (row, t) cells, as flat (head, block, offset) slots
+        valid_R_T = torch.arange(T, device=dev) < torch.tensor(lengths, device=dev).unsqueeze(1)
+        self.src_M = valid_R_T.flatten().nonzero().squeeze(1)  # into the flattened (R*T)
+        pos_M = query_pos_R_T.flatten()[self.src_M]
+        row_M = self.src_M // T
+        block_M = table_R_nb[row_M, pos_M // bs]
+        slot_M = block_M * bs + pos_M % bs  # within one head's (N*bs) positions
+        heads_bs = torch.arange(Hkv, device=dev) * (N * bs)
+        self.slot_index = (heads_bs.unsqueeze(1) + slot_M).flatten()  # (Hkv*M,)
+        self.last_index_R = torch.tensor(lengths, device=dev) - 1
+        # every row starts at 0: its keys are this forward's own, plain causal, no gather
+        self.causal = not any(starts)
+
+    @staticmethod
+    def gather_index(pool: KVPool, table_R_nb: torch.Tensor) -> torch.Tensor:
+        """(R, Hkv, nb) -> a layer's (Hkv*N) block rows, in table order (short tables
+        padded with block 0: always zero, masked)."""
+        heads = torch.arange(pool.n_kv_heads, device=pool.device) * pool.num_blocks
+        return (heads.view(1, -1, 1) + table_R_nb.unsqueeze(1)).flatten()
+
+    def update(
+        self, layer_idx: int, k_R_Hkv_T_D: torch.Tensor, v_R_Hkv_T_D: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        k_layer, v_layer = self.pool.k[layer_idx], self.pool.v[layer_idx]  # (Hkv*N, bs, D)
+        R, Hkv, T, D = k_R_Hkv_T_D.shape
+        for new, layer in ((k_R_Hkv_T_D, k_layer), (v_R_Hkv_T_D, v_layer)):
+            new_Hkv_M_D = new.transpose(0, 1).reshape(Hkv, R * T, D)[:, self.src_M]
+            layer.view(-1, D).index_copy_(0, self.slot_index,
+                                          new_Hkv_M_D.reshape(-1, D).to(layer.dtype))
+        if self.causal:
+            return k_R_Hkv_T_D.to(self.pool.dtype), v_R_Hkv_T_D.to(self.pool.dtype), None
+        Tk = self.num_keys
+        k_all = k_layer.index_select(0, self.gather_rows).view(R, Hkv, Tk, D)
+        v_all = v_layer.index_select(0, self.gather_rows).view(R, Hkv, Tk, D)
+        return k_all, v_all, self.mask
+
+
+def _table_tensor(pool: KVPool, tables: list[list[int]], nb: int) -> torch.Tensor:
+    """(R, nb) block ids: each table cut or padded (with block 0) to `nb` blocks."""
+    padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables]
+    return torch.tensor(padded, dtype=torch.long, device=pool.device)
+
+
+_GROWTH = 64  # positions of headroom a decode workspace is gathered with
+
+
+class DecodeWorkspace:
+    """The keys/values of one decode batch's rows, gathered from the pool into one
+    contiguous (n_layers, B, n_kv_heads, capacity, head_dim) pair, so that a decode
+    step reads them in place instead of gathering every step. It is derived state: the
+    pool stays the store (every step writes both), and `fits` says when the batch's
+    rows (the same sequence objects, in order) or their lengths have outgrown it."""
+
+    def __init__(self, pool: KVPool, rows: list[object], tables: list[list[int]],
+                 num_positions: int) -> None:
+        bs, Hkv = pool.block_size, pool.n_kv_heads
+        self.rows = [weakref.ref(r) for r in rows]  # not kept alive (nor their models)
+        nb = -(-(num_positions + _GROWTH) // bs)
+        self.capacity = nb * bs
+        gather = PagedView.gather_index(pool, _table_tensor(pool, tables, nb))
+        L, _, _, D = pool.k.shape
+        B = len(rows)
+        self.k = pool.k.new_empty(L, B, Hkv, self.capacity, D)
+        self.v = pool.v.new_empty(L, B, Hkv, self.capacity, D)
+        for layer in range(L):
+            torch.index_select(pool.k[layer], 0, gather, out=self.k[layer].view(-1, bs, D))
+            torch.index_select(pool.v[layer], 0, gather, out=self.v[layer].view(-1, bs, D))
+
+    def fits(self, rows: list[object], num_positions: int) -> bool:
+        return (num_positions <= self.capacity and len(rows) == len(self.rows)
+                and all(a is b() for a, b in zip(rows, self.rows)))
+
+
+class DecodeView:
+    """One new token per row at `positions[b]`: stored in the pool through the row's
+    table and in the workspace; attention reads the workspace in place."""
+
+    def __init__(self, pool: KVPool, ws: DecodeWorkspace, tables: list[list[int]],
+                 positions: list[int]) -> None:
+        dev, bs, N, Hkv = pool.device, pool.block_size, pool.num_blocks, pool.n_kv_heads
+        self.pool, self.ws = pool, ws
+        B = len(positions)
+        self.num_keys = max(positions) + 1
+        pos_B = torch.tensor(positions, device=dev)
+        self.positions_R_T = pos_B.unsqueeze(1)
+        self.last_index_R = None
+        allowed = torch.arange(self.num_keys, device=dev) <= pos_B.unsqueeze(1)
+        self.mask = torch.zeros((B, 1, 1, self.num_keys), dtype=pool.dtype, device=dev)
+        self.mask.masked_fill_(allowed.logical_not()[:, None, None], float("-inf"))
+        blocks = torch.tensor([t[p // bs] for t, p in zip(tables, positions)], device=dev)
+        slot_B = blocks * bs + pos_B % bs
+        heads = torch.arange(Hkv, device=dev)
+        self.pool_index = (heads.unsqueeze(0) * (N * bs) + slot_B.unsqueeze(1)).flatten()  # (B*Hkv)
+        rows_B_Hkv = torch.arange(B, device=dev).unsqueeze(1) * Hkv + heads
+        self.ws_index = (rows_B_Hkv * ws.capacity + pos_B.unsqueeze(1)).flatten()
+
+    def update(
+        self, layer_idx: int, k_B_Hkv_1_D: torch.Tensor, v_B_Hkv_1_D: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, Hkv, _, D = k_B_Hkv_1_D.shape
+        ws_k, ws_v = self.ws.k[layer_idx], self.ws.v[layer_idx]  # (B, Hkv, capacity, D)
+        for new, pool_layer, ws_layer in ((k_B_Hkv_1_D, self.pool.k[layer_idx], ws_k),
+                                          (v_B_Hkv_1_D, self.pool.v[layer_idx], ws_v)):
+            new_N_D = new.reshape(B * Hkv, D).to(pool_layer.dtype)
+            pool_layer.view(-1, D).index_copy_(0, self.pool_index, new_N_D)
+            ws_layer.view(-1, D).index_copy_(0, self.ws_index, new_N_D)
+        Tk = self.num_keys
+        return ws_k[:, :, :Tk], ws_v[:, :, :Tk], self.mask
