@@ -7,6 +7,7 @@ This module knows text only.
 
 from __future__ import annotations
 
+import math
 import re
 
 from prefixgym.envs.base import AgentEnv, Outcome
@@ -24,6 +25,12 @@ class GuessNumber(AgentEnv):
 
     Reward: 1.0 for finding the number, plus `speed_bonus * (1 - (turns-1)/max_turns)`
     for finding it early; `-invalid_penalty` for each invalid reply; 0 otherwise.
+    With `progress_credit` > 0, each valid guess also earns
+    `progress_credit * log(size_before / size_after) / log(high - low + 1)`, where size
+    is the count of numbers still possible (1 once found): the credits of an episode
+    sum to `progress_credit * (1 - log(size_left) / log(high - low + 1))`, all of it
+    for finding the number, and a guess outside the possible range earns none. A
+    dense signal for RL that binary search maximises.
     `is_success` is True iff the number was found. The expert does binary search,
     which needs at most ceil(log2(high - low + 1)) + 1 guesses.
     """
@@ -41,6 +48,7 @@ class GuessNumber(AgentEnv):
         max_turns: int = 8,
         show_range: bool = True,
         speed_bonus: float = 0.2,
+        progress_credit: float = 0.0,
         invalid_penalty: float = 0.1,
         render_mode: str | None = None,
     ) -> None:
@@ -48,11 +56,14 @@ class GuessNumber(AgentEnv):
             raise ValueError(f"need integers low < high, got low={low!r}, high={high!r}")
         if speed_bonus < 0:
             raise ValueError(f"speed_bonus must be >= 0, got {speed_bonus!r}")
+        if not 0 <= progress_credit <= 1:
+            raise ValueError(f"progress_credit must be in 0..1, got {progress_credit!r}")
         super().__init__(max_turns=max_turns, invalid_penalty=invalid_penalty,
                          render_mode=render_mode)
         self.low, self.high = low, high
         self.show_range = show_range
         self.speed_bonus = float(speed_bonus)
+        self.progress_credit = float(progress_credit)
         self._secret = low
         self._lo, self._hi = low, high
 
@@ -67,17 +78,25 @@ class GuessNumber(AgentEnv):
         if guess is None or not self.low <= guess <= self.high:
             return Outcome(f"Invalid. Reply with one integer between {self._lo} and "
                            f"{self._hi}.", invalid=True)
+        size_before = self._hi - self._lo + 1
         if guess == self._secret:
             bonus = self.speed_bonus * (1.0 - (self.turn - 1) / self.max_turns)
-            return Outcome("Correct!", rewards={"success": 1.0, "speed": bonus},
-                           done=True, success=True)
+            rewards = {"success": 1.0, "speed": bonus, **self._progress(size_before, 1)}
+            return Outcome("Correct!", rewards=rewards, done=True, success=True)
         if guess < self._secret:
             hint, self._lo = "Higher.", max(self._lo, guess + 1)
         else:
             hint, self._hi = "Lower.", min(self._hi, guess - 1)
         if self.show_range:
             hint += f" The number is between {self._lo} and {self._hi}."
-        return Outcome(hint)
+        return Outcome(hint, rewards=self._progress(size_before, self._hi - self._lo + 1))
+
+    def _progress(self, size_before: int, size_after: int) -> dict[str, float]:
+        """The progress credit of narrowing the possible numbers (none when off)."""
+        if not self.progress_credit:
+            return {}
+        total = math.log(self.high - self.low + 1)
+        return {"progress": self.progress_credit * math.log(size_before / size_after) / total}
 
     def expert_action(self) -> str:
         return str((self._lo + self._hi) // 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
@@ -49,6 +50,26 @@ def test_guess_number_without_range_hint_and_expert_is_binary_search() -> None:
         assert info["is_success"]
     with pytest.raises(ValueError, match="low < high"):
         GuessNumber(low=5, high=5)
+
+
+def test_guess_number_progress_credit_sums_to_the_range_narrowed() -> None:
+    env = GuessNumber(low=1, high=64, max_turns=6, progress_credit=0.5)
+    for seed in range(20):  # binary search: the credits add up to all 0.5 on success
+        env.reset(seed=seed)
+        progress, info = [], {}
+        while not (info.get("is_success") or env.turn == env.max_turns):
+            _, _, _, _, info = env.step(env.expert_action())
+            progress.append(info["reward_components"]["progress"])
+        if info["is_success"]:
+            assert sum(progress) == pytest.approx(0.5)
+    env.reset(seed=0)
+    first = 1 if env._secret > 32 else 64
+    _, reward, *_ = env.step("32")  # 64 possible -> 32 (or 31): about a sixth of the credit
+    assert reward == pytest.approx(0.5 * math.log(64 / (env._hi - env._lo + 1)) / math.log(64))
+    _, reward, *_ = env.step(str(first))  # outside the possible range: nothing narrowed
+    assert reward == 0.0
+    with pytest.raises(ValueError, match="progress_credit"):
+        GuessNumber(progress_credit=1.5)
 
 
 def test_calculator_is_safe_and_exact() -> None:
