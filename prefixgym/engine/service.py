@@ -185,8 +185,16 @@ class EngineService:
                 param.data = param.data.clone()
             self._weights_shared = False
 
-    def _publish(self, snapshot: Transformer) -> SamplingClient:
-        bad = nonfinite_tensor(snapshot.named_parameters())
+    def _publish(
+        self, snapshot: Transformer,
+        changed: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> SamplingClient:
+        """Make `snapshot` the latest version, unless a tensor of `changed` (default:
+        all its parameters) holds NaN or inf. A LoRA snapshot passes its adapters only:
+        the frozen base it shares cannot have changed, and scanning 2 GB of it took
+        seconds per publish on a 0.5B model."""
+        tensors = snapshot.named_parameters() if changed is None else changed
+        bad = nonfinite_tensor(tensors)
         if bad is not None:
             raise ValueError(f"not publishing weights: {bad} holds NaN or inf values")
         with self._lock:
@@ -194,6 +202,11 @@ class EngineService:
             self._version = self._last_version_id
             self._inference_model = snapshot
         return self.create_sampling_client()
+
+    def _publish_adapters(self, snapshot: Transformer) -> SamplingClient:
+        return self._publish(snapshot, (
+            (f"{key}.{name}", tensor) for key, adapter in lora_adapters(snapshot).items()
+            for name, tensor in adapter.named_parameters()))
 
     def create_training_client(
         self, compute_dtype: torch.dtype = torch.float32, nonfinite_update: str = "skip",
@@ -244,7 +257,7 @@ class EngineService:
             return peft_format.save_adapter(path, lora, spec, self.model_name)
 
         client = TrainingClient(
-            lora, publish=lambda: self._publish(frozen_copy(lora)), ledger=self.ledger,
+            lora, publish=lambda: self._publish_adapters(frozen_copy(lora)), ledger=self.ledger,
             compute_dtype=compute_dtype, nonfinite_update=nonfinite_update,
             share_prefixes=share_prefixes, chunked_head=chunked_head,
             recompute_activations=recompute_activations,

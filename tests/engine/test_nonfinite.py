@@ -107,6 +107,22 @@ def test_weights_an_update_made_nonfinite_are_never_published_or_saved(tmp_path:
         assert not (tmp_path / "ckpt" / "manifest.json").exists()
 
 
+def test_a_lora_publish_checks_the_adapters_and_refuses_nan_in_them() -> None:
+    with EngineService(make_model(), thread_tuning=False) as service:
+        client = service.create_lora_training_client(rank=2, seed=0)
+        client.forward_backward(batch(), "ppo").result()
+        client.optim_step(AdamParams(learning_rate=1e-3)).result()
+        first = client.save_weights_and_get_sampling_client()
+        assert service.weights_version == first.weights_version
+        lora_b = next(p for n, p in client.model.named_parameters()
+                      if p.requires_grad and n.endswith("lora_B"))
+        with torch.no_grad():
+            lora_b.view(-1)[0] = float("nan")
+        with pytest.raises(ValueError, match=r"not publishing weights: \S+\.lora_B holds NaN"):
+            client.save_weights_and_get_sampling_client()
+        assert service.weights_version == first.weights_version
+
+
 def test_nan_logits_fail_the_request_instead_of_sampling_token_0() -> None:
     model: Transformer = make_model()
     with torch.no_grad():
