@@ -170,7 +170,9 @@ def write_report(
         "",
         "Train tokens are counted at every computed position, not only the positions in the "
         "loss: the forward and backward passes pay for all of them. A token prefix shared by "
-        "datums of one forward_backward is computed, and counted, once.",
+        "datums of one forward_backward is computed, and counted, once; so when episodes "
+        "of a group sample the same tokens, the loss can hold more positions than were "
+        "computed.",
         "",
     ]
     path = out / "report.md"
