@@ -162,14 +162,9 @@ class TrainConfig:
             self.env_kwargs = default_env_kwargs(self.env)
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
-        if self.loss not in LOSSES:
-            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, "
-                             f"got {self.lr_schedule!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, "
-                             f"got {self.backend!r}")
+        _require_one_of("--loss", self.loss, LOSSES)
+        _require_one_of("--lr-schedule", self.lr_schedule, LR_SCHEDULES)
+        _require_one_of("--backend", self.backend, BACKENDS)
         if self.backend == "tinker" and self.sampler_url:
             raise ValueError("--sampler-url and --backend tinker do not go together: the "
                              "hosted service samples")
@@ -180,15 +175,11 @@ class TrainConfig:
         if self.lora_rank < 0 or not self.lora_alpha > 0:
             raise ValueError(f"--lora-rank must be >= 0 and --lora-alpha positive, got "
                              f"{self.lora_rank} and {self.lora_alpha}")
-        if self.nonfinite_update not in NONFINITE_UPDATES:
-            raise ValueError(f"--nonfinite-update must be one of {', '.join(NONFINITE_UPDATES)}, "
-                             f"got {self.nonfinite_update!r}")
+        _require_one_of("--nonfinite-update", self.nonfinite_update, NONFINITE_UPDATES)
         if self.tracker not in TRACKERS:
             raise ValueError(f"--tracker must be tensorboard, trackio or empty, got "
                              f"{self.tracker!r}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
-                             f"got {self.compute_dtype!r}")
+        _require_one_of("--compute-dtype", self.compute_dtype, COMPUTE_DTYPES)
         positive = {
             "groups_per_step": self.groups_per_step, "group_size": self.group_size,
             "max_tokens": self.max_tokens, "eval_episodes": self.eval_episodes,
@@ -230,3 +221,8 @@ def saved_run_identity(saved: JSONObject) -> JSONObject:
         return run_identity(TrainConfig(**{k: v for k, v in saved.items() if k in names}))
     except TypeError as e:
         raise ValueError(f"not a prefixgym train config: {e}") from None
+
+
+def _require_one_of(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
