@@ -1,0 +1,149 @@
+"""The floor of one decode step: the least time its matmuls and its memory reads can take.
+
+A decode step of R rows runs every linear of the model once on an (R, d_in) input and
+attends, per row, to that row's context. Its floor is the larger of two times, both
+measured on this machine in the caller's run:
+
+1. **matmul**: every `nn.Linear` of the model (per layer the fused q/k/v projection,
+   the output projection, the fused MLP gate/up and the MLP down projection; then the
+   output head) as `F.linear` at its real shape, (R, d_in) @ (d_in, d_out), in the
+   step's dtype, on a copy of the model's weights, in layer order, `passes` times in a
+   row (warm weights, as in a run of decode steps). Seconds per pass.
+2. **memory**: the bytes a step must read -- every weight once (the embedding table
+   only as R rows, unless the head is tied to it) plus the K/V of every row's context
+   (`keys` positions, all layers, K and V, in the step's dtype) -- over the read
+   bandwidth measured at that working-set size: `torch.dot` of the two halves of an
+   fp32 buffer of exactly those bytes, `passes` times in a row. A dot streams its
+   operands and writes one number, so it measures reads alone (a copy would add writes
+   and page faults; an fp32 `sum` measured 10-20% slower). The buffer has the step's
+   size, not a fixed large one, because a small model's weights stay in the last-level
+   cache between steps: a DRAM-sized probe would put the floor above what a step can
+   do.
+
+Each is timed at every thread count the engine's tuner may choose (its `candidates`;
+fewer threads are skipped once a pass takes over its `explore_below`, as the tuner
+does) and the least time counts, after one warm-up pass per count.
+
+What the floor excludes: the attention scores and softmax (R x keys x heads x
+head_dim multiply-adds per layer, small next to the linears at these lengths), RoPE,
+norms, activations, the KV writes, the sampler, and all Python and scheduling
+overhead. So a step at 1.0x its floor is impossible in practice and a ratio under
+1.0 means the floor (or the timing) is wrong.
+
+This module knows nothing of the engine or of HF; it reads a model's weights and
+shape and times torch kernels.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import common
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixgym.engine.model import Transformer
+
+__all__ = ["DecodeFloor", "FloorProbe", "least_seconds_per_pass"]
+
+
+@dataclass(frozen=True)
+class DecodeFloor:
+    """One measured floor of a decode step; times are seconds per step."""
+
+    matmul_s: float
+    matmul_threads: int
+    read_bytes: int
+    bandwidth_Bps: float
+    bandwidth_threads: int
+
+    @property
+    def memory_s(self) -> float:
+        return self.read_bytes / self.bandwidth_Bps
+
+    @property
+    def seconds(self) -> float:
+        return max(self.matmul_s, self.memory_s)
+
+    @property
+    def bound(self) -> str:
+        return "matmul" if self.matmul_s >= self.memory_s else "memory"
+
+
+def least_seconds_per_pass(fn: Callable[[], object], passes: int, counts: list[int],
+                           skip_fewer_above_s: float) -> tuple[float, int]:
+    """(least mean seconds per call of `fn` over `passes` calls, the thread count that gave it).
+
+    Counts run largest first; once a call takes over `skip_fewer_above_s`, fewer threads
+    are not tried (the engine tuner's rule: they cannot win there).
+    """
+    best = (float("inf"), 0)
+    for count in sorted(counts, reverse=True):
+        with common.num_threads(count), torch.inference_mode():
+            fn()  # warm-up: kernel selection, allocator, caches
+            start = time.perf_counter()
+            for _ in range(passes):
+                fn()
+            seconds = (time.perf_counter() - start) / passes
+        best = min(best, (seconds, count))
+        if seconds > skip_fewer_above_s:
+            break
+    return best
+
+
+class FloorProbe:
+    """Measures `DecodeFloor`s of one model in one dtype; build once, `measure` per repeat."""
+
+    def __init__(self, model: Transformer, dtype: torch.dtype, thread_counts: list[int],
+                 skip_fewer_above_s: float) -> None:
+        # 1) the linears a decode step runs, in order: weights copied to the step's dtype
+        linears: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                bias = None if module.bias is None else module.bias.detach().to(dtype)
+                linears.append((module.weight.detach().to(dtype), bias))
+        if model.output is None:  # tied head: the embedding matrix is the last matmul
+            linears.append((model.tok_embeddings.weight.detach().to(dtype), None))
+        self.linears = linears
+        self.dtype = dtype
+        self.counts, self.skip_fewer_above_s = list(thread_counts), skip_fewer_above_s
+        cfg = model.config
+        # 2) bytes: weights other than the embedding table, and per row what varies
+        self.element_size = torch.empty((), dtype=dtype).element_size()
+        fixed = sum(p.numel() for name, p in model.named_parameters()
+                    if name != "tok_embeddings.weight")
+        if model.output is None:
+            fixed += model.tok_embeddings.weight.numel()
+        self.fixed_elements = fixed
+        self.embedding_row_elements = 0 if model.output is None else cfg.dim
+        self.kv_elements_per_key = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim
+
+    def read_bytes(self, rows: int, keys: int) -> int:
+        """Bytes a step of `rows` rows, each attending to `keys` positions, must read."""
+        per_row = self.embedding_row_elements + keys * self.kv_elements_per_key
+        return (self.fixed_elements + rows * per_row) * self.element_size
+
+    def measure(self, rows: int, keys: int, passes: int) -> DecodeFloor:
+        """Time the step's matmuls and its reads at (`rows`, `keys`), `passes` of each."""
+        if rows < 1 or keys < 1 or passes < 1:
+            raise ValueError(f"rows, keys and passes must be positive, got {rows}, {keys}, {passes}")
+        gen = torch.Generator().manual_seed(rows)
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(self.dtype)
+                  for w, _ in self.linears}  # (R, d_in) per input width
+
+        def matmuls() -> None:
+            for weight_out_in, bias in self.linears:
+                F.linear(inputs[weight_out_in.shape[1]], weight_out_in, bias)  # (R, d_out)
+
+        matmul_s, matmul_threads = least_seconds_per_pass(matmuls, passes, self.counts,
+                                                          self.skip_fewer_above_s)
+        nbytes = self.read_bytes(rows, keys)
+        half = max(1, nbytes // 8)  # fp32 elements per half
+        buffer = torch.ones(2 * half)
+        first, second = buffer[:half], buffer[half:]
+        read_s, read_threads = least_seconds_per_pass(lambda: torch.dot(first, second), passes,
+                                                      self.counts, self.skip_fewer_above_s)
+        return DecodeFloor(matmul_s, matmul_threads, nbytes, buffer.nbytes / read_s, read_threads)
