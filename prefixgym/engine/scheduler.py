@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from prefixgym.engine.model import Transformer
-from prefixgym.engine.prefix_cache import PrefixCache
+from prefixgym.engine.prefix_cache import Match, PrefixCache
 from prefixgym.engine.requests import (
     Request,
     Sequence,
@@ -143,7 +143,7 @@ class Scheduler:
         return self._decode_batch(versions[self._turn % len(versions)])
 
     def _admit_wave(self) -> None:
-        claimed: set[object] = set()
+        claimed: set[Hashable] = set()
         deferred: list[Request] = []
         wave: list[Request] = []
         rows = sum(len(seqs) for seqs in self.running.values())
@@ -155,25 +155,25 @@ class Scheduler:
                 break
             limit = _cache_limit(req)
             reuse = not req.include_prompt_logprobs or req.prompt_logprobs_last_n is not None
-            match = self.cache.match(req.prompt, req.version, limit) if reuse else None
-            hit = match.blocks if match else []
-            if match and match.claim in claimed and (len(hit) + 1) * bs <= limit:
+            match = self.cache.match(req.prompt, req.version, limit) if reuse else Match()
+            hit = match.blocks
+            if match.claim in claimed and (len(hit) + 1) * bs <= limit:
                 deferred.append(self.waiting.popleft())  # it hits the cache next wave
                 continue
-            pins = hit + ([match.tail_block] if match and match.tail_block is not None else [])
+            pins = hit + ([match.tail_block] if match.tail_block is not None else [])
             need = blocks_needed(req, len(hit), bs)
             if not self.cache.can_reserve(need, pinning=pins):
                 break
             self.waiting.popleft()
             self.cache.acquire(pins)
             self.cache.reserve(need)
-            req.num_cached_tokens = match.num_tokens if match else 0
+            req.num_cached_tokens = match.num_tokens
             req.tail_pin = pins[len(hit):]
             req.sequences = new_sequences(req, hit, bs)
             if reuse:
                 self.cache.record_lookup(P, req.num_cached_tokens)
-                if match and match.claim is not None:
-                    claimed.add(match.claim)
+            if match.claim is not None:
+                claimed.add(match.claim)
             self._note_version(req)
             wave.append(req)
             rows += req.num_samples
@@ -237,18 +237,16 @@ class Scheduler:
             self.counters["prefill_calls"] += 1
             self.counters["prefill_positions"] += sum(len(t) for t in batch.tokens)
             for req in batch.requests:
-                first = req.sequences[0]
-                self.cache.insert(req.prompt, req.version, first.table, len(req.prompt),
-                                  partial=False)
+                done = req.params.max_tokens == 0  # then its first sample wrote its last block
+                self.cache.insert(req.prompt, req.version, req.sequences[0].table,
+                                  len(req.prompt), partial=done)
                 self.cache.release(req.tail_pin)
                 req.tail_pin = []
                 req.prompt_logprobs = output.prompt_logprobs
                 req.topk_prompt_logprobs = output.topk_prompt_logprobs
-                if req.params.max_tokens == 0:
-                    self._retire(first)
-                    for seq in req.sequences[1:]:
-                        self._finish(seq, "length")
-                else:
+                for seq in req.sequences if done else ():
+                    self._finish(seq, "length")
+                if not done:
                     self.running.setdefault(req.version, []).extend(req.sequences)
         else:
             for seq in batch.seqs:
@@ -257,25 +255,23 @@ class Scheduler:
             self.counters["decoded_tokens"] += len(batch.seqs)
             self.counters["max_batch_size"] = max(self.counters["max_batch_size"],
                                                   len(batch.seqs))
-        finished = False
         for seq, token, logprob in zip(batch.seqs, output.tokens, output.logprobs):
-            if seq.stop_reason is not None or seq.request.future.done():
-                continue  # a zero-token request, or one that failed
+            if seq.request.future.done():
+                continue  # one of its request's samples failed it
+            req, params = seq.request, seq.request.params
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
-            params = seq.request.params
             try:
                 stop = token in params.stop_token_ids or bool(params.stop and self._hits_stop(seq))
             except Exception as error:  # noqa: BLE001 - the caller's decode failed: its request fails
-                self.fail([seq.request], error)
-                finished = True
+                self.fail([req], error)
                 continue
-            if stop or len(seq.tokens) >= params.max_tokens:
-                self._retire(seq, "stop" if stop else "length")
-                finished = True
-        if finished:
-            for version, seqs in self.running.items():
-                self.running[version] = [s for s in seqs if s.stop_reason is None]
+            if stop or len(seq.tokens) >= params.max_tokens:  # its blocks enter the index
+                self.cache.insert(req.prompt + seq.tokens, req.version, seq.table, seq.kv_len,
+                                  partial=True)
+                self._finish(seq, "stop" if stop else "length")
+        for version, seqs in self.running.items():
+            self.running[version] = [s for s in seqs if s.stop_reason is None]
 
     def _hits_stop(self, seq: Sequence) -> bool:
         """Whether the text of the last tokens (4 per character of the longest stop
@@ -285,15 +281,9 @@ class Scheduler:
         text = self._decode(seq.tokens[-(4 * max(map(len, stops)) + 4) :])
         return any(stop in text for stop in stops)
 
-    def _retire(self, seq: Sequence, reason: str = "length") -> None:
-        """Index the sequence's blocks where they are (partial last block included),
-        drop its references and promises, complete its request if it was the last."""
-        req = seq.request
-        self.cache.insert(req.prompt + seq.tokens, req.version, seq.table, seq.kv_len,
-                          partial=True)
-        self._finish(seq, reason)
-
     def _finish(self, seq: Sequence, reason: str) -> None:
+        """Drop the sequence's references and promises; complete its request if it was
+        the last."""
         req = seq.request
         self._free(seq)
         seq.stop_reason = reason
