@@ -98,12 +98,17 @@ class Sequence:
 
     request: Request
     rng: random.Random
-    kv_len: int  # positions whose KV is in its blocks; the next input sits at this position
     table: list[int] = field(default_factory=list)  # block ids, position p in table[p // bs]
     reserved: int = 0  # blocks promised to it, not yet allocated
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
+
+    @property
+    def kv_len(self) -> int:
+        """Positions whose KV is in its blocks: the prompt and every sampled token but
+        the last (the next input, which sits at this position)."""
+        return len(self.request.prompt) + max(len(self.tokens) - 1, 0)
 
 
 def blocks_per_sample(req: Request, block_size: int) -> tuple[int, int]:
@@ -125,7 +130,7 @@ def new_sequences(req: Request, cached_blocks: list[int], block_size: int) -> li
     `cached_blocks`, each promised the blocks it may still take (`blocks_per_sample`);
     sample i draws from its own generator, derived from the request's seed."""
     first, other = blocks_per_sample(req, block_size)
-    seqs = [Sequence(req, random.Random(f"{req.seed}/{i}"), len(req.prompt), reserved=other)
+    seqs = [Sequence(req, random.Random(f"{req.seed}/{i}"), reserved=other)
             for i in range(req.num_samples)]
     seqs[0].table, seqs[0].reserved = list(cached_blocks), first - len(cached_blocks)
     return seqs

@@ -94,8 +94,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, list[Sequence]] = {}  # by weights version, in admission order
         self._chunks: deque[list[Request]] = deque()  # admitted, not yet prefilled
-        self._version_models: dict[int, weakref.ref[Transformer]] = {}
-        self._latest_version = -1
+        self._version_models: dict[int, weakref.ref[Transformer]] = {}  # the latest is kept
         self._turn = 0
         self.counters = dict.fromkeys(
             ("prefill_calls", "prefill_positions", "decode_steps", "decoded_tokens",
@@ -249,8 +248,6 @@ class Scheduler:
                 if not done:
                     self.running.setdefault(req.version, []).extend(req.sequences)
         else:
-            for seq in batch.seqs:
-                seq.kv_len += 1
             self.counters["decode_steps"] += 1
             self.counters["decoded_tokens"] += len(batch.seqs)
             self.counters["max_batch_size"] = max(self.counters["max_batch_size"],
@@ -321,17 +318,16 @@ class Scheduler:
 
     def _note_version(self, req: Request) -> None:
         """A newer version demotes older versions' cache blocks (evicted first)."""
-        self._version_models.setdefault(req.version, weakref.ref(req.model))
-        if req.version > self._latest_version:
-            self._latest_version = req.version
+        if req.version > max(self._version_models, default=-1):
             for version in self._version_models:
-                if version < req.version:
-                    self.cache.demote_version(version)
+                self.cache.demote_version(version)
+        self._version_models.setdefault(req.version, weakref.ref(req.model))
 
     def _drop_dead_versions(self) -> None:
         """A version whose model nobody holds (no client, no request) loses its blocks."""
+        latest = max(self._version_models, default=-1)
         dead = [v for v, ref in self._version_models.items()
-                if v != self._latest_version and not self.running.get(v) and ref() is None]
+                if v != latest and not self.running.get(v) and ref() is None]
         for version in dead:
             del self._version_models[version]
             self.running.pop(version, None)
