@@ -17,6 +17,7 @@ This module knows nothing of batching, tensors or the prefix cache's keys.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -171,8 +172,7 @@ def new_request(item: RoundItem, model: Transformer, version: int, can_decode: b
             f"prompt token id {bad} at index {prompt.index(bad)} is outside the model's "
             f"vocabulary [0, {cfg.vocab_size})"
         )
-    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    _require_int("num_samples", num_samples, 1, math.inf, "a positive int")
     if num_samples > limits.max_samples:
         raise ValueError(f"num_samples {num_samples} exceeds this engine's limit of "
                          f"{limits.max_samples} sequences running at once; send fewer samples "
@@ -200,15 +200,20 @@ def new_request(item: RoundItem, model: Transformer, version: int, can_decode: b
     # prompt scoring, the hosted service's rules: top-k is 0 (off) or in [1, vocab];
     # last_n needs prompt logprobs or top-k and is in [1, len(prompt) - 1]
     topk, last_n, vocab = item.topk_prompt_logprobs, item.prompt_logprobs_last_n, cfg.vocab_size
-    if isinstance(topk, bool) or not isinstance(topk, int) or not 0 <= topk <= vocab:
-        raise ValueError(f"topk_prompt_logprobs must be an int in [0, {vocab}], got {topk!r}")
+    _require_int("topk_prompt_logprobs", topk, 0, vocab, f"an int in [0, {vocab}]")
     if last_n is not None and not (item.include_prompt_logprobs or topk):
         raise ValueError("prompt_logprobs_last_n needs include_prompt_logprobs=True or "
                          "topk_prompt_logprobs > 0")
-    if last_n is not None and (isinstance(last_n, bool) or not isinstance(last_n, int)
-                               or not 1 <= last_n < len(prompt)):
-        raise ValueError(f"prompt_logprobs_last_n must be an int in [1, len(prompt) - 1 = "
-                         f"{len(prompt) - 1}], got {last_n!r}")
+    if last_n is not None:
+        P = len(prompt)
+        _require_int("prompt_logprobs_last_n", last_n, 1, P - 1,
+                     f"an int in [1, len(prompt) - 1 = {P - 1}]")
     return Request(list(prompt), num_samples, params, item.include_prompt_logprobs or topk > 0,
                    model, version, seed=0, topk_k=topk, prompt_logprobs_last_n=last_n,
                    return_prompt_logprobs=item.include_prompt_logprobs)
+
+
+def _require_int(name: str, value: object, lo: int, hi: float, span: str) -> None:
+    """`value` is an int (not a bool) in [lo, hi], else a ValueError: '{name} must be {span}'."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be {span}, got {value!r}")
