@@ -35,37 +35,19 @@ import queue
 import random
 import threading
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 
 from prefixgym.engine.kv_pool import KVPool
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.prefix_cache import PrefixCache
-from prefixgym.engine.requests import (
-    Request,
-    RequestLimits,
-    kv_positions,
-    validate_prompt_scoring,
-    validate_request,
-)
+from prefixgym.engine.requests import Request, RequestLimits, RoundItem, blocks_needed, new_request
 from prefixgym.engine.runner import ModelRunner
 from prefixgym.engine.scheduler import Scheduler
 from prefixgym.engine.threads import ThreadTuner
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.futures import APIFuture
 from prefixgym.types import SampleResponse, SamplingParams
-
-
-class RoundItem(NamedTuple):
-    """One request of a `submit_many` round."""
-
-    prompt: list[int]
-    params: SamplingParams
-    num_samples: int = 1
-    include_prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    prompt_logprobs_last_n: int | None = None
 
 
 class Engine:
@@ -121,18 +103,15 @@ class Engine:
         requests: list[Request] = []
         for i, item in enumerate(items):
             try:
-                validate_request(item.prompt, model, item.params, item.num_samples,
-                                 self._decode is not None, self.limits)
-                validate_prompt_scoring(len(item.prompt), item.include_prompt_logprobs,
-                                        item.topk_prompt_logprobs, item.prompt_logprobs_last_n,
-                                        model.config.vocab_size)
-                requests.append(Request(
-                    list(item.prompt), item.num_samples, item.params,
-                    item.include_prompt_logprobs or item.topk_prompt_logprobs > 0, model,
-                    version, seed=0, topk_k=item.topk_prompt_logprobs,
-                    prompt_logprobs_last_n=item.prompt_logprobs_last_n,
-                    return_prompt_logprobs=item.include_prompt_logprobs))
-                self._check_fits(requests[-1])  # the pool must hold one request alone
+                req = new_request(item, model, version, self._decode is not None, self.limits)
+                bs, need = self.cache.block_size, blocks_needed(req, 0, self.cache.block_size)
+                if need > self.cache.num_blocks - 1:  # the pool must hold one request alone
+                    raise ValueError(
+                        f"this request may need {need} KV blocks of {bs} positions (prompt "
+                        f"{len(req.prompt)}, max_tokens {req.params.max_tokens}, "
+                        f"{req.num_samples} samples) but the KV pool holds "
+                        f"{self.cache.num_blocks - 1}; raise cache_bytes")
+                requests.append(req)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}" if len(items) > 1 else str(e)) from None
         with self._submit_lock:
@@ -144,16 +123,6 @@ class Engine:
             if requests:
                 self._queue.put(requests)
         return [r.future for r in requests]
-
-    def _check_fits(self, req: Request) -> None:
-        bs, pool_blocks = self.cache.block_size, self.cache.num_blocks - 1
-        first = -(-kv_positions(req) // bs)
-        need = first + (req.num_samples - 1) * (first - len(req.prompt) // bs)
-        if need > pool_blocks:
-            raise ValueError(
-                f"this request may need {need} KV blocks of {bs} positions (prompt "
-                f"{len(req.prompt)}, max_tokens {req.params.max_tokens}, {req.num_samples} "
-                f"samples) but the KV pool holds {pool_blocks}; raise cache_bytes")
 
     def pause(self) -> None:
         """Hold the engine (requests queue up) until `resume`. For tests and benches."""
@@ -218,20 +187,12 @@ class Engine:
         busy = self.scheduler.has_work()
         if self.deterministic and busy:
             return not self._closed
-        if not busy:
-            first = self._queue.get()
-            if first is None:
-                return False
-            self.scheduler.waiting.extend(first)
-            if self.deterministic:
-                self._gate.wait()
-                return True
+        rounds = [] if busy else [self._queue.get()]
         self._gate.wait()
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return True
-            if item is None:
+        while not self.deterministic and not self._queue.empty():  # (this thread alone takes)
+            rounds.append(self._queue.get_nowait())
+        for taken in rounds:
+            if taken is None:
                 return False
-            self.scheduler.waiting.extend(item)
+            self.scheduler.waiting.extend(taken)
+        return True

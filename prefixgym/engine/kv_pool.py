@@ -44,23 +44,15 @@ class KVPool:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.zero([0])
 
-    @property
-    def block_bytes(self) -> int:
-        return 2 * self.k[:, : self.n_kv_heads].numel() * self.k.element_size()
-
-    def _rows(self, blocks: list[int]) -> torch.Tensor:
-        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        heads = torch.arange(self.n_kv_heads, device=self.device) * self.num_blocks
-        return (heads.unsqueeze(1) + ids).flatten()  # (Hkv * len(blocks),)
-
     def zero(self, blocks: list[int]) -> None:
-        rows = self._rows(blocks)
+        rows = _block_rows(self, torch.tensor([blocks], device=self.device))
         self.k[:, rows] = 0
         self.v[:, rows] = 0
 
     def copy_block(self, src: int, dst: int, num_positions: int) -> None:
         """Copy positions [0, num_positions) of block `src` into block `dst`."""
-        rows_src, rows_dst = self._rows([src]), self._rows([dst])
+        src_dst = torch.tensor([[src], [dst]], device=self.device)
+        rows_src, rows_dst = _block_rows(self, src_dst).view(2, -1)  # (Hkv,) each
         self.k[:, rows_dst, :num_positions] = self.k[:, rows_src, :num_positions]
         self.v[:, rows_dst, :num_positions] = self.v[:, rows_src, :num_positions]
 
@@ -82,18 +74,20 @@ class PagedView:
         dev, bs, N, Hkv = pool.device, pool.block_size, pool.num_blocks, pool.n_kv_heads
         T = width
         self.pool = pool
-        ends = [s + n for s, n in zip(starts, lengths)]
-        nb = max(-(-e // bs) for e in ends)  # blocks every row's keys fit in
+        # every row starts at 0: its keys are this forward's own, plain causal, no gather
+        self.causal = not any(starts)
+        nb = max(-(-(s + n) // bs) for s, n in zip(starts, lengths))  # blocks every row's keys fit in
         self.num_keys = nb * bs
         table_R_nb = _table_tensor(pool, tables, nb)
-        self.gather_rows = self.gather_index(pool, table_R_nb)
-        start_R = torch.tensor(starts, device=dev)
-        query_pos_R_T = start_R.unsqueeze(1) + torch.arange(T, device=dev)
+        self.gather_rows = _block_rows(pool, table_R_nb)
+        query_pos_R_T = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(T, device=dev)
         self.positions_R_T = query_pos_R_T
-        key_pos = torch.arange(self.num_keys, device=dev)
-        allowed = (key_pos <= query_pos_R_T.unsqueeze(2)).unsqueeze(1)  # (R, 1, T, Tk)
-        self.mask = torch.zeros(allowed.shape, dtype=pool.dtype, device=dev).masked_fill_(
-            allowed.logical_not(), float("-inf")) if any(starts) else None
+        self.mask = None
+        if not self.causal:
+            key_pos = torch.arange(self.num_keys, device=dev)
+            allowed = (key_pos <= query_pos_R_T.unsqueeze(2)).unsqueeze(1)  # (R, 1, T, Tk)
+            self.mask = torch.zeros(allowed.shape, dtype=pool.dtype, device=dev).masked_fill_(
+                allowed.logical_not(), float("-inf"))
         # write targets: the valid (row, t) cells, as flat (head, block, offset) slots
         valid_R_T = torch.arange(T, device=dev) < torch.tensor(lengths, device=dev).unsqueeze(1)
         self.src_M = valid_R_T.flatten().nonzero().squeeze(1)  # into the flattened (R*T)
@@ -104,15 +98,6 @@ class PagedView:
         heads_bs = torch.arange(Hkv, device=dev) * (N * bs)
         self.slot_index = (heads_bs.unsqueeze(1) + slot_M).flatten()  # (Hkv*M,)
         self.last_index_R = torch.tensor(lengths, device=dev) - 1
-        # every row starts at 0: its keys are this forward's own, plain causal, no gather
-        self.causal = not any(starts)
-
-    @staticmethod
-    def gather_index(pool: KVPool, table_R_nb: torch.Tensor) -> torch.Tensor:
-        """(R, Hkv, nb) -> a layer's (Hkv*N) block rows, in table order (short tables
-        padded with block 0: always zero, masked)."""
-        heads = torch.arange(pool.n_kv_heads, device=pool.device) * pool.num_blocks
-        return (heads.view(1, -1, 1) + table_R_nb.unsqueeze(1)).flatten()
 
     def update(
         self, layer_idx: int, k_R_Hkv_T_D: torch.Tensor, v_R_Hkv_T_D: torch.Tensor
@@ -137,6 +122,13 @@ def _table_tensor(pool: KVPool, tables: list[list[int]], nb: int) -> torch.Tenso
     return torch.tensor(padded, dtype=torch.long, device=pool.device)
 
 
+def _block_rows(pool: KVPool, table_R_nb: torch.Tensor) -> torch.Tensor:
+    """The rows of a layer's (Hkv*N, bs, D) holding each table's blocks, flattened from
+    (R, Hkv, nb): in table order (padding block 0 is always zero, and masked)."""
+    heads = torch.arange(pool.n_kv_heads, device=pool.device) * pool.num_blocks
+    return (heads.view(1, -1, 1) + table_R_nb.unsqueeze(1)).flatten()
+
+
 _GROWTH = 64  # positions of headroom a decode workspace is gathered with
 
 
@@ -153,7 +145,7 @@ class DecodeWorkspace:
         self.rows = [weakref.ref(r) for r in rows]  # not kept alive (nor their models)
         nb = -(-(num_positions + _GROWTH) // bs)
         self.capacity = nb * bs
-        gather = PagedView.gather_index(pool, _table_tensor(pool, tables, nb))
+        gather = _block_rows(pool, _table_tensor(pool, tables, nb))
         L, _, _, D = pool.k.shape
         B = len(rows)
         self.k = pool.k.new_empty(L, B, Hkv, self.capacity, D)

@@ -23,7 +23,7 @@ Contract -- reads (no change to refcounts, LRU order, reservations or statistics
 `allocate` (takes one reserved block, evicting if needed), `acquire` / `release`
 (refcounts; an unindexed block whose last reference goes is free again), `insert`
 (index a sequence's blocks), `record_lookup` (statistics), `demote_version` (a stale
-version's unreferenced blocks are evicted first), `drop_version`, `clear`.
+version's unreferenced blocks are evicted first), `drop_version`, `evict`.
 
 The cache knows nothing of tensors, models, requests or tokenizers: it maps token
 prefixes to block ids and counts references.
@@ -51,8 +51,6 @@ class Entry:
     version: int
     tokens: tuple[int, ...]
     block: int
-    depth: int
-    num_children: int = 0
 
 
 @dataclass
@@ -82,7 +80,7 @@ class PrefixCache:
         self._next_fresh = 1  # blocks >= this were never handed out
         self._index: dict[int, Entry] = {}
         self._entry_of: dict[int, Entry] = {}  # block id -> its entry
-        self._children: dict[int, dict[int, Entry]] = {}  # parent key -> children by key
+        self._children: dict[int, dict[int, Entry]] = {}  # parent key -> children (never empty)
         self._lru: OrderedDict[int, Entry] = OrderedDict()  # cached, unreferenced; LRU first
         self._stale_versions: set[int] = set()
         self.reserved = 0
@@ -174,7 +172,6 @@ class PrefixCache:
                          f"{refs.get(b, 0)}")
         _require(0 <= self.reserved <= self._available(),
                  f"{self.reserved} blocks reserved, {self._available()} available")
-        children: dict[int, int] = {}
         for key, e in self._index.items():
             _require(e.key == key == _key(e.version, e.parent_key, e.tokens),
                      f"entry {key} key does not match its (version, parent, tokens)")
@@ -189,14 +186,7 @@ class PrefixCache:
                 _require(parent is not None, f"entry {key} has an evicted parent")
                 assert parent is not None
                 _require(len(parent.tokens) == self.block_size, f"entry {key} under a partial block")
-                _require(parent.version == e.version and parent.depth + 1 == e.depth,
-                         f"entry {key} version or depth differs from its parent's")
-                children[parent.key] = children.get(parent.key, 0) + 1
-            else:
-                _require(e.depth == 0, f"root entry {key} has depth {e.depth}")
-        for key, e in self._index.items():
-            _require(e.num_children == children.get(key, 0),
-                     f"entry {key} counts {e.num_children} children, has {children.get(key, 0)}")
+                _require(parent.version == e.version, f"entry {key} version differs from its parent's")
         _require(len(self._entry_of) == len(self._index), "block map and index differ")
         _require(sum(len(c) for c in self._children.values()) == len(self._index),
                  "children lists and index differ")
@@ -216,25 +206,20 @@ class PrefixCache:
     def allocate(self) -> tuple[int, bool]:
         """One reserved block, referenced once: (block id, never used before -- zero it)."""
         self.unreserve(1)
+        if not self._free and self._next_fresh == self.num_blocks and not self.evict(1):
+            raise RuntimeError("no free block and no evictable one, though one was reserved")
         if self._free:
             block, new = self._free.pop(), False
-        elif self._next_fresh < self.num_blocks:
+        else:
             block, new = self._next_fresh, True
             self._next_fresh += 1
-        else:
-            victim = self._lru_leaf()
-            if victim is None:
-                raise RuntimeError("no free block and no evictable one, though one was reserved")
-            self._remove(victim)
-            block, new = victim.block, False
         self._ref[block] = 1
         return block, new
 
     def acquire(self, blocks: Iterable[int]) -> None:
         for b in blocks:
             if self._ref[b] == 0:
-                entry = self._entry_of.get(b)
-                if entry is None:
+                if b not in self._lru:
                     raise RuntimeError(f"acquire of block {b}, which is neither used nor cached")
                 del self._lru[b]
             self._ref[b] += 1
@@ -265,42 +250,40 @@ class PrefixCache:
         if not self.indexing:
             return
         bs, parent = self.block_size, _ROOT
-        for i, start in enumerate(range(0, num_tokens, bs)):
-            block_tokens = tuple(tokens[start : min(start + bs, num_tokens)])
-            if len(block_tokens) < bs and not partial:
-                return
+        end = num_tokens if partial else num_tokens - num_tokens % bs
+        for i, start in enumerate(range(0, end, bs)):  # a partial block comes last
+            block_tokens = tuple(tokens[start : min(start + bs, end)])
             key = _key(version, parent, block_tokens)
-            entry = self._index.get(key)
-            if entry is not None:
-                if self._verified(version, parent, block_tokens) is None:
-                    return  # a hash collision: this prefix stays uncached
-            elif table[i] in self._entry_of:
-                return  # the block is cached under another prefix (cannot happen; be safe)
-            else:
-                entry = Entry(key, parent, version, block_tokens, table[i], depth=i)
+            if key not in self._index:
+                if table[i] in self._entry_of:
+                    return  # the block is cached under another prefix (cannot happen; be safe)
+                entry = Entry(key, parent, version, block_tokens, table[i])
                 self._index[key] = self._entry_of[table[i]] = entry
                 self._children.setdefault(parent, {})[key] = entry
-                if parent != _ROOT:
-                    self._index[parent].num_children += 1
                 self.inserted_blocks += 1
                 if self._ref[table[i]] == 0:  # (a sequence holds it: normally referenced)
                     self._lru[table[i]] = entry
-            if len(block_tokens) < bs:
-                return
+            elif self._verified(version, parent, block_tokens) is None:
+                return  # a hash collision: this prefix stays uncached
             parent = key
 
-    def evict(self, num_blocks: int) -> int:
-        """Evict up to `num_blocks` unreferenced leaf entries, LRU first; the count."""
+    def evict(self, num_blocks: int, version: int | None = None) -> int:
+        """Free up to `num_blocks` unreferenced leaf entries, least recently used first
+        (with `version`: while the LRU leaf is of that version); the count."""
         evicted = 0
-        while evicted < num_blocks and (victim := self._lru_leaf()) is not None:
-            self._remove(victim)
-            self._free.append(victim.block)
+        while evicted < num_blocks:
+            leaf = next((e for e in self._lru.values() if e.key not in self._children), None)
+            if leaf is None or version not in (None, leaf.version):
+                break
+            del self._lru[leaf.block], self._index[leaf.key], self._entry_of[leaf.block]
+            siblings = self._children[leaf.parent_key]
+            del siblings[leaf.key]
+            if not siblings:
+                del self._children[leaf.parent_key]
+            self._free.append(leaf.block)
             evicted += 1
+        self.evicted_blocks += evicted
         return evicted
-
-    def _lru_leaf(self) -> Entry | None:
-        """The least recently used unreferenced entry without children, if any."""
-        return next((e for e in self._lru.values() if e.num_children == 0), None)
 
     def demote_version(self, version: int) -> None:
         """`version`'s unreferenced entries go first when room is needed (in their LRU
@@ -311,33 +294,11 @@ class PrefixCache:
             self._lru.move_to_end(b, last=False)
 
     def drop_version(self, version: int) -> int:
-        """Evict every unreferenced entry of `version` whose descendants go too (deepest
-        first); referenced ones stay, demoted. Returns the number evicted."""
+        """Evict every unreferenced entry of `version` whose descendants go too;
+        referenced ones stay, demoted. Returns the number evicted. (Demoted, they lead
+        the LRU order, so its leaves are theirs until none is left.)"""
         self.demote_version(version)
-        removed = 0
-        for entry in sorted((e for e in self._lru.values() if e.version == version),
-                            key=lambda e: -e.depth):
-            if entry.num_children == 0:
-                self._remove(entry)
-                self._free.append(entry.block)
-                removed += 1
-        return removed
-
-    def clear(self) -> None:
-        """Drop every unreferenced entry."""
-        self.evict(len(self._lru))
-
-    def _remove(self, entry: Entry) -> None:
-        del self._lru[entry.block]
-        del self._index[entry.key]
-        del self._entry_of[entry.block]
-        siblings = self._children[entry.parent_key]
-        del siblings[entry.key]
-        if not siblings:
-            del self._children[entry.parent_key]
-        if entry.parent_key != _ROOT:
-            self._index[entry.parent_key].num_children -= 1
-        self.evicted_blocks += 1
+        return self.evict(len(self._lru), version)
 
 
 def _require(condition: bool, message: str) -> None:

@@ -1,14 +1,15 @@
 """One sampling request inside the engine: its state, its validation, its response.
 
-A `Request` is what `Engine.submit` queues: a prompt, decoding settings, the model
-of one weights version and the future to complete. Each of its `num_samples`
+A `RoundItem` is what a client asks for; `new_request` validates it and builds the
+`Request` that `Engine.submit_many` queues: a prompt, decoding settings, the model of
+one weights version and the future to complete. Each of its `num_samples`
 `Sequence`s tracks one continuation: tokens, logprobs, its block table (the KV pool's
 blocks holding its positions), how many blocks it may still take, and its own random
-generator. `validate_request` refuses bad input with a ValueError naming the field,
-and a request beyond the engine's `RequestLimits`: more samples than may run at once,
-or running KV that cannot fit in the byte budget (10,000 samples once tried to
-allocate 42 GB); `build_response` turns a finished request into the wire
-`SampleResponse` and its `Usage`.
+generator. `new_request` refuses bad input with a ValueError naming the field, and a
+request beyond the engine's `RequestLimits`: more samples than may run at once, or
+running KV that cannot fit in the byte budget (10,000 samples once tried to allocate
+42 GB); `build_response` turns a finished request into the wire `SampleResponse` and
+its `Usage`.
 
 This module knows nothing of batching, tensors or the prefix cache's keys.
 """
@@ -16,8 +17,10 @@ This module knows nothing of batching, tensors or the prefix cache's keys.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from prefixgym.engine.model import Transformer
 from prefixgym.futures import APIFuture
@@ -26,6 +29,17 @@ from prefixgym.types import SampledSequence, SampleResponse, SamplingParams, Top
 _REQUEST_IDS = itertools.count()
 
 DEFAULT_MAX_KV_BYTES = 4 * 2**30
+
+
+class RoundItem(NamedTuple):
+    """One request of a `submit_many` round."""
+
+    prompt: list[int]
+    params: SamplingParams
+    num_samples: int = 1
+    include_prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
 
 
 @dataclass(frozen=True)
@@ -77,20 +91,14 @@ class Request:
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
     sequences: list[Sequence] = field(default_factory=list)
-    unfinished: int = 0
 
 
 @dataclass(eq=False)
 class Sequence:
-    """One of a request's samples while it decodes."""
+    """One of a request's samples while it decodes (its stop rules are the request's)."""
 
     request: Request
     rng: random.Random
-    max_tokens: int
-    stop_token_ids: frozenset[int]
-    stop_strings: list[str]
-    stop_window: int
-    kv_len: int  # positions whose KV is in its blocks; the next input sits at this position
     table: list[int] = field(default_factory=list)  # block ids, position p in table[p // bs]
     reserved: int = 0  # blocks promised to it, not yet allocated
     tokens: list[int] = field(default_factory=list)
@@ -98,27 +106,35 @@ class Sequence:
     stop_reason: str | None = None
 
     @property
-    def is_greedy(self) -> bool:
-        return self.request.params.temperature == 0
+    def kv_len(self) -> int:
+        """Positions whose KV is in its blocks: the prompt and every sampled token but
+        the last (the next input, which sits at this position)."""
+        return len(self.request.prompt) + max(len(self.tokens) - 1, 0)
 
 
-def new_sequences(req: Request) -> list[Sequence]:
-    """The request's `num_samples` sequences, each at the end of the prompt; sample i
-    draws from its own generator, derived from the request's seed."""
-    p = req.params
-    window = 4 * max((len(s) for s in p.stop), default=0) + 4
-    stop_ids = frozenset(p.stop_token_ids)
-    return [
-        Sequence(req, random.Random(f"{req.seed}/{i}"), p.max_tokens, stop_ids, list(p.stop),
-                 window, kv_len=len(req.prompt))
-        for i in range(req.num_samples)
-    ]
+def blocks_per_sample(req: Request, block_size: int) -> tuple[int, int]:
+    """(blocks of the first sample's table, blocks each other sample takes beyond the
+    prompt's full blocks, which it shares). A sample stores KV for the prompt and every
+    sampled token but the last (no step reads it); a zero-token request's other samples
+    take none."""
+    first = -(-(len(req.prompt) + max(req.params.max_tokens - 1, 0)) // block_size)
+    return first, 0 if req.params.max_tokens == 0 else first - len(req.prompt) // block_size
 
 
-def kv_positions(req: Request) -> int:
-    """Positions a sample of `req` stores KV for: the prompt and every sampled token
-    but the last (no step reads it)."""
-    return len(req.prompt) + max(req.params.max_tokens - 1, 0)
+def blocks_needed(req: Request, num_cached_blocks: int, block_size: int) -> int:
+    first, other = blocks_per_sample(req, block_size)
+    return first - num_cached_blocks + (req.num_samples - 1) * other
+
+
+def new_sequences(req: Request, cached_blocks: list[int], block_size: int) -> list[Sequence]:
+    """The request's `num_samples` sequences at the end of the prompt, the first holding
+    `cached_blocks`, each promised the blocks it may still take (`blocks_per_sample`);
+    sample i draws from its own generator, derived from the request's seed."""
+    first, other = blocks_per_sample(req, block_size)
+    seqs = [Sequence(req, random.Random(f"{req.seed}/{i}"), reserved=other)
+            for i in range(req.num_samples)]
+    seqs[0].table, seqs[0].reserved = list(cached_blocks), first - len(cached_blocks)
+    return seqs
 
 
 def build_response(req: Request) -> SampleResponse:
@@ -142,12 +158,11 @@ def build_response(req: Request) -> SampleResponse:
     )
 
 
-def validate_request(
-    prompt: list[int], model: Transformer, params: SamplingParams, num_samples: int,
-    can_decode: bool, limits: RequestLimits | None = None,
-) -> None:
+def new_request(item: RoundItem, model: Transformer, version: int, can_decode: bool,
+                limits: RequestLimits) -> Request:
+    """`item` validated (a ValueError naming the field) as a Request of `model`."""
+    prompt, params, num_samples = item.prompt, item.params, item.num_samples
     cfg = model.config
-    limits = limits or RequestLimits()
     if not prompt:
         raise ValueError("prompt has no tokens; a prompt needs at least one token id")
     lo, hi = min(prompt), max(prompt)
@@ -157,8 +172,7 @@ def validate_request(
             f"prompt token id {bad} at index {prompt.index(bad)} is outside the model's "
             f"vocabulary [0, {cfg.vocab_size})"
         )
-    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    _require_int("num_samples", num_samples, 1, math.inf, "a positive int")
     if num_samples > limits.max_samples:
         raise ValueError(f"num_samples {num_samples} exceeds this engine's limit of "
                          f"{limits.max_samples} sequences running at once; send fewer samples "
@@ -183,20 +197,23 @@ def validate_request(
             )
     if params.stop and not can_decode:
         raise ValueError("stop strings need a tokenizer to decode with; this engine has none")
-
-
-def validate_prompt_scoring(
-    prompt_len: int, include_prompt_logprobs: bool, topk: int, last_n: int | None, vocab: int
-) -> None:
-    """`topk_prompt_logprobs` is 0 (off) or in [1, vocab]; `prompt_logprobs_last_n` needs
-    prompt logprobs or top-k and is in [1, len(prompt) - 1] (the hosted service's rules)."""
-    if isinstance(topk, bool) or not isinstance(topk, int) or not 0 <= topk <= vocab:
-        raise ValueError(f"topk_prompt_logprobs must be an int in [0, {vocab}], got {topk!r}")
-    if last_n is None:
-        return
-    if not (include_prompt_logprobs or topk):
+    # prompt scoring, the hosted service's rules: top-k is 0 (off) or in [1, vocab];
+    # last_n needs prompt logprobs or top-k and is in [1, len(prompt) - 1]
+    topk, last_n, vocab = item.topk_prompt_logprobs, item.prompt_logprobs_last_n, cfg.vocab_size
+    _require_int("topk_prompt_logprobs", topk, 0, vocab, f"an int in [0, {vocab}]")
+    if last_n is not None and not (item.include_prompt_logprobs or topk):
         raise ValueError("prompt_logprobs_last_n needs include_prompt_logprobs=True or "
                          "topk_prompt_logprobs > 0")
-    if isinstance(last_n, bool) or not isinstance(last_n, int) or not 1 <= last_n < prompt_len:
-        raise ValueError(f"prompt_logprobs_last_n must be an int in [1, len(prompt) - 1 = "
-                         f"{prompt_len - 1}], got {last_n!r}")
+    if last_n is not None:
+        P = len(prompt)
+        _require_int("prompt_logprobs_last_n", last_n, 1, P - 1,
+                     f"an int in [1, len(prompt) - 1 = {P - 1}]")
+    return Request(list(prompt), num_samples, params, item.include_prompt_logprobs or topk > 0,
+                   model, version, seed=0, topk_k=topk, prompt_logprobs_last_n=last_n,
+                   return_prompt_logprobs=item.include_prompt_logprobs)
+
+
+def _require_int(name: str, value: object, lo: int, hi: float, span: str) -> None:
+    """`value` is an int (not a bool) in [lo, hi], else a ValueError: '{name} must be {span}'."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be {span}, got {value!r}")

@@ -34,7 +34,6 @@ class ModelRunner:
         self.pool = pool
         self.threads = threads
         self._workspaces: dict[int, DecodeWorkspace] = {}  # by weights version
-        self.rebuilds = 0
 
     def run(self, batch: Batch) -> Output:
         pool, dev = self.pool, self.pool.device
@@ -44,12 +43,13 @@ class ModelRunner:
         for src, dst, n in batch.tail_copies:
             pool.copy_block(src, dst, n)
         # 2) inputs, right-padded to the longest row
-        T = max(batch.lengths)
+        lengths = [len(t) for t in batch.tokens]
+        T = max(lengths)
         tokens_R_T = torch.tensor([t + [0] * (T - len(t)) for t in batch.tokens], device=dev)
         prefill = batch.kind == "prefill"
         view: PagedView | DecodeView
         if prefill:
-            view = pool.view(batch.tables, batch.starts, batch.lengths, T)
+            view = pool.view(batch.tables, batch.starts, lengths, T)
         else:
             view = DecodeView(pool, self._workspace(batch), batch.tables, batch.starts)
         max_pos = batch.model.config.max_seq_len - 1
@@ -66,15 +66,16 @@ class ModelRunner:
             pool.copy_block(src, dst, n)
         scored = Output([], [])
         if batch.prompt_logprobs:
-            scored = _score_prompt(batch.requests[0], logits[0, : batch.lengths[0] - 1])
+            scored = _score_prompt(batch.requests[0], logits[0, : lengths[0] - 1])
         # 5) one token per sequence (a prefill's samples share their request's row)
-        if not batch.seqs or batch.seqs[0].max_tokens == 0:
+        params = [s.request.params for s in batch.seqs]
+        if not params or params[0].max_tokens == 0:
             return scored
         last_S_V = logits[batch.source_rows, -1] if prefill else logits[:, -1]
-        params = [s.request.params for s in batch.seqs]
         row_params = RowParams.build([p.temperature for p in params], [p.top_k for p in params],
                                      [p.top_p for p in params], device=dev)
-        uniforms = [0.0 if s.is_greedy else s.rng.random() for s in batch.seqs]
+        uniforms = [0.0 if p.temperature == 0 else s.rng.random()
+                    for s, p in zip(batch.seqs, params)]
         tokens_S, logprobs_S = sample_tokens(last_S_V, row_params, uniforms)
         scored.tokens, scored.logprobs = tokens_S.tolist(), logprobs_S.tolist()
         return scored
@@ -88,7 +89,6 @@ class ModelRunner:
         if ws is None or not ws.fits(rows, needed):
             self._workspaces.pop(batch.version, None)  # free it before gathering anew
             ws = DecodeWorkspace(self.pool, rows, batch.tables, needed)
-            self.rebuilds += 1
             for stale in list(self._workspaces)[: max(0, len(self._workspaces) - 1)]:
                 del self._workspaces[stale]
         self._workspaces[batch.version] = ws

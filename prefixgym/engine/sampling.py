@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from prefixgym.engine.engine import RoundItem
 from prefixgym.engine.model import Transformer
+from prefixgym.engine.requests import RoundItem
 from prefixgym.futures import APIFuture
 from prefixgym.types import ModelInput, SampleRequest, SampleResponse, SamplingParams
 

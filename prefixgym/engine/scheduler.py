@@ -29,12 +29,18 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from prefixgym.engine.model import Transformer
-from prefixgym.engine.prefix_cache import PrefixCache
-from prefixgym.engine.requests import Request, Sequence, build_response, kv_positions, new_sequences
+from prefixgym.engine.prefix_cache import Match, PrefixCache
+from prefixgym.engine.requests import (
+    Request,
+    Sequence,
+    blocks_needed,
+    build_response,
+    new_sequences,
+)
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.types import TopkLogprobs
 
@@ -43,19 +49,19 @@ _CALL_COST_TOKENS = 64  # a forward call's fixed cost, in padded positions
 
 @dataclass(eq=False)
 class Batch:
-    """One forward. Prefill: `requests`, row r computing prompt[starts[r]:] of request
-    r into `tables[r]`; `seqs` are all their samples, sampled from row `source_rows`.
-    Decode: one row per running sequence of `seqs`. Before the forward the runner zeroes
-    `new_blocks` and makes `tail_copies`; after it, `fork_copies` ((src, dst, positions))."""
+    """One forward. Prefill: `requests`, row r computing `tokens[r]` (prompt[starts[r]:])
+    of request r into `tables[r]`; `seqs` are all their samples, sampled from row
+    `source_rows`. Decode: one row per running sequence of `seqs`. Before the forward the
+    runner zeroes `new_blocks` and makes `tail_copies`; after it, `fork_copies` ((src,
+    dst, positions))."""
 
     kind: str  # "prefill" or "decode"
     model: Transformer
     version: int
-    seqs: list[Sequence]
-    tables: list[list[int]]
-    starts: list[int]
-    lengths: list[int]
-    tokens: list[list[int]]
+    seqs: list[Sequence] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
     source_rows: list[int] = field(default_factory=list)
     new_blocks: list[int] = field(default_factory=list)
@@ -88,8 +94,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, list[Sequence]] = {}  # by weights version, in admission order
         self._chunks: deque[list[Request]] = deque()  # admitted, not yet prefilled
-        self._version_models: dict[int, weakref.ref[Transformer]] = {}
-        self._latest_version = -1
+        self._version_models: dict[int, weakref.ref[Transformer]] = {}  # the latest is kept
         self._turn = 0
         self.counters = dict.fromkeys(
             ("prefill_calls", "prefill_positions", "decode_steps", "decoded_tokens",
@@ -110,16 +115,12 @@ class Scheduler:
         refs: dict[int, int] = {}
         promised = 0
         for req in self.in_flight():
-            started = bool(req.sequences[0].tokens)  # prefilled: its samples hold the promise
             for block in req.tail_pin + [b for s in req.sequences for b in s.table]:
                 refs[block] = refs.get(block, 0) + 1
             for seq in req.sequences:
                 if seq.reserved < 0:
                     raise AssertionError(f"a sequence holds {seq.reserved} promised blocks")
-            if started:
-                promised += sum(s.reserved for s in req.sequences)
-            else:
-                promised += _blocks_needed(req, len(req.sequences[0].table), self.cache.block_size)
+                promised += seq.reserved
         if promised != self.cache.reserved:
             raise AssertionError(f"requests hold {promised} promised blocks, the cache "
                                  f"counts {self.cache.reserved}")
@@ -141,7 +142,7 @@ class Scheduler:
         return self._decode_batch(versions[self._turn % len(versions)])
 
     def _admit_wave(self) -> None:
-        claimed: set[object] = set()
+        claimed: set[Hashable] = set()
         deferred: list[Request] = []
         wave: list[Request] = []
         rows = sum(len(seqs) for seqs in self.running.values())
@@ -153,26 +154,25 @@ class Scheduler:
                 break
             limit = _cache_limit(req)
             reuse = not req.include_prompt_logprobs or req.prompt_logprobs_last_n is not None
-            match = self.cache.match(req.prompt, req.version, limit) if reuse else None
-            hit = match.blocks if match else []
-            if match and match.claim in claimed and (len(hit) + 1) * bs <= limit:
+            match = self.cache.match(req.prompt, req.version, limit) if reuse else Match()
+            hit = match.blocks
+            if match.claim in claimed and (len(hit) + 1) * bs <= limit:
                 deferred.append(self.waiting.popleft())  # it hits the cache next wave
                 continue
-            pins = hit + ([match.tail_block] if match and match.tail_block is not None else [])
-            if not self.cache.can_reserve(_blocks_needed(req, len(hit), bs), pinning=pins):
+            pins = hit + ([match.tail_block] if match.tail_block is not None else [])
+            need = blocks_needed(req, len(hit), bs)
+            if not self.cache.can_reserve(need, pinning=pins):
                 break
             self.waiting.popleft()
             self.cache.acquire(pins)
-            self.cache.reserve(_blocks_needed(req, len(hit), bs))
-            req.num_cached_tokens = match.num_tokens if match else 0
+            self.cache.reserve(need)
+            req.num_cached_tokens = match.num_tokens
             req.tail_pin = pins[len(hit):]
-            req.sequences = new_sequences(req)
-            req.unfinished = req.num_samples
-            req.sequences[0].table = list(hit)
+            req.sequences = new_sequences(req, hit, bs)
             if reuse:
                 self.cache.record_lookup(P, req.num_cached_tokens)
-                if match and match.claim is not None:
-                    claimed.add(match.claim)
+            if match.claim is not None:
+                claimed.add(match.claim)
             self._note_version(req)
             wave.append(req)
             rows += req.num_samples
@@ -185,13 +185,11 @@ class Scheduler:
 
     def _prefill_batch(self, reqs: list[Request]) -> Batch:
         bs = self.cache.block_size
-        batch = Batch("prefill", reqs[0].model, reqs[0].version, [], [], [], [], [],
-                      requests=reqs, prompt_logprobs=reqs[0].include_prompt_logprobs)
+        batch = Batch("prefill", reqs[0].model, reqs[0].version, requests=reqs,
+                      prompt_logprobs=reqs[0].include_prompt_logprobs)
         for r, req in enumerate(reqs):
             P, first = len(req.prompt), req.sequences[0]
             n_hit = len(first.table)
-            first.reserved, other = _blocks_per_sample(req, bs)
-            first.reserved -= n_hit
             for _ in range(-(-P // bs) - n_hit):
                 first.table.append(self._allocate(first, batch))
             if req.tail_pin:
@@ -199,11 +197,9 @@ class Scheduler:
                                           req.num_cached_tokens % bs))
             batch.tables.append(first.table)
             batch.starts.append(req.num_cached_tokens)
-            batch.lengths.append(P - req.num_cached_tokens)
             batch.tokens.append(req.prompt[req.num_cached_tokens :])
             for seq in req.sequences if req.params.max_tokens else req.sequences[:1]:
                 if seq is not first:  # shares the full prompt blocks, copies a partial one
-                    seq.reserved = other
                     seq.table = first.table[: P // bs]
                     self.cache.acquire(seq.table)
                     if P % bs:
@@ -215,14 +211,13 @@ class Scheduler:
 
     def _decode_batch(self, version: int) -> Batch:
         seqs = self.running[version]
-        batch = Batch("decode", seqs[0].request.model, version, seqs, [], [], [], [])
+        batch = Batch("decode", seqs[0].request.model, version, seqs)
         bs = self.cache.block_size
         for seq in seqs:
             if seq.kv_len == len(seq.table) * bs:  # its next position starts a block
                 seq.table.append(self._allocate(seq, batch))
             batch.tables.append(seq.table)
             batch.starts.append(seq.kv_len)
-            batch.lengths.append(1)
             batch.tokens.append(seq.tokens[-1:])
         return batch
 
@@ -239,66 +234,57 @@ class Scheduler:
         """Append each sequence's token, retire the finished, complete their requests."""
         if batch.kind == "prefill":
             self.counters["prefill_calls"] += 1
-            self.counters["prefill_positions"] += sum(batch.lengths)
+            self.counters["prefill_positions"] += sum(len(t) for t in batch.tokens)
             for req in batch.requests:
-                first = req.sequences[0]
-                self.cache.insert(req.prompt, req.version, first.table, len(req.prompt),
-                                  partial=False)
+                done = req.params.max_tokens == 0  # then its first sample wrote its last block
+                self.cache.insert(req.prompt, req.version, req.sequences[0].table,
+                                  len(req.prompt), partial=done)
                 self.cache.release(req.tail_pin)
                 req.tail_pin = []
                 req.prompt_logprobs = output.prompt_logprobs
                 req.topk_prompt_logprobs = output.topk_prompt_logprobs
-                if req.params.max_tokens == 0:
-                    self._retire(first)
-                    for seq in req.sequences[1:]:
-                        self._finish(seq, "length")
-                else:
+                for seq in req.sequences if done else ():
+                    self._finish(seq, "length")
+                if not done:
                     self.running.setdefault(req.version, []).extend(req.sequences)
         else:
-            for seq in batch.seqs:
-                seq.kv_len += 1
             self.counters["decode_steps"] += 1
             self.counters["decoded_tokens"] += len(batch.seqs)
             self.counters["max_batch_size"] = max(self.counters["max_batch_size"],
                                                   len(batch.seqs))
-        finished = False
         for seq, token, logprob in zip(batch.seqs, output.tokens, output.logprobs):
-            if seq.stop_reason is not None or seq.request.future.done():
-                continue  # a zero-token request, or one that failed
+            if seq.request.future.done():
+                continue  # one of its request's samples failed it
+            req, params = seq.request, seq.request.params
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             try:
-                stop = token in seq.stop_token_ids or (seq.stop_strings and self._hits_stop(seq))
+                stop = token in params.stop_token_ids or bool(params.stop and self._hits_stop(seq))
             except Exception as error:  # noqa: BLE001 - the caller's decode failed: its request fails
-                self.fail([seq.request], error)
-                finished = True
+                self.fail([req], error)
                 continue
-            if stop or len(seq.tokens) >= seq.max_tokens:
-                self._retire(seq, "stop" if stop else "length")
-                finished = True
-        if finished:
-            for version, seqs in self.running.items():
-                self.running[version] = [s for s in seqs if s.stop_reason is None]
+            if stop or len(seq.tokens) >= params.max_tokens:  # its blocks enter the index
+                self.cache.insert(req.prompt + seq.tokens, req.version, seq.table, seq.kv_len,
+                                  partial=True)
+                self._finish(seq, "stop" if stop else "length")
+        for version, seqs in self.running.items():
+            self.running[version] = [s for s in seqs if s.stop_reason is None]
 
     def _hits_stop(self, seq: Sequence) -> bool:
+        """Whether the text of the last tokens (4 per character of the longest stop
+        string, and 4 more) holds a stop string."""
         assert self._decode is not None
-        text = self._decode(seq.tokens[-seq.stop_window :])
-        return any(stop in text for stop in seq.stop_strings)
-
-    def _retire(self, seq: Sequence, reason: str = "length") -> None:
-        """Index the sequence's blocks where they are (partial last block included),
-        drop its references and promises, complete its request if it was the last."""
-        req = seq.request
-        self.cache.insert(req.prompt + seq.tokens, req.version, seq.table, seq.kv_len,
-                          partial=True)
-        self._finish(seq, reason)
+        stops = seq.request.params.stop
+        text = self._decode(seq.tokens[-(4 * max(map(len, stops)) + 4) :])
+        return any(stop in text for stop in stops)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        """Drop the sequence's references and promises; complete its request if it was
+        the last."""
         req = seq.request
         self._free(seq)
         seq.stop_reason = reason
-        req.unfinished -= 1
-        if req.unfinished == 0 and not req.future.done():
+        if all(s.stop_reason for s in req.sequences) and not req.future.done():
             response = build_response(req)
             if self._ledger is not None:
                 self._ledger.add(response.usage)
@@ -312,21 +298,19 @@ class Scheduler:
 
     def fail(self, requests: list[Request], error: BaseException) -> None:
         """Fail these requests with `error`, wherever they are, and free what they hold."""
-        for req in dict.fromkeys(requests):
+        failed = dict.fromkeys(requests)
+        for req in failed:
             for seq in req.sequences:
                 self._free(seq)
                 seq.stop_reason = seq.stop_reason or "error"
             self.cache.release(req.tail_pin)
             req.tail_pin = []
-            if req in self.waiting:
-                self.waiting.remove(req)
-            for chunk in self._chunks:
-                if req in chunk:
-                    chunk.remove(req)
             self.counters["requests_failed"] += 1
             if not req.future.done():
                 req.future.set_exception(error)
-        self._chunks = deque(c for c in self._chunks if c)
+        self.waiting = deque(r for r in self.waiting if r not in failed)
+        chunks = ([r for r in chunk if r not in failed] for chunk in self._chunks)
+        self._chunks = deque(chunk for chunk in chunks if chunk)
         for version, seqs in self.running.items():
             self.running[version] = [s for s in seqs if not s.request.future.done()]
 
@@ -334,17 +318,16 @@ class Scheduler:
 
     def _note_version(self, req: Request) -> None:
         """A newer version demotes older versions' cache blocks (evicted first)."""
-        self._version_models.setdefault(req.version, weakref.ref(req.model))
-        if req.version > self._latest_version:
-            self._latest_version = req.version
+        if req.version > max(self._version_models, default=-1):
             for version in self._version_models:
-                if version < req.version:
-                    self.cache.demote_version(version)
+                self.cache.demote_version(version)
+        self._version_models.setdefault(req.version, weakref.ref(req.model))
 
     def _drop_dead_versions(self) -> None:
         """A version whose model nobody holds (no client, no request) loses its blocks."""
+        latest = max(self._version_models, default=-1)
         dead = [v for v, ref in self._version_models.items()
-                if v != self._latest_version and not self.running.get(v) and ref() is None]
+                if v != latest and not self.running.get(v) and ref() is None]
         for version in dead:
             del self._version_models[version]
             self.running.pop(version, None)
@@ -360,18 +343,6 @@ def _cache_limit(req: Request) -> int:
         return P - 1
     last_n = req.prompt_logprobs_last_n
     return 0 if last_n is None else P - last_n - 1
-
-
-def _blocks_per_sample(req: Request, block_size: int) -> tuple[int, int]:
-    """(blocks of the first sample's table, blocks each other sample takes beyond the
-    prompt's full blocks, which it shares)."""
-    total = -(-kv_positions(req) // block_size)
-    return total, 0 if req.params.max_tokens == 0 else total - len(req.prompt) // block_size
-
-
-def _blocks_needed(req: Request, cached: int, block_size: int) -> int:
-    first, other = _blocks_per_sample(req, block_size)
-    return first - cached + (req.num_samples - 1) * other
 
 
 def _chunks(reqs: list[Request], max_tokens: int) -> list[list[Request]]:

@@ -306,6 +306,37 @@ def test_a_failing_forward_fails_its_requests_while_others_keep_running() -> Non
         assert svc.engine_stats()["requests_failed"] == 1
 
 
+def test_an_engine_bug_fails_every_request_in_flight_and_returns_their_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with LocalService(SMALL, seed=0, block_size=BS) as svc:
+        scheduler = svc.engine.scheduler
+        steps = {"n": 0}
+        drop_dead_versions = scheduler._drop_dead_versions  # the first call of every schedule()
+
+        def bug_in_the_second_step() -> None:
+            steps["n"] += 1
+            if steps["n"] == 2:
+                raise RuntimeError("engine bug")
+            drop_dead_versions()
+
+        monkeypatch.setattr(scheduler, "_drop_dead_versions", bug_in_the_second_step)
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        svc.engine.pause()
+        # admitted together; the prompt-scoring one is prefilled alone, first, and the
+        # other waits in the next chunk, its blocks promised but not yet taken
+        running = sampler.sample(list(range(1, 30)), sampling_params=GREEDY,
+                                 include_prompt_logprobs=True)
+        admitted = sampler.sample(list(range(100, 150)), num_samples=3, sampling_params=GREEDY)
+        svc.engine.resume()
+        for future in (running, admitted):
+            with pytest.raises(RuntimeError, match="engine bug"):
+                future.result()
+        svc.check_cache_integrity()
+        assert svc.cache_stats()["reserved_blocks"] == 0
+        assert len(sampler.sample([1, 2, 3], sampling_params=GREEDY).result().sequences[0].tokens) == 12
+
+
 def test_a_failing_stop_check_fails_only_its_request() -> None:
     from prefixgym.engine.service import EngineService
 
