@@ -159,12 +159,19 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return
+        requests = batch.requests or [s.request for s in batch.seqs]
         try:
             output = self.runner.run(batch)
         except Exception as error:  # noqa: BLE001 - handed to the batch's requests
-            self.scheduler.fail(batch.requests or [s.request for s in batch.seqs], error)
+            self.scheduler.fail(requests, error)
             return
-        self.scheduler.postprocess(batch, output)
+        try:
+            self.scheduler.postprocess(batch, output)
+        except Exception as error:
+            # an engine bug: a prefill batch's requests have left the chunk queue but not
+            # joined the running set, so `in_flight()` would not find them
+            self.scheduler.fail(requests, error)
+            raise
 
     def _loop(self) -> None:
         with torch.inference_mode():

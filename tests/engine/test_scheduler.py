@@ -337,6 +337,29 @@ def test_an_engine_bug_fails_every_request_in_flight_and_returns_their_blocks(
         assert len(sampler.sample([1, 2, 3], sampling_params=GREEDY).result().sequences[0].tokens) == 12
 
 
+def test_a_bug_in_postprocess_fails_the_prefill_batch_it_was_handling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with LocalService(SMALL, seed=0, block_size=BS) as svc:
+        scheduler = svc.engine.scheduler
+        postprocess, calls = scheduler.postprocess, {"n": 0}
+
+        def bug_in_the_first_postprocess(batch, output):  # type: ignore[no-untyped-def]
+            calls["n"] += 1
+            if calls["n"] == 1:  # the request's prefill batch
+                raise RuntimeError("bug in postprocess")
+            postprocess(batch, output)
+
+        monkeypatch.setattr(scheduler, "postprocess", bug_in_the_first_postprocess)
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        future = sampler.sample([1, 2, 3], sampling_params=GREEDY)
+        with pytest.raises(RuntimeError, match="bug in postprocess"):
+            future.result(timeout=60)
+        svc.check_cache_integrity()
+        assert svc.cache_stats()["reserved_blocks"] == 0
+        assert len(sampler.sample([1, 2, 3], sampling_params=GREEDY).result().sequences[0].tokens) == 12
+
+
 def test_a_failing_stop_check_fails_only_its_request() -> None:
     from prefixgym.engine.service import EngineService
 
