@@ -72,8 +72,9 @@ class TrainConfig:
     """Seed of the model init, the env seeds and the sampler."""
     sft_steps: int = 65
     """Warm-start steps of cross-entropy on expert episodes (0 skips the warm start).
-    The default stops short (~55% on the default env) to leave GRPO room; ~80 steps
-    already imitate the expert's binary search (~90%), the env's ceiling being 94%."""
+    The default was chosen to stop short of the expert and leave GRPO room; on the
+    default env its greedy success varies from seed to seed (38-87% measured, fp32),
+    the env's ceiling being 94% (docs/benchmarks.md)."""
     sft_episodes_per_step: int = 16
     """Expert episodes per warm-start step."""
     sft_lr: float = 2e-3
@@ -98,11 +99,16 @@ class TrainConfig:
     max_tokens: int = 8
     """Tokens one assistant turn may sample."""
     temperature: float = 1.0
-    """Sampling temperature during GRPO (evaluation is greedy)."""
+    """Sampling temperature during GRPO (evaluation: --eval-temperature)."""
     eval_every: int = 30
     """Evaluate every this many GRPO steps (and before and after training)."""
     eval_episodes: int = 1000
     """Held-out seeds per evaluation."""
+    eval_temperature: float = 0.0
+    """Sampling temperature of the evaluations: 0 (greedy, the default) scores the
+    most likely reply; the GRPO temperature scores the policy GRPO trains, which can
+    improve while greedy success falls (greedy success moves in steps of the states
+    whose most likely reply changes)."""
     async_mode: bool = False
     """Sample step t+1 while step t trains (at most one step off-policy)."""
     deterministic: bool = True
@@ -199,8 +205,8 @@ class TrainConfig:
         for name, rate in {"lr": self.lr, "sft_lr": self.sft_lr}.items():
             if not rate > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {rate}")
-        if self.kl_coef < 0 or self.temperature < 0:
-            raise ValueError("--kl-coef and --temperature must be >= 0")
+        if min(self.kl_coef, self.temperature, self.eval_temperature) < 0:
+            raise ValueError("--kl-coef, --temperature and --eval-temperature must be >= 0")
         if self.group_size < 2:
             raise ValueError(
                 f"--group-size must be at least 2 (group-relative advantages), got "

@@ -1,4 +1,5 @@
-"""Evaluation: greedy episodes on held-out env seeds, success rate with its error.
+"""Evaluation: greedy (or sampled) episodes on held-out env seeds, success rate with
+its error.
 
 Held-out seeds start at `EVAL_SEED_BASE`, far from the training seeds, so no eval
 episode was ever trained on. Knows rollouts and envs; not how the model is trained.
@@ -61,12 +62,13 @@ def summarize(trajectories: Sequence[Trajectory]) -> EvalResult:
 def evaluate(
     sampler: SamplingClient, tokenizer: PreTrainedTokenizerBase, envs: Sequence[AgentGymEnv],
     episodes: int, config: RolloutConfig, concurrency: int | None = None,
-    on_episodes: Callable[[int, int, int], None] | None = None,
+    on_episodes: Callable[[int, int, int], None] | None = None, temperature: float = 0.0,
 ) -> EvalResult:
-    """Greedy episodes on seeds EVAL_SEED_BASE + i, `len(envs)` at a time.
+    """Episodes on seeds EVAL_SEED_BASE + i, `len(envs)` at a time, greedy or sampled at
+    `temperature` (seeded per episode, so the same weights give the same result).
     `on_episodes(n, done, successes)` is called after each batch of n episodes."""
-    greedy = RolloutConfig(**{**config.__dict__, "temperature": 0.0})
-    rollouts = Rollouts(sampler, tokenizer, greedy)
+    rollouts = Rollouts(sampler, tokenizer,
+                        RolloutConfig(**{**config.__dict__, "temperature": temperature}))
     width = min(concurrency or len(envs), len(envs))
 
     async def _all() -> list[Trajectory]:

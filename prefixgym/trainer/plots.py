@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prefixgym.trainer.report import eval_kind
 from prefixgym.types import JSONObject
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
                        color="tab:blue", lw=2, label="smoothed")
         reward_ax.legend(loc="lower right", fontsize=8)
     _label(reward_ax, "GRPO train reward\n(mean per episode)", bool(t.grpo), "no GRPO steps")
+    how = eval_kind(t.evals).replace("sampled at ", "")
     for ax, key, err, colour, name in (
         (success_ax, "eval/success", "eval/success_stderr", "tab:green", "eval success"),
         (eval_reward_ax, "eval/reward/mean", "eval/reward/stderr", "tab:orange",
@@ -95,7 +97,7 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
             ax.errorbar(t.eval_x(), [r[key] for r in t.evals],
                         yerr=[r.get(err, 0.0) for r in t.evals], fmt="o-", capsize=3,
                         color=colour)
-        _label(ax, f"{name}\n(greedy, held-out)", bool(t.evals), "no evaluation")
+        _label(ax, f"{name}\n({how}, held-out)", bool(t.evals), "no evaluation")
     success_ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     eval_reward_ax.set_xlabel("training step (shaded: warm start, then GRPO)")
     for ax in axes:

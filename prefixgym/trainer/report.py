@@ -116,6 +116,13 @@ def phase_table(usage: Usage) -> str:
     return "\n".join(lines)
 
 
+def eval_kind(evals: Sequence[JSONObject]) -> str:
+    """How the evaluations sampled: "greedy", or the temperature (runs before the
+    option logged none: greedy)."""
+    temperature = float(evals[-1].get("eval/temperature", 0.0)) if evals else 0.0
+    return "greedy" if temperature == 0 else f"sampled at temperature {temperature:g}"
+
+
 def eval_table(evals: Sequence[JSONObject]) -> str:
     lines = ["| when | step | success | ± stderr | mean reward | episodes |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -155,7 +162,7 @@ def write_report(
         "",
         f"Wall time: {wall_s:.0f} s. Config: `{json.dumps(config, sort_keys=True)}`",
         "",
-        "## Evaluation (greedy, held-out seeds)",
+        f"## Evaluation ({eval_kind(evals)}, held-out seeds)",
         "",
         eval_table(evals) if evals else "No evaluation ran.",
         "",

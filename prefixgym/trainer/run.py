@@ -142,8 +142,10 @@ class Run:
                 sampler, self.tokenizer, self.eval_envs, self.config.eval_episodes,
                 self.rollout_config,
                 on_episodes=lambda n, done, wins: progress.update(n, success=f"{wins / done:.1%}"),
+                temperature=self.config.eval_temperature,
             )
         record = {"step": step, "phase": "eval", "when": when, **result.as_metrics(),
+                  "eval/temperature": self.config.eval_temperature,
                   **phase_metrics(result.usage)}
         state.evals.append(record)
         self.write(record)
