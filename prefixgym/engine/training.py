@@ -26,6 +26,10 @@ What trains is given: by default every parameter of the model that requires grad
 its adapters' parameters, the module that holds them (what `save_state` writes), and
 the callable that writes them for a sampler (`save_weights_for_sampler`).
 
+Creating a client fixes glibc's mmap threshold for the process
+(`malloc_tuning.py`): otherwise freed activations stay resident in the worker's malloc
+arena and the peak grows with every datum.
+
 Calls run in order on one worker thread and return `APIFuture`s, so they are safe to
 issue from any thread, e.g. while another thread samples. This module knows nothing
 of tokenizers, caches or the sampler: publishing weights is a callable it is given.
@@ -42,7 +46,7 @@ from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
 
 import torch
 
-from prefixgym.engine import logprob_head, losses
+from prefixgym.engine import logprob_head, losses, malloc_tuning
 from prefixgym.engine.checkpoint_io import (
     capture_rng_state,
     load_checkpoint,
@@ -118,6 +122,9 @@ class TrainingClient:
                              f"{nonfinite_update!r}")
         if max_tokens_per_forward < 1:
             raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
+        # freed activations go back to the system instead of piling up in malloc's
+        # arenas (glibc only; once per process; see malloc_tuning.py)
+        malloc_tuning.fix_mmap_threshold()
         self.model = model
         self.ledger = ledger if ledger is not None else UsageLedger()
         self.compute_dtype = compute_dtype
