@@ -1,4 +1,5 @@
-"""glibc's mmap threshold: fixed once per process by a TrainingClient, the user's
+"""glibc's mmap threshold: fixed once per process by a TrainingClient with
+`recompute_activations` (never on the default path), the user's
 `MALLOC_MMAP_THRESHOLD_` left standing, a no-op without glibc, and (on glibc) a freed
 large block's size is mmapped again instead of coming from the arena."""
 
@@ -13,6 +14,7 @@ import pytest
 from prefixgym.engine import malloc_tuning
 from prefixgym.engine.model import ModelConfig, Transformer, init_weights
 from prefixgym.engine.training import TrainingClient
+from prefixgym.types import Datum, ModelInput
 
 CONFIG = ModelConfig(vocab_size=97, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64,
                      max_seq_len=16)
@@ -75,11 +77,24 @@ def test_other_linux_c_libraries_are_left_alone(monkeypatch: pytest.MonkeyPatch)
     assert malloc_tuning.glibc() is None
 
 
-def test_a_training_client_fixes_it(fresh: FakeLibc) -> None:
+def train_once(client: TrainingClient) -> None:
+    datum = Datum(model_input=ModelInput.from_ints([1, 2, 3, 4]),
+                  loss_fn_inputs={"target_tokens": [2, 3, 4, 5]})
+    client.forward_backward([datum], "cross_entropy").result()
+
+
+def test_recompute_activations_fixes_it_at_the_first_forward_backward(fresh: FakeLibc) -> None:
     model = Transformer(CONFIG)
     init_weights(model, 0)
-    TrainingClient(model).close()
-    TrainingClient(model).close()
+    plain = TrainingClient(model)
+    train_once(plain)
+    assert fresh.calls == []  # the default path leaves glibc's setting alone
+    recompute = TrainingClient(model, recompute_activations=True)
+    assert fresh.calls == []  # not at construction
+    train_once(recompute)
+    train_once(recompute)
+    plain.close()
+    recompute.close()
     assert fresh.calls == [(malloc_tuning.M_MMAP_THRESHOLD, 128 * 1024)]
 
 
