@@ -1,7 +1,8 @@
 """glibc's mmap threshold: fixed once per process by a TrainingClient with
 `recompute_activations` (never on the default path), the user's
 `MALLOC_MMAP_THRESHOLD_` left standing, a no-op without glibc, and (on glibc) a freed
-large block's size is mmapped again instead of coming from the arena."""
+large block's size is mmapped again instead of coming from the arena; the trim that
+ends a checkpoint load runs on glibc only."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ class FakeLibc:
 
     def __init__(self, result: int = 1) -> None:
         self.calls: list[tuple[int, int]] = []
+        self.trims: list[int] = []
         self.result = result
         self.mallopt = self._mallopt
+        self.malloc_trim = self.trims.append
 
     def _mallopt(self, param: int, value: int) -> int:
         self.calls.append((param, value))
@@ -69,6 +72,15 @@ def test_no_op_without_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(malloc_tuning, "_applied", None)
     monkeypatch.delenv(malloc_tuning.ENV_VAR, raising=False)
     assert malloc_tuning.fix_mmap_threshold() is False  # and raises nothing
+
+
+def test_release_free_memory_trims_with_glibc_only(fresh: FakeLibc,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    assert malloc_tuning.release_free_memory() is True
+    assert fresh.trims == [0]
+    monkeypatch.setattr(malloc_tuning, "glibc", lambda: None)
+    assert malloc_tuning.release_free_memory() is False
+    assert fresh.trims == [0]
 
 
 def test_other_linux_c_libraries_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
