@@ -4,7 +4,8 @@ into the built-in `Transformer`.
 Steps: 1) read and check config.json, 2) translate it into a `ModelConfig`,
 3) index the tensors of every *.safetensors file, 4) map HF names onto ours
 (q/k/v and gate/up are concatenated into our fused projections), checking shapes,
-5) materialise the model from those tensors.
+5) materialise the model from those tensors, 6) hand the freed temporaries back to
+the system (`malloc_tuning.release_free_memory`).
 
 This module knows HF config fields and tensor names; it does not download anything,
 does not read tokenizers, and refuses what the model cannot compute exactly
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from prefixgym.engine import malloc_tuning
 from prefixgym.engine.checkpoint_io import nonfinite_tensor
 from prefixgym.engine.model import ModelConfig, Transformer
 from prefixgym.types import JSONObject
@@ -263,4 +265,7 @@ def load_hf_checkpoint(
         model = Transformer(config)
     model.load_state_dict(state_dict, strict=True, assign=True)
     model.build_rope_tables(torch.device("cpu"))  # in the weights' dtype, as HF casts cos/sin
+    del state_dict
+    # 6) the checks' and fusions' freed temporaries leave malloc's arenas (glibc only)
+    malloc_tuning.release_free_memory()
     return model

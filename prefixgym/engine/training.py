@@ -26,6 +26,11 @@ What trains is given: by default every parameter of the model that requires grad
 its adapters' parameters, the module that holds them (what `save_state` writes), and
 the callable that writes them for a sampler (`save_weights_for_sampler`).
 
+With `recompute_activations`, the first forward_backward also fixes glibc's mmap
+threshold for the process (`malloc_tuning.py`): otherwise freed activations stay
+resident in the worker's malloc arena and the peak grows with every datum. It is part
+of that memory option because it costs time too (a mapping per large tensor).
+
 Calls run in order on one worker thread and return `APIFuture`s, so they are safe to
 issue from any thread, e.g. while another thread samples. This module knows nothing
 of tokenizers, caches or the sampler: publishing weights is a callable it is given.
@@ -42,7 +47,7 @@ from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
 
 import torch
 
-from prefixgym.engine import logprob_head, losses
+from prefixgym.engine import logprob_head, losses, malloc_tuning
 from prefixgym.engine.checkpoint_io import (
     capture_rng_state,
     load_checkpoint,
@@ -90,7 +95,8 @@ class TrainingClient:
     (`logprob_head.py`; when the head trains, each chunk's logits are recomputed in
     backward); `recompute_activations` checkpoints every transformer block, so backward
     keeps only the blocks' inputs and runs each block's forward again (about a third
-    more compute).
+    more compute), and fixes glibc's mmap threshold for the process, so that freed
+    activations go back to the system (`malloc_tuning.py`; slower steps on small models).
     """
 
     def __init__(
@@ -308,6 +314,8 @@ class TrainingClient:
         backward: bool,
         record_usage: bool = True,
     ) -> ForwardBackwardOutput:
+        if self.recompute_activations:  # once per process; a no-op without glibc
+            malloc_tuning.fix_mmap_threshold()
         params = self._params
         device = params[0].device if params else torch.device("cpu")
         staged: list[Tensor | None] = [None] * len(params)

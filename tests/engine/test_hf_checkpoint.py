@@ -174,3 +174,15 @@ def test_untied_checkpoint_without_lm_head_is_refused(tmp_path: Path) -> None:
     edit_config(tmp_path, tie_word_embeddings=False)
     with pytest.raises(ValueError, match="'lm_head.weight' is missing"):
         load_model(str(tmp_path))
+
+
+def test_loading_hands_freed_temporaries_back_once(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefixgym.engine import malloc_tuning
+
+    save_hf(tmp_path, "qwen2")
+    calls: list[None] = []
+    monkeypatch.setattr(malloc_tuning, "release_free_memory", lambda: calls.append(None) or True)
+    model = load_model(str(tmp_path))
+    assert len(calls) == 1
+    assert model.config.n_layers == 2  # the model itself is intact
