@@ -6,9 +6,9 @@ Usage: `python bench/bench_seeds.py [--seeds 0 1 2 3 4] [--parallel 1] [--out ru
 Runs `prefixgym train --seed S --out OUT/seedS --no-progress [TRAIN FLAGS]` for every
 seed (`--parallel N` at a time, each on `--threads` torch threads), then reads each
 run's metrics.jsonl and prints one table: wall seconds, the machine's load average
-at start and end, greedy success after the warm start and after GRPO (± binomial
-SE, sqrt(p(1-p)/n)), and GRPO's gain in points and in SE of the difference
-(sqrt(se1² + se2²)), the criterion of issue 20 being > 5 SE on every seed.
+at start and end, eval success (at the runs' `eval/temperature`) after the warm start
+and after GRPO (± binomial SE, sqrt(p(1-p)/n)), and GRPO's gain in points and in SE
+of the difference (sqrt(se1² + se2²)), the criterion of issue 20 being > 5 SE on every seed.
 `--report-only` prints the table of runs already in OUT. Runs are deterministic
 (`prefixgym train --deterministic`, the default), so a seed's figures repeat on one
 machine and engine; the wall times do not.

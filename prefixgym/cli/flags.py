@@ -75,6 +75,7 @@ def build_parser(
     for f in dataclasses.fields(cls):
         flag = "--" + (flag_names or {}).get(f.name, f.name.replace("_", "-"))
         kind = hints[f.name]
+        kind = float if kind == float | None else kind  # unset (None) resolves in the config
         if f.default is not dataclasses.MISSING:
             default = f.default
         else:
@@ -114,6 +115,7 @@ def read_config_file(cls: type, path: str, flag_names: dict[str, str] | None = N
 
 
 def _typed(path: str, key: str, value: object, kind: object) -> object:
+    kind = float if kind == float | None else kind
     if kind == list[str]:  # one string stands for a list of one
         if isinstance(value, str):
             return [value]

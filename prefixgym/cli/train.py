@@ -36,7 +36,7 @@ from prefixgym.protocols import TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.types import TrajectoryGroup
 from prefixgym.serving.config import API_KEY_VARIABLE
-from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.config import TrainConfig, with_added_fields
 from prefixgym.trainer.run import RUN_CONFIG, Clients, Ranks, Run, RunResult
 from prefixgym.types import JSONObject, Usage
 
@@ -266,4 +266,4 @@ def saved_run_config(settings: JSONObject) -> JSONObject:
     if not settings.get("resume"):
         return {}
     path = Path(settings.get("out", TrainConfig.out)) / RUN_CONFIG
-    return read_json_object(path) if path.exists() else {}
+    return with_added_fields(read_json_object(path)) if path.exists() else {}

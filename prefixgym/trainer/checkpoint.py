@@ -36,6 +36,7 @@ from prefixgym.files import (
     write_text_atomically,
 )
 from prefixgym.protocols import TrainingClient
+from prefixgym.trainer.config import with_added_fields
 from prefixgym.types import JSONObject, Usage
 
 WARM_START = "warm_start"
@@ -189,6 +190,7 @@ def find_checkpoint(out: Path, identity: JSONObject | None, force: bool = False)
         except ValueError as e:
             found.passed_over.append(str(e))
             continue
+        theirs = with_added_fields(theirs)
         if identity is None or theirs == identity:
             found.path = path
             return found

@@ -39,6 +39,15 @@ length. `sampler_url` moves sampling to another server, whose weights are its ow
 Every other field determines results (`eval_episodes` too: evaluations before and
 after the change would not compare)."""
 
+ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0}
+"""Fields added after runs were saved, with the value that gives what a run saved
+without them did (they evaluated greedily): `with_added_fields` fills them into a
+saved config or checkpoint identity, so such runs still resume as themselves."""
+
+
+def with_added_fields(saved: JSONObject) -> JSONObject:
+    return {**ADDED_FIELDS, **saved}
+
 
 def default_env_kwargs(env: str) -> JSONObject:
     """The env kwargs a run uses when none are given."""
@@ -104,11 +113,12 @@ class TrainConfig:
     """Evaluate every this many GRPO steps (and before and after training)."""
     eval_episodes: int = 1000
     """Held-out seeds per evaluation."""
-    eval_temperature: float = 0.0
-    """Sampling temperature of the evaluations: 0 (greedy, the default) scores the
-    most likely reply; the GRPO temperature scores the policy GRPO trains, which can
-    improve while greedy success falls (greedy success moves in steps of the states
-    whose most likely reply changes)."""
+    eval_temperature: float | None = None
+    """Sampling temperature of the evaluations. Unset: the GRPO --temperature, so they
+    score the policy GRPO trains (one sample per held-out seed, seeded: repeatable).
+    0: greedy, the most likely reply, which can fall while the sampled policy improves
+    (on the default env greedy success moves in steps of the 16 hidden numbers whose
+    most likely reply changes; docs/benchmarks.md)."""
     async_mode: bool = False
     """Sample step t+1 while step t trains (at most one step off-policy)."""
     deterministic: bool = True
@@ -166,6 +176,8 @@ class TrainConfig:
             raise ValueError(f"--sampler-url must be URLs, got {self.sampler_url!r}")
         if self.env_kwargs is None:
             self.env_kwargs = default_env_kwargs(self.env)
+        if self.eval_temperature is None:
+            self.eval_temperature = self.temperature
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
         _require_one_of("--loss", self.loss, LOSSES)
@@ -224,7 +236,8 @@ def saved_run_identity(saved: JSONObject) -> JSONObject:
     defaults; ValueError when the saved values are not a valid config)."""
     names = {f.name for f in fields(TrainConfig)}
     try:
-        return run_identity(TrainConfig(**{k: v for k, v in saved.items() if k in names}))
+        return run_identity(TrainConfig(**{k: v for k, v in with_added_fields(saved).items()
+                                           if k in names}))
     except TypeError as e:
         raise ValueError(f"not a prefixgym train config: {e}") from None
 

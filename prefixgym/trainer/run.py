@@ -136,16 +136,18 @@ class Run:
     def evaluate(self, sampler: SamplingClient, step: int, when: str, state: LoopState) -> None:
         if not self.main:
             return
+        temperature = self.config.eval_temperature
+        assert temperature is not None  # resolved by TrainConfig
         with Progress(f"eval ({when})", self.config.eval_episodes, "episode",
                       self.config.progress) as progress:
             result = evaluate(
                 sampler, self.tokenizer, self.eval_envs, self.config.eval_episodes,
                 self.rollout_config,
                 on_episodes=lambda n, done, wins: progress.update(n, success=f"{wins / done:.1%}"),
-                temperature=self.config.eval_temperature,
+                temperature=temperature,
             )
         record = {"step": step, "phase": "eval", "when": when, **result.as_metrics(),
-                  "eval/temperature": self.config.eval_temperature,
+                  "eval/temperature": temperature,
                   **phase_metrics(result.usage)}
         state.evals.append(record)
         self.write(record)

@@ -178,3 +178,14 @@ def test_the_metrics_log_is_set_aside_never_deleted(tmp_path: Path) -> None:
     assert [json.loads((tmp_path / f"metrics.{n}.jsonl").read_text()) for n in (1, 2)] == [
         {"run": 1}, {"run": 2}]
     assert not log.path.exists()
+
+
+def test_a_run_saved_before_eval_temperature_existed_resumes_as_a_greedy_one(
+    tmp_path: Path,
+) -> None:
+    greedy = run_identity(TrainConfig(eval_temperature=0.0))
+    old = {k: v for k, v in greedy.items() if k != "eval_temperature"}  # as it was saved
+    saved = save(tmp_path, 4, old)
+    assert find_checkpoint(tmp_path, greedy).path == saved
+    with pytest.raises(ForeignCheckpointError, match="eval_temperature: 1.0 here, 0.0 there"):
+        find_checkpoint(tmp_path, IDENTITY)  # the default now evaluates as it samples

@@ -45,3 +45,20 @@ def test_report_and_metrics_name_the_evaluation_temperature(tmp_path):
 def test_negative_evaluation_temperature_is_refused():
     with pytest.raises(ValueError, match="--eval-temperature must be >= 0"):
         TrainConfig(eval_temperature=-0.5)
+
+
+def test_evaluation_samples_as_grpo_does_unless_told_otherwise():
+    assert TrainConfig().eval_temperature == TrainConfig().temperature == 1.0
+    assert TrainConfig(temperature=0.7).eval_temperature == 0.7
+    assert TrainConfig(temperature=0.7, eval_temperature=0.0).eval_temperature == 0.0
+
+
+def test_a_resumed_run_saved_without_eval_temperature_keeps_evaluating_greedily(tmp_path):
+    from dataclasses import asdict
+
+    from prefixgym.cli.train import saved_run_config
+
+    saved = {k: v for k, v in asdict(TrainConfig()).items() if k != "eval_temperature"}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    resumed = saved_run_config({"resume": True, "out": str(tmp_path)})
+    assert TrainConfig(**resumed).eval_temperature == 0.0
