@@ -305,8 +305,8 @@ class Scheduler:
                 seq.stop_reason = seq.stop_reason or "error"
             self.cache.release(req.tail_pin)
             req.tail_pin = []
-            self.counters["requests_failed"] += 1
-            if not req.future.done():
+            if not req.future.done():  # (a batch failed after postprocess finished some)
+                self.counters["requests_failed"] += 1
                 req.future.set_exception(error)
         self.waiting = deque(r for r in self.waiting if r not in failed)
         chunks = ([r for r in chunk if r not in failed] for chunk in self._chunks)

@@ -355,6 +355,7 @@ def test_a_bug_in_postprocess_fails_the_prefill_batch_it_was_handling(
         future = sampler.sample([1, 2, 3], sampling_params=GREEDY)
         with pytest.raises(RuntimeError, match="bug in postprocess"):
             future.result(timeout=60)
+        assert svc.engine_stats()["requests_failed"] == 1
         svc.check_cache_integrity()
         assert svc.cache_stats()["reserved_blocks"] == 0
         assert len(sampler.sample([1, 2, 3], sampling_params=GREEDY).result().sequences[0].tokens) == 12
