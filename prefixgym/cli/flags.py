@@ -74,8 +74,7 @@ def build_parser(
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + (flag_names or {}).get(f.name, f.name.replace("_", "-"))
-        kind = hints[f.name]
-        kind = float if kind == float | None else kind  # unset (None) resolves in the config
+        kind = _value_kind(hints[f.name])
         if f.default is not dataclasses.MISSING:
             default = f.default
         else:
@@ -114,8 +113,14 @@ def read_config_file(cls: type, path: str, flag_names: dict[str, str] | None = N
     return values
 
 
+def _value_kind(kind: object) -> object:
+    """The type a flag or TOML value takes: `float | None` fields take floats (unset,
+    None, is resolved by the config itself)."""
+    return float if kind == float | None else kind
+
+
 def _typed(path: str, key: str, value: object, kind: object) -> object:
-    kind = float if kind == float | None else kind
+    kind = _value_kind(kind)
     if kind == list[str]:  # one string stands for a list of one
         if isinstance(value, str):
             return [value]
