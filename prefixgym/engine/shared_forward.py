@@ -9,9 +9,10 @@
    over the branches that read it.
 2) Per wave, the log-softmax of every row once; then each datum's target logprob at
    each of its positions, picked from the row that computed the position. With
-   `chunked_head`, the rows each (datum, position) reads are gathered from the final
-   norm's output instead, and `logprob_head` computes their targets' logprobs a chunk
-   at a time (a row read by two datums, at a branch point, is computed twice).
+   `chunked_head`, the distinct (row, target) pairs the datums read are gathered from
+   the final norm's output instead, and `logprob_head` computes their logprobs a chunk
+   at a time: a shared row is computed once per distinct target (twice at a branch
+   point whose datums' next tokens differ), not once per datum.
 3) Put the picked values in the chunk's (B, T) grid, zero on the padding.
 
 The result equals the plain forward's target logprobs up to float rounding; the
@@ -105,6 +106,15 @@ class TrieKV:
         return out
 
 
+def _distinct_pairs(
+    rows_U: Tensor, targets_U: Tensor, vocab_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The distinct (row, target) pairs among U uses, as (rows_P, targets_P), and each
+    use's pair (U,): a row read by G datums with one target is one head row, not G."""
+    pairs_P, pair_of_use_U = torch.unique(rows_U * vocab_size + targets_U, return_inverse=True)
+    return pairs_P // vocab_size, pairs_P % vocab_size, pair_of_use_U
+
+
 def plan_logprobs(
     model: Transformer,
     plan: TriePlan,
@@ -126,13 +136,17 @@ def plan_logprobs(
         kv = TrieKV(store, wave, device)
         tokens, positions = wave.tokens_N_L.to(device), wave.positions_N_L.to(device)
         if chunked_head:
-            # 2') the rows each (datum, position) reads, then their targets' logprobs
+            # 2') each distinct (row, target) once -- the datums sharing a row mostly
+            # share its target too -- then every (datum, position) picks its pair
+            rows_r, targets_r, pair_of_cell = _distinct_pairs(
+                wave.rows_used.to(device), targets[wave.cells_used.to(device)],
+                model.config.vocab_size)
             with autocast():
                 h_N_L_C = model.hidden(tokens, positions, kv, recompute=recompute)
                 h_R_C = h_N_L_C.reshape(-1, h_N_L_C.shape[-1])
-                picked.append(logprob_head.target_logprobs(
-                    model, h_R_C.index_select(0, wave.rows_used.to(device)),
-                    targets[wave.cells_used.to(device)]))
+                logprobs_r = logprob_head.target_logprobs(
+                    model, h_R_C.index_select(0, rows_r), targets_r)
+            picked.append(logprobs_r.index_select(0, pair_of_cell))
             continue
         with autocast():
             logits_N_L_V = model(tokens, positions, kv, recompute=recompute)

@@ -127,6 +127,29 @@ def test_branches_of_branches_and_two_groups_sharing_a_system_prompt() -> None:
     assert out.usage.train_computed_tokens == distinct == 10 + 6 + 24 + 4 + 16 + 6
 
 
+def test_the_head_computes_each_distinct_position_and_target_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Datums sharing a position and its target read one head row, not one each."""
+    from prefixgym.engine import logprob_head, shared_forward
+
+    system = tuple(random_ids(10, 5))
+    datums = [*group(prompt_len=6, seed=20, system=system),
+              *group(prompt_len=4, reply_lens=(4, 4, 8), seed=30, system=system)]
+    head_rows: list[int] = []
+    inner = logprob_head.target_logprobs
+
+    def counting(model: Transformer, h_N_C: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+        head_rows.append(h_N_C.shape[0])
+        return inner(model, h_N_C, targets_N)
+
+    monkeypatch.setattr(shared_forward.logprob_head, "target_logprobs", counting)
+    run(datums, "ppo", share=True)  # exact: test_branches_of_branches_... on the same shapes
+    pairs = {(tuple(d.model_input.tokens[: k + 1]), d.loss_fn_inputs["target_tokens"][k])
+             for d in datums for k in range(d.model_input.length)}
+    assert sum(head_rows) == len(pairs) < sum(d.model_input.length for d in datums)
+
+
 def test_no_shared_prefix_at_all() -> None:
     datums = [make_datum(random_ids(n, 40 + n), 3, n) for n in (4, 11, 7, 16)]
     datums = [d for d in datums if len({d.model_input.tokens[0] for d in datums}) == 4]
