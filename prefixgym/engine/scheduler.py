@@ -238,7 +238,7 @@ class Scheduler:
             for req in batch.requests:
                 done = req.params.max_tokens == 0  # then its first sample wrote its last block
                 self.cache.insert(req.prompt, req.version, req.sequences[0].table,
-                                  len(req.prompt), partial=done)
+                                  len(req.prompt), finished=done)
                 self.cache.release(req.tail_pin)
                 req.tail_pin = []
                 req.prompt_logprobs = output.prompt_logprobs
@@ -265,7 +265,7 @@ class Scheduler:
                 continue
             if stop or len(seq.tokens) >= params.max_tokens:  # its blocks enter the index
                 self.cache.insert(req.prompt + seq.tokens, req.version, seq.table, seq.kv_len,
-                                  partial=True)
+                                  finished=True)
                 self._finish(seq, "stop" if stop else "length")
         for version, seqs in self.running.items():
             self.running[version] = [s for s in seqs if s.stop_reason is None]

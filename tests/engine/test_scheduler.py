@@ -170,6 +170,34 @@ def test_a_small_pool_queues_requests_evicts_and_gives_the_same_results() -> Non
     assert results[0] == results[1]
 
 
+def test_a_request_that_bypasses_the_cache_leaves_its_cached_prefix_evictable() -> None:
+    # A prompt-scoring request computes its whole prompt, though its first two blocks
+    # are cached; while it decodes, those cached blocks (unreferenced) must stay
+    # evictable, since the request admitted with it counted on them. The pool holds 9.
+    block_bytes = 2 * SMALL.n_layers * SMALL.n_kv_heads * BS * SMALL.head_dim * 4
+    cached = list(range(1, 2 * BS + 1))
+    scoring = (cached + list(range(500, 500 + BS)), SamplingParams(max_tokens=17, seed=1))  # 4 blocks
+    other = (list(range(1000, 1070)), SamplingParams(max_tokens=11, seed=2))  # 5 blocks
+    results = []
+    for pool_blocks in (10, 4096):
+        with LocalService(SMALL, seed=0, block_size=BS, cache_bytes=pool_blocks * block_bytes) as svc:
+            sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+            sampler.sample(cached, sampling_params=SamplingParams(max_tokens=1)).result()
+            svc.engine.pause()  # one wave: both promised their blocks before either runs
+            futures = [sampler.sample(scoring[0], sampling_params=scoring[1],
+                                      include_prompt_logprobs=True),
+                       sampler.sample(other[0], sampling_params=other[1])]
+            svc.engine.resume()
+            responses = [f.result(timeout=60) for f in futures]
+            results.append([(r.sequences[0].tokens, r.prompt_logprobs) for r in responses])
+            svc.check_cache_integrity()
+            assert svc.engine_stats()["requests_failed"] == 0
+            assert svc.cache_stats()["reserved_blocks"] == 0
+            if pool_blocks == 10:
+                assert svc.cache_stats()["evicted_blocks"] > 0
+    assert results[0] == results[1]
+
+
 def test_seeds_reproduce_while_other_requests_share_the_batch(service: LocalService) -> None:
     sampler = service.create_sampling_client(stop_at_end_of_turn=False)
     params = SamplingParams(max_tokens=15, temperature=1.0, top_k=50, top_p=0.9, seed=42)
