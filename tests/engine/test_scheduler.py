@@ -389,6 +389,56 @@ def test_a_bug_in_postprocess_fails_the_prefill_batch_it_was_handling(
         assert len(sampler.sample([1, 2, 3], sampling_params=GREEDY).result().sequences[0].tokens) == 12
 
 
+@pytest.mark.parametrize("where", ["admission", "prefill", "postprocess"])
+def test_a_bug_in_a_step_fails_the_request_it_concerns_and_others_run_on(
+    monkeypatch: pytest.MonkeyPatch, where: str,
+) -> None:
+    # one wave of three; the long prompt is its own prefill chunk, after the other two
+    short, bad, other = list(range(1, 11)), list(range(200, 300)), list(range(20, 32))
+    with LocalService(SMALL, seed=0, block_size=BS) as svc:
+        scheduler, cache = svc.engine.scheduler, svc.engine.cache
+        if where == "admission":  # before the request leaves the waiting queue
+            match = cache.match
+
+            def bug_in_match(tokens, version, max_tokens):  # type: ignore[no-untyped-def]
+                if list(tokens) == bad:
+                    raise RuntimeError("bug in the step")
+                return match(tokens, version, max_tokens)
+
+            monkeypatch.setattr(cache, "match", bug_in_match)
+        elif where == "prefill":  # after its chunk left the queue and took its blocks
+            prefill_batch = scheduler._prefill_batch
+
+            def bug_in_prefill(reqs):  # type: ignore[no-untyped-def]
+                batch = prefill_batch(reqs)
+                if reqs[0].prompt == bad:
+                    raise RuntimeError("bug in the step")
+                return batch
+
+            monkeypatch.setattr(scheduler, "_prefill_batch", bug_in_prefill)
+        else:  # its prefill ran; the others' prefill did too
+            postprocess = scheduler.postprocess
+
+            def bug_in_postprocess(batch, output):  # type: ignore[no-untyped-def]
+                if batch.requests and batch.requests[0].prompt == bad:
+                    raise RuntimeError("bug in the step")
+                postprocess(batch, output)
+
+            monkeypatch.setattr(scheduler, "postprocess", bug_in_postprocess)
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        svc.engine.pause()
+        futures = [sampler.sample(p, sampling_params=GREEDY) for p in (short, bad, other)]
+        svc.engine.resume()
+        for i in (0, 2):
+            assert len(futures[i].result(timeout=60).sequences[0].tokens) == 12
+        with pytest.raises(RuntimeError, match="bug in the step"):
+            futures[1].result(timeout=60)
+        assert svc.engine_stats()["requests_failed"] == 1
+        svc.check_cache_integrity()
+        stats = svc.cache_stats()
+        assert stats["reserved_blocks"] == stats["referenced_blocks"] == 0
+
+
 def test_a_failing_stop_check_fails_only_its_request() -> None:
     from prefixgym.engine.service import EngineService
 
