@@ -10,8 +10,8 @@ thread loops: collect what was queued (blocking only when there is no work), the
 
 Errors travel: a bad request is refused at `submit` with a ValueError (as is one
 beyond the engine's `RequestLimits`, or one the KV pool could never hold); an
-exception in `run` fails the batch's requests with it, and one in scheduling or
-postprocessing (an engine bug) fails every request in flight; the thread keeps serving.
+exception in scheduling, `run` or postprocessing fails the requests it concerns (the
+batch's, or the one being admitted) with it; the thread keeps serving the others.
 
 Determinism: requests are admitted in arrival order, batches are formed from the
 queue's contents at each step, and every sample draws from its own seeded generator,
@@ -155,32 +155,21 @@ class Engine:
     # ---- engine thread -----------------------------------------------------------
 
     def step(self) -> None:
-        """One batch: schedule, run, postprocess."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return
-        requests = batch.requests or [s.request for s in batch.seqs]
+        """One batch: schedule, run, postprocess. An exception in any of them fails the
+        requests the scheduler was handling (all in flight if it names none) with it."""
+        scheduler = self.scheduler
         try:
-            output = self.runner.run(batch)
-        except Exception as error:  # noqa: BLE001 - handed to the batch's requests
-            self.scheduler.fail(requests, error)
-            return
-        try:
-            self.scheduler.postprocess(batch, output)
-        except Exception as error:
-            # an engine bug: a prefill batch's requests have left the chunk queue but not
-            # joined the running set, so `in_flight()` would not find them
-            self.scheduler.fail(requests, error)
-            raise
+            batch = scheduler.schedule()
+            if batch is not None:
+                scheduler.postprocess(batch, self.runner.run(batch))
+        except Exception as error:  # noqa: BLE001 - handed to the requests it concerns
+            scheduler.fail(scheduler.handling or scheduler.in_flight(), error)
 
     def _loop(self) -> None:
         with torch.inference_mode():
             while self._collect():
                 with self._stats_lock:
-                    try:
-                        self.step()
-                    except Exception as error:  # noqa: BLE001 - an engine bug: fail what is in flight
-                        self.scheduler.fail(self.scheduler.in_flight(), error)
+                    self.step()
         queued = list(self.scheduler.waiting)  # and the rounds a deterministic engine held back
         while not self._queue.empty():
             queued += self._queue.get_nowait() or []

@@ -187,6 +187,8 @@ class PrefixCache:
                 assert parent is not None
                 _require(len(parent.tokens) == self.block_size, f"entry {key} under a partial block")
                 _require(parent.version == e.version, f"entry {key} version differs from its parent's")
+                _require(self._ref[e.block] == 0 or self._ref[parent.block] > 0,
+                         f"entry {key} is referenced, its parent is not (and cannot be evicted)")
         _require(len(self._entry_of) == len(self._index), "block map and index differ")
         _require(sum(len(c) for c in self._children.values()) == len(self._index),
                  "children lists and index differ")
@@ -243,14 +245,17 @@ class PrefixCache:
         self.hit_tokens += hit_tokens
 
     def insert(self, tokens: Sequence[int], version: int, table: Sequence[int],
-               num_tokens: int, partial: bool) -> None:
+               num_tokens: int, finished: bool) -> None:
         """Index the blocks of `table` that hold `tokens[:num_tokens]`: every full block
-        and, with `partial`, the last part-filled one (its writer must be finished).
-        Blocks whose prefix is cached already (under another block) stay unindexed."""
+        and, once their writer has `finished` (it drops its references next), the last
+        part-filled one. A block whose prefix is cached already, in another block, stays
+        unindexed; a writer that runs on indexes nothing after it, since an entry it holds
+        under one it does not would make that one unevictable (`can_reserve` counts every
+        unreferenced block as evictable)."""
         if not self.indexing:
             return
         bs, parent = self.block_size, _ROOT
-        end = num_tokens if partial else num_tokens - num_tokens % bs
+        end = num_tokens if finished else num_tokens - num_tokens % bs
         for i, start in enumerate(range(0, end, bs)):  # a partial block comes last
             block_tokens = tuple(tokens[start : min(start + bs, end)])
             key = _key(version, parent, block_tokens)
@@ -263,8 +268,9 @@ class PrefixCache:
                 self.inserted_blocks += 1
                 if self._ref[table[i]] == 0:  # (a sequence holds it: normally referenced)
                     self._lru[table[i]] = entry
-            elif self._verified(version, parent, block_tokens) is None:
-                return  # a hash collision: this prefix stays uncached
+            elif self._verified(version, parent, block_tokens) is None or (
+                    not finished and self._index[key].block != table[i]):
+                return  # a hash collision, or a copy of a cached block
             parent = key
 
     def evict(self, num_blocks: int, version: int | None = None) -> int:

@@ -19,7 +19,9 @@ zero-token requests alone). A request's G samples share its prompt's full blocks
 each gets its own copy of a part-filled last block.
 
 Errors travel: `fail(requests, error)` fails those requests' futures and frees what
-they hold; the caller decides which requests an error belongs to.
+they hold; `handling` names the requests the step in progress touches (the batch's,
+or the one being admitted), whom an error in scheduling, running or postprocessing
+belongs to.
 
 This module knows nothing of tensors or models beyond handing a request's model on:
 block ids, token counts and futures are all it moves.
@@ -94,6 +96,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, list[Sequence]] = {}  # by weights version, in admission order
         self._chunks: deque[list[Request]] = deque()  # admitted, not yet prefilled
+        self.handling: list[Request] = []  # those of the step in progress: its errors are theirs
         self._version_models: dict[int, weakref.ref[Transformer]] = {}  # the latest is kept
         self._turn = 0
         self.counters = dict.fromkeys(
@@ -129,17 +132,22 @@ class Scheduler:
     # ---- schedule ----------------------------------------------------------------
 
     def schedule(self) -> Batch | None:
-        """The next batch: a prefill when waiting requests fit, else a decode step."""
+        """The next batch: a prefill when waiting requests fit, else a decode step.
+        `handling` names the requests it touches (the batch's), before touching them."""
+        self.handling = []
         self._drop_dead_versions()
         if not self._chunks and self.waiting:
             self._admit_wave()
         if self._chunks:
-            return self._prefill_batch(self._chunks.popleft())
+            self.handling = self._chunks.popleft()
+            return self._prefill_batch(self.handling)
         versions = sorted(v for v, seqs in self.running.items() if seqs)
         if not versions:
             return None
         self._turn += 1
-        return self._decode_batch(versions[self._turn % len(versions)])
+        version = versions[self._turn % len(versions)]
+        self.handling = [s.request for s in self.running[version]]
+        return self._decode_batch(version)
 
     def _admit_wave(self) -> None:
         claimed: set[Hashable] = set()
@@ -147,41 +155,43 @@ class Scheduler:
         wave: list[Request] = []
         rows = sum(len(seqs) for seqs in self.running.values())
         bs = self.cache.block_size
-        while self.waiting:
-            req = self.waiting[0]
-            P = len(req.prompt)
-            if rows and rows + req.num_samples > self.max_running:
-                break
-            limit = _cache_limit(req)
-            reuse = not req.include_prompt_logprobs or req.prompt_logprobs_last_n is not None
-            match = self.cache.match(req.prompt, req.version, limit) if reuse else Match()
-            hit = match.blocks
-            if match.claim in claimed and (len(hit) + 1) * bs <= limit:
-                deferred.append(self.waiting.popleft())  # it hits the cache next wave
-                continue
-            pins = hit + ([match.tail_block] if match.tail_block is not None else [])
-            need = blocks_needed(req, len(hit), bs)
-            if not self.cache.can_reserve(need, pinning=pins):
-                break
-            self.waiting.popleft()
-            self.cache.acquire(pins)
-            self.cache.reserve(need)
-            req.num_cached_tokens = match.num_tokens
-            req.tail_pin = pins[len(hit):]
-            req.sequences = new_sequences(req, hit, bs)
-            if reuse:
-                self.cache.record_lookup(P, req.num_cached_tokens)
-            if match.claim is not None:
-                claimed.add(match.claim)
-            self._note_version(req)
-            wave.append(req)
-            rows += req.num_samples
-        self.waiting.extendleft(reversed(deferred))
-        single = [r for r in wave if r.include_prompt_logprobs or r.params.max_tokens == 0]
-        alone = [[r] for r in single]
-        together = sorted((r for r in wave if r not in single),
-                          key=lambda r: (r.version, len(r.prompt) - r.num_cached_tokens))
-        self._chunks.extend(alone + _chunks(together, self.max_prefill_tokens))
+        try:  # an error fails the request being admitted (`handling`), not the wave
+            while self.waiting:
+                req = self.waiting[0]
+                self.handling = [req]
+                P = len(req.prompt)
+                if rows and rows + req.num_samples > self.max_running:
+                    break
+                limit = _cache_limit(req)
+                reuse = not req.include_prompt_logprobs or req.prompt_logprobs_last_n is not None
+                match = self.cache.match(req.prompt, req.version, limit) if reuse else Match()
+                hit = match.blocks
+                if match.claim in claimed and (len(hit) + 1) * bs <= limit:
+                    deferred.append(self.waiting.popleft())  # it hits the cache next wave
+                    continue
+                pins = hit + ([match.tail_block] if match.tail_block is not None else [])
+                need = blocks_needed(req, len(hit), bs)
+                if not self.cache.can_reserve(need, pinning=pins):
+                    break
+                self.waiting.popleft()
+                self.cache.acquire(pins)
+                self.cache.reserve(need)
+                req.num_cached_tokens = match.num_tokens
+                req.tail_pin = pins[len(hit):]
+                req.sequences = new_sequences(req, hit, bs)
+                if reuse:
+                    self.cache.record_lookup(P, req.num_cached_tokens)
+                if match.claim is not None:
+                    claimed.add(match.claim)
+                self._note_version(req)
+                wave.append(req)
+                rows += req.num_samples
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+            single = [r for r in wave if r.include_prompt_logprobs or r.params.max_tokens == 0]
+            together = sorted((r for r in wave if r not in single),
+                              key=lambda r: (r.version, len(r.prompt) - r.num_cached_tokens))
+            self._chunks.extend([[r] for r in single] + _chunks(together, self.max_prefill_tokens))
 
     def _prefill_batch(self, reqs: list[Request]) -> Batch:
         bs = self.cache.block_size
@@ -238,7 +248,7 @@ class Scheduler:
             for req in batch.requests:
                 done = req.params.max_tokens == 0  # then its first sample wrote its last block
                 self.cache.insert(req.prompt, req.version, req.sequences[0].table,
-                                  len(req.prompt), partial=done)
+                                  len(req.prompt), finished=done)
                 self.cache.release(req.tail_pin)
                 req.tail_pin = []
                 req.prompt_logprobs = output.prompt_logprobs
@@ -265,7 +275,7 @@ class Scheduler:
                 continue
             if stop or len(seq.tokens) >= params.max_tokens:  # its blocks enter the index
                 self.cache.insert(req.prompt + seq.tokens, req.version, seq.table, seq.kv_len,
-                                  partial=True)
+                                  finished=True)
                 self._finish(seq, "stop" if stop else "length")
         for version, seqs in self.running.items():
             self.running[version] = [s for s in seqs if s.stop_reason is None]

@@ -3,8 +3,11 @@ reservations, LRU leaf-first eviction, versions."""
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass, field
+
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from prefixgym.engine import prefix_cache as pc
@@ -20,7 +23,7 @@ def run_sequence(cache: PrefixCache, tokens: list[int], version: int = 0,
     need = -(-len(tokens) // BS)
     cache.reserve(need)
     table = [cache.allocate()[0] for _ in range(need)]
-    cache.insert(tokens, version, table, len(tokens), partial=partial)
+    cache.insert(tokens, version, table, len(tokens), finished=partial)
     if not keep:
         cache.release(table)
     return table
@@ -153,7 +156,7 @@ def test_random_operations_keep_invariants_and_match_the_longest_cached_prefix(
     refs: dict[int, int] = {}
     for name, arg, version, flag in ops:
         if name == "run" and cache.can_reserve(-(-len(arg) // BS)):
-            table = run_sequence(cache, arg, version, partial=True, keep=flag)
+            table = run_sequence(cache, arg, version, partial=not flag, keep=flag)
             if flag:
                 held.append(table)
                 for b in table:
@@ -178,3 +181,88 @@ def _entry_prefix(cache: PrefixCache, entry: pc.Entry) -> list[int]:
         entry = cache._index[entry.parent_key]
         tokens = list(entry.tokens) + tokens
     return tokens
+
+
+@dataclass
+class _Seq:
+    """A sequence as the scheduler runs one: admitted (cached blocks held, the rest
+    promised), prefilled (its prompt's full blocks indexed while it runs on), finished."""
+
+    prompt: list[int]
+    version: int
+    decoded: list[int]
+    table: list[int] = field(default_factory=list)
+    tail: list[int] = field(default_factory=list)  # a cached block it copies from
+    reserved: int = 0
+
+
+_prompts = st.tuples(st.integers(0, 12), st.lists(st.integers(0, 1), max_size=4)).map(
+    lambda cut_rest: list(range(20, 20 + cut_rest[0])) + cut_rest[1]).filter(bool)
+lifecycle_op = st.one_of(  # admit (reading the cache or not), prefill, finish, evict
+    st.tuples(st.just("admit"), _prompts,
+              st.lists(st.integers(0, 1), max_size=6), st.integers(0, 1), st.booleans()),
+    st.tuples(st.sampled_from(["prefill", "finish", "evict"]), st.integers(0, 9),
+              st.just([]), st.just(0), st.just(False)),
+)
+
+
+_A, _B = list(range(20, 28)), [20, 21, 22, 23, 0, 0, 0, 0]  # one block in common
+
+
+@given(st.lists(lifecycle_op, max_size=40), st.integers(4, 10))
+@example([("admit", _A, [], 0, True), ("prefill", 0, [], 0, False), ("finish", 0, [], 0, False),
+          ("admit", _B, [], 0, False), ("prefill", 0, [], 0, False)], 6)  # B bypasses the cache
+@example([("admit", _A, [], 0, True), ("admit", _B, [], 0, True), ("prefill", 0, [], 0, False),
+          ("prefill", 0, [], 0, False), ("finish", 0, [], 0, False)], 6)  # admitted together
+def test_promised_blocks_can_always_be_allocated(ops: list[tuple], num_blocks: int) -> None:
+    """A small pool under the scheduler's protocol: sequences that bypass the cache, or
+    were admitted together with one computing the same prefix, compute blocks it holds
+    already. Whatever `can_reserve` says fits, on top of what is promised, is allocated."""
+    cache = PrefixCache(num_blocks=num_blocks, block_size=BS, block_bytes=1)
+    admitted: list[_Seq] = []
+    running: list[_Seq] = []
+    for name, arg, decoded, version, reads in ops:
+        if name == "admit":
+            seq = _Seq(arg, version, decoded)
+            m = cache.match(arg, version, len(arg) - 1) if reads else pc.Match()
+            tail = [m.tail_block] if m.tail_block is not None else []
+            need = -(-(len(arg) + len(decoded)) // BS) - len(m.blocks)
+            if cache.can_reserve(need, pinning=m.blocks + tail):
+                cache.acquire(m.blocks + tail)
+                cache.reserve(need)
+                seq.table, seq.tail, seq.reserved = list(m.blocks), tail, need
+                admitted.append(seq)
+        elif name == "prefill" and admitted:
+            seq = admitted.pop(arg % len(admitted))
+            _take(cache, seq, -(-len(seq.prompt) // BS))
+            cache.insert(seq.prompt, seq.version, seq.table, len(seq.prompt), finished=False)
+            cache.release(seq.tail)
+            seq.tail = []
+            running.append(seq)
+        elif name == "finish" and running:
+            seq = running.pop(arg % len(running))
+            tokens = seq.prompt + seq.decoded
+            _take(cache, seq, -(-len(tokens) // BS))
+            cache.insert(tokens, seq.version, seq.table, len(tokens), finished=True)
+            cache.release(seq.table)
+            cache.unreserve(seq.reserved)
+        elif name == "evict":
+            cache.evict(arg)
+        refs: dict[int, int] = {}
+        for s in admitted + running:
+            for b in s.table + s.tail:
+                refs[b] = refs.get(b, 0) + 1
+        cache.check_integrity(refs)
+        assert cache.reserved == sum(s.reserved for s in admitted + running)
+        more = max(n for n in range(num_blocks) if cache.can_reserve(n))
+        trial = copy.deepcopy(cache)
+        trial.reserve(more)
+        for _ in range(trial.reserved):  # every promise kept, and `more` besides
+            trial.allocate()
+
+
+def _take(cache: PrefixCache, seq: _Seq, num_blocks: int) -> None:
+    """Allocate the sequence's blocks up to `num_blocks`, from its promised ones."""
+    while len(seq.table) < num_blocks:
+        seq.table.append(cache.allocate()[0])
+        seq.reserved -= 1

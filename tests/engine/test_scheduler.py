@@ -170,6 +170,34 @@ def test_a_small_pool_queues_requests_evicts_and_gives_the_same_results() -> Non
     assert results[0] == results[1]
 
 
+def test_a_request_that_bypasses_the_cache_leaves_its_cached_prefix_evictable() -> None:
+    # A prompt-scoring request computes its whole prompt, though its first two blocks
+    # are cached; while it decodes, those cached blocks (unreferenced) must stay
+    # evictable, since the request admitted with it counted on them. The pool holds 9.
+    block_bytes = 2 * SMALL.n_layers * SMALL.n_kv_heads * BS * SMALL.head_dim * 4
+    cached = list(range(1, 2 * BS + 1))
+    scoring = (cached + list(range(500, 500 + BS)), SamplingParams(max_tokens=17, seed=1))  # 4 blocks
+    other = (list(range(1000, 1070)), SamplingParams(max_tokens=11, seed=2))  # 5 blocks
+    results = []
+    for pool_blocks in (10, 4096):
+        with LocalService(SMALL, seed=0, block_size=BS, cache_bytes=pool_blocks * block_bytes) as svc:
+            sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+            sampler.sample(cached, sampling_params=SamplingParams(max_tokens=1)).result()
+            svc.engine.pause()  # one wave: both promised their blocks before either runs
+            futures = [sampler.sample(scoring[0], sampling_params=scoring[1],
+                                      include_prompt_logprobs=True),
+                       sampler.sample(other[0], sampling_params=other[1])]
+            svc.engine.resume()
+            responses = [f.result(timeout=60) for f in futures]
+            results.append([(r.sequences[0].tokens, r.prompt_logprobs) for r in responses])
+            svc.check_cache_integrity()
+            assert svc.engine_stats()["requests_failed"] == 0
+            assert svc.cache_stats()["reserved_blocks"] == 0
+            if pool_blocks == 10:
+                assert svc.cache_stats()["evicted_blocks"] > 0
+    assert results[0] == results[1]
+
+
 def test_seeds_reproduce_while_other_requests_share_the_batch(service: LocalService) -> None:
     sampler = service.create_sampling_client(stop_at_end_of_turn=False)
     params = SamplingParams(max_tokens=15, temperature=1.0, top_k=50, top_p=0.9, seed=42)
@@ -359,6 +387,56 @@ def test_a_bug_in_postprocess_fails_the_prefill_batch_it_was_handling(
         svc.check_cache_integrity()
         assert svc.cache_stats()["reserved_blocks"] == 0
         assert len(sampler.sample([1, 2, 3], sampling_params=GREEDY).result().sequences[0].tokens) == 12
+
+
+@pytest.mark.parametrize("where", ["admission", "prefill", "postprocess"])
+def test_a_bug_in_a_step_fails_the_request_it_concerns_and_others_run_on(
+    monkeypatch: pytest.MonkeyPatch, where: str,
+) -> None:
+    # one wave of three; the long prompt is its own prefill chunk, after the other two
+    short, bad, other = list(range(1, 11)), list(range(200, 300)), list(range(20, 32))
+    with LocalService(SMALL, seed=0, block_size=BS) as svc:
+        scheduler, cache = svc.engine.scheduler, svc.engine.cache
+        if where == "admission":  # before the request leaves the waiting queue
+            match = cache.match
+
+            def bug_in_match(tokens, version, max_tokens):  # type: ignore[no-untyped-def]
+                if list(tokens) == bad:
+                    raise RuntimeError("bug in the step")
+                return match(tokens, version, max_tokens)
+
+            monkeypatch.setattr(cache, "match", bug_in_match)
+        elif where == "prefill":  # after its chunk left the queue and took its blocks
+            prefill_batch = scheduler._prefill_batch
+
+            def bug_in_prefill(reqs):  # type: ignore[no-untyped-def]
+                batch = prefill_batch(reqs)
+                if reqs[0].prompt == bad:
+                    raise RuntimeError("bug in the step")
+                return batch
+
+            monkeypatch.setattr(scheduler, "_prefill_batch", bug_in_prefill)
+        else:  # its prefill ran; the others' prefill did too
+            postprocess = scheduler.postprocess
+
+            def bug_in_postprocess(batch, output):  # type: ignore[no-untyped-def]
+                if batch.requests and batch.requests[0].prompt == bad:
+                    raise RuntimeError("bug in the step")
+                postprocess(batch, output)
+
+            monkeypatch.setattr(scheduler, "postprocess", bug_in_postprocess)
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        svc.engine.pause()
+        futures = [sampler.sample(p, sampling_params=GREEDY) for p in (short, bad, other)]
+        svc.engine.resume()
+        for i in (0, 2):
+            assert len(futures[i].result(timeout=60).sequences[0].tokens) == 12
+        with pytest.raises(RuntimeError, match="bug in the step"):
+            futures[1].result(timeout=60)
+        assert svc.engine_stats()["requests_failed"] == 1
+        svc.check_cache_integrity()
+        stats = svc.cache_stats()
+        assert stats["reserved_blocks"] == stats["referenced_blocks"] == 0
 
 
 def test_a_failing_stop_check_fails_only_its_request() -> None:
