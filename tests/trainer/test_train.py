@@ -106,7 +106,7 @@ def test_same_run_same_metrics_and_resume_continues_exactly(tmp_path, monkeypatc
                              out=str(tmp_path / out), resume=resume, async_mode=async_mode)
         train(config)
 
-    # (the plots, a tenth of this test's time, are test_cli_run_writes_...'s to check)
+    # (the plots are test_cli_run_writes_metrics_report_plots_and_checkpoints's to check)
     monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
     run("a")
     save = run_module.save_checkpoint
