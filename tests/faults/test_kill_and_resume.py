@@ -1,8 +1,9 @@
-"""SIGKILL a small `prefixgym train` at random points (three seeds), after its warm
-start and in the middle of a checkpoint write: what it leaves is consistent (every
-checkpoint that claims to be whole verifies, the metrics parse), and `--resume`
-finishes the run with every metrics line once and no leftover temporaries. Each run
-is a real process, killed with SIGKILL; every wait is bounded."""
+"""SIGKILL a small `prefixgym train` at random points (three seeds' points, one per
+process: the run, its resume, that resume's resume), after its warm start and in the
+middle of a checkpoint write: what it leaves is consistent (every checkpoint that
+claims to be whole verifies, the metrics parse and are the start of the finished run's
+lines), and `--resume` finishes the run with every metrics line once and no leftover
+temporaries. Each run is a real process, killed with SIGKILL; every wait is bounded."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from faultkit import TINY, TINY_LINES, assert_complete
+from faultkit import TINY, TINY_LINES, assert_complete, metrics
 
 from prefixgym.cli import main
 from prefixgym.trainer.checkpoint import verify_checkpoint
@@ -65,13 +66,28 @@ def assert_consistent_after_kill(out: Path) -> None:
     MetricsLog(out / "metrics.jsonl").read()  # a partial last line at most
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_sigkill_at_a_random_point_then_resume(tmp_path: Path, seed: int) -> None:
+def line_keys(records: list[dict]) -> list[tuple[object, ...]]:
+    return [(r["phase"], r.get("when"), r.get("step"), r.get("sft_step")) for r in records]
+
+
+def test_sigkill_at_random_points_then_resume(tmp_path: Path, finished_run: Path) -> None:
+    # Seeds 0-2 each pick a point (metrics lines written); one process is killed at
+    # each, in order: the run, then its `--resume`, then that one's `--resume`. A point
+    # the last kill already passed moves to the next line, so every kill lands on
+    # lines the killed process wrote itself.
     out = tmp_path / "run"
-    kill_at = random.Random(seed).randint(1, TINY_LINES - 1)  # metrics lines written
-    proc = start(out, *TINY)
-    kill_when(proc, lambda: complete_lines(out) >= kill_at)
-    assert_consistent_after_kill(out)
+    points = sorted(random.Random(seed).randint(1, TINY_LINES - 1) for seed in (0, 1, 2))
+    assert len(set(points)) == 3  # (1, 3, 7): before any checkpoint, in SFT, in GRPO
+    finished = line_keys(metrics(finished_run))
+    args = TINY
+    for point in points:
+        kill_at = max(point, complete_lines(out) + 1)
+        proc = start(out, *args)
+        kill_when(proc, lambda: complete_lines(out) >= kill_at)
+        assert_consistent_after_kill(out)
+        written = line_keys(MetricsLog(out / "metrics.jsonl").read())
+        assert len(written) >= kill_at and written == finished[:len(written)]
+        args = ["--resume", "--no-progress"]
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
     assert_complete(out)
 

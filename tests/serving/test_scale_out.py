@@ -143,6 +143,7 @@ def worker(out: Path, kill_pid: int, argv: list[str]) -> None:
     SamplerPool._send = send  # type: ignore[method-assign]
     RemoteWeightSync._push = push  # type: ignore[method-assign]
     openai_client.OpenAISamplingClient.sample_now = sample_now  # type: ignore[method-assign]
+    run_module.write_plots = lambda out, records: []  # (the resumed run writes them)
     assert train_cli.main(argv) == 0
     model = kept["training"].model
     torch.save({k: v.clone() for k, v in model.state_dict().items()},

@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
+import prefixgym.trainer.run as run_module  # noqa: E402
 from prefixgym.cli.train import build_run  # noqa: E402
 from prefixgym.trainer.config import TrainConfig  # noqa: E402
 
@@ -30,7 +31,8 @@ def free_port() -> int:
 
 
 def test_serve_command_answers_openai_requests_and_takes_pushed_weights(
-        wait_healthy, tmp_path: Path) -> None:
+        wait_healthy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])  # not checked here
     port = free_port()
     cmd = [sys.executable, "-m", "prefixgym", "serve", "--model", "tiny", "--port", str(port),
            "--served-model-name", "pg-tiny", "--max-n", "2"]

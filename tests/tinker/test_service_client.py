@@ -4,6 +4,7 @@ behind (full-weight training clients here; the LoRA ones in test_recipes.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 pytest.importorskip("tinker.types")
 from tinker import types  # noqa: E402
 
+from prefixgym.engine.model_config import PRESETS  # noqa: E402
 from prefixgym.local_service import LocalService  # noqa: E402
 from prefixgym.tinker import ServiceClient  # noqa: E402
 
@@ -50,7 +52,16 @@ def test_training_takes_and_returns_tinkers_types(client: ServiceClient) -> None
     trainer.optim_step(adam_params=types.AdamParams(learning_rate=0.0)).result()
 
 
-def test_sampling_stops_as_tinker_says(client: ServiceClient) -> None:
+def test_sampling_stops_as_tinker_says(tmp_path: Path) -> None:
+    # the tiny preset with a 64-token context: `max_tokens=None` (up to the context's
+    # end) samples 2048 tokens one by one on the full preset
+    short = dataclasses.replace(PRESETS["tiny"], max_seq_len=64)
+    with LocalService(model=short, seed=0) as service, \
+            ServiceClient(service=service, checkpoint_dir=tmp_path) as client:
+        sampling_stops_as_tinker_says(client)
+
+
+def sampling_stops_as_tinker_says(client: ServiceClient) -> None:
     trainer = client.create_training_client(base_model="tiny").result()
     sampler = trainer.save_weights_and_get_sampling_client().result()
     tokenizer = sampler.get_tokenizer()
@@ -76,6 +87,12 @@ def test_sampling_stops_as_tinker_says(client: ServiceClient) -> None:
     # token but the last, whose logits are computed, is a hit
     assert again.prompt_cache_hit_tokens == len(prompt.to_ints()) - 1
     assert isinstance(again.sequences[0].logprobs, list)
+    # max_tokens=None: up to the context's end (64 tokens here), or the end of sequence
+    (seq,) = again.sequences
+    if seq.stop_reason == "length":
+        assert len(seq.tokens) == 64 - len(prompt.to_ints())
+    else:
+        assert seq.tokens[-1] == eos and len(seq.tokens) < 64 - len(prompt.to_ints())
 
 
 def test_save_and_resume_with_optimizer_is_exact(client: ServiceClient, tmp_path: Path) -> None:

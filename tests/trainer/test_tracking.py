@@ -107,6 +107,7 @@ def test_metrics_go_to_the_tracker_once_each_through_resume_and_restart(
     assert "grpo/tokens/prefill_cached" in got and "grpo/step" not in got
     assert (out / "report.md").exists() and (out / "training.png").exists()
 
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])  # (seen above)
     train(TrainConfig(**{**config, "sft_steps": 0}, steps=1))  # a new run in the same OUT
     want, got = metrics_series(out), read(out)
     assert [step for step, _ in got["grpo/reward/mean"]] == [0]

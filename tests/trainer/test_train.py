@@ -102,10 +102,12 @@ def test_same_run_same_metrics_and_resume_continues_exactly(tmp_path, monkeypatc
     "a" and "c"), and a run killed after a checkpoint and resumed logs what the
     uninterrupted run did (steps 2-3)."""
     def run(out, resume=False):
-        config = TrainConfig(**SMALL, steps=4, checkpoint_every=2, out=str(tmp_path / out),
-                             resume=resume, async_mode=async_mode)
+        config = TrainConfig(**{**SMALL, "eval_episodes": 2}, steps=4, checkpoint_every=2,
+                             out=str(tmp_path / out), resume=resume, async_mode=async_mode)
         train(config)
 
+    # (the plots are test_cli_run_writes_metrics_report_plots_and_checkpoints's to check)
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
     run("a")
     save = run_module.save_checkpoint
 
@@ -115,10 +117,10 @@ def test_same_run_same_metrics_and_resume_continues_exactly(tmp_path, monkeypatc
             raise Killed  # while step 2 samples, in async mode step 3 too
         return path
 
-    monkeypatch.setattr(run_module, "save_checkpoint", save_then_die)
-    with pytest.raises(Killed):
-        run("c")
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(run_module, "save_checkpoint", save_then_die)
+        with pytest.raises(Killed):
+            run("c")
     run("c", resume=True)
     a, c = _grpo_lines(tmp_path / "a"), _grpo_lines(tmp_path / "c")
     assert [r["step"] for r in c if r["phase"] == "grpo"] == [0, 1, 2, 3]
@@ -143,8 +145,11 @@ def test_failing_env_is_left_out_and_counted():
 
 
 @pytest.mark.parametrize("extra", [{"async_mode": True}, {"kl_coef": 0.1}])
-def test_async_mode_and_kl_penalty_run(tmp_path, extra):
-    result = train(TrainConfig(**SMALL, steps=3, out=str(tmp_path), **extra))
+def test_async_mode_and_kl_penalty_run(tmp_path, monkeypatch, extra):
+    # the GRPO steps are what this checks: one evaluation episode, no plots
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+    config = {**SMALL, "eval_episodes": 1, "eval_every": 10}
+    result = train(TrainConfig(**config, steps=3, out=str(tmp_path), **extra))
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if r["phase"] == "grpo"]
     assert [r["step"] for r in steps] == [0, 1, 2]
