@@ -61,6 +61,14 @@ class Arithmetic(AgentEnv):
     Difficulty: `num_operands` (2..8), `max_value` (operands in 1..max_value),
     `parentheses` (group the first two operands). The expert calls the calculator
     once and then answers.
+
+    `expert_tool_rate` (0..1, default 1) is the share of episodes in which the expert
+    uses the calculator; in the others it answers at once, with the right value, as a
+    teacher who computes in its head would. A small model that imitates such an expert
+    calls the calculator on about that share of episodes and guesses on the rest, so
+    GRPO has a choice to learn (recipes/tools.toml). Whether the expert of an episode
+    uses the tool is drawn from `np_random` after the task, so a seed replays it and
+    the task of a seed is the same at every rate.
     """
 
     system_prompt = (
@@ -76,8 +84,13 @@ class Arithmetic(AgentEnv):
         parentheses: bool = True,
         max_turns: int = 4,
         invalid_penalty: float = 0.1,
+        expert_tool_rate: float = 1.0,
         render_mode: str | None = None,
     ) -> None:
+        if isinstance(expert_tool_rate, bool) or not isinstance(expert_tool_rate, (int, float)) \
+                or not 0.0 <= expert_tool_rate <= 1.0:
+            raise ValueError(f"expert_tool_rate must be a number in 0..1, got "
+                             f"{expert_tool_rate!r}")
         if not 2 <= num_operands <= 8:
             raise ValueError(f"num_operands must be in 2..8, got {num_operands!r}")
         if not 1 <= max_value <= 10**6:
@@ -86,7 +99,9 @@ class Arithmetic(AgentEnv):
                          tools=[Tool.from_function(calculator)], render_mode=render_mode)
         self.num_operands, self.max_value = num_operands, max_value
         self.parentheses = parentheses
+        self.expert_tool_rate = float(expert_tool_rate)
         self._expression, self._answer = "1 + 1", 2
+        self._expert_uses_tool = True
 
     def _reset_task(self) -> str:
         rng = self.np_random
@@ -99,6 +114,9 @@ class Arithmetic(AgentEnv):
                 text = f"({text})"
         self._expression = text
         self._answer = int(calculator(text))
+        # drawn only below rate 1, so that runs at the default keep their random stream
+        self._expert_uses_tool = (self.expert_tool_rate >= 1.0
+                                  or float(self.np_random.random()) < self.expert_tool_rate)
         return f"What is {text}?"
 
     def _act(self, text: str) -> Outcome:
@@ -114,6 +132,8 @@ class Arithmetic(AgentEnv):
         last = self._transcript[-1] if self._transcript else None
         if last is not None and last["role"] == "tool" and last["name"] == "calculator":
             return last["content"]
+        if not self._expert_uses_tool:
+            return str(self._answer)
         return format_tool_call("calculator", {"expression": self._expression})
 
     def _leak_probes(self) -> list[str]:

@@ -92,6 +92,40 @@ def test_arithmetic_tool_then_answer() -> None:
     assert (reward, terminated, info["is_success"]) == (0.0, True, False)
 
 
+def _expert_episode(env: Arithmetic, seed: int) -> tuple[str, list[str], bool]:
+    """The question, the expert's replies and whether it won, for one seed."""
+    obs, _ = env.reset(seed=seed)
+    replies: list[str] = []
+    while True:
+        replies.append(env.expert_action())
+        _, _, terminated, truncated, info = env.step(replies[-1])
+        if terminated or truncated:
+            return obs[0]["content"], replies, bool(info["is_success"])
+
+
+def test_arithmetic_expert_tool_rate() -> None:
+    always, never, some = (Arithmetic(expert_tool_rate=r) for r in (1.0, 0.0, 0.3))
+    uses_tool = []
+    for seed in range(400):
+        question, replies, won = _expert_episode(some, seed)
+        # the task of a seed does not depend on the rate; the expert wins either way
+        assert question == _expert_episode(always, seed)[0] == _expert_episode(never, seed)[0]
+        assert won and _expert_episode(some, seed) == (question, replies, won)  # replays
+        uses_tool.append(replies[0].startswith("<tool_call>"))
+        assert len(replies) == (2 if uses_tool[-1] else 1)
+        if not uses_tool[-1]:
+            assert replies == [str(some._answer)]
+    assert 0.23 < sum(uses_tool) / len(uses_tool) < 0.37  # 0.3 ± 3 binomial SE
+    assert _expert_episode(never, 5)[1] == [str(never._answer)]
+    assert _expert_episode(always, 5)[1][0].startswith("<tool_call>")
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.5, float("nan"), "0.3", True])
+def test_arithmetic_expert_tool_rate_must_be_a_share(rate: object) -> None:
+    with pytest.raises(ValueError, match="expert_tool_rate must be a number in 0..1"):
+        Arithmetic(expert_tool_rate=rate)  # type: ignore[arg-type]
+
+
 def test_mastermind_scoring_and_feedback() -> None:
     assert score("AABB", "ABAB") == (2, 2)
     assert score("ABCD", "DCBA") == (0, 4)
