@@ -152,11 +152,23 @@ def improvement_lines(evals: Sequence[JSONObject]) -> list[str]:
             f"(SE of the difference{ratio}).", ""]
 
 
+def usage_of(record: JSONObject) -> Usage:
+    """The tokens a metrics record counts (its `tokens/*` fields; 0 where absent)."""
+    def count(key: str) -> int:
+        return int(record.get(f"tokens/{key}", 0))
+
+    return Usage(prefill_computed_tokens=count("prefill_computed"),
+                 prefill_cached_tokens=count("prefill_cached"), sampled_tokens=count("sampled"),
+                 train_computed_tokens=count("train_computed"),
+                 train_loss_tokens=count("train_loss"), train_shared_tokens=count("train_shared"))
+
+
 def write_report(
     out: Path, title: str, config: JSONObject, total: Usage, sft_usage: Usage,
     evals: Sequence[JSONObject], wall_s: float,
 ) -> Path:
-    grpo_usage = total - sft_usage
+    eval_usage = Usage.total(usage_of(e) for e in evals)
+    grpo_usage = total - sft_usage - eval_usage
     parts = [
         f"# {title}",
         "",
@@ -171,7 +183,7 @@ def write_report(
         "",
         phase_table(total),
         "",
-        "## Tokens per phase, GRPO only (warm start excluded)",
+        "## Tokens per phase, GRPO only (warm start and evaluations excluded)",
         "",
         phase_table(grpo_usage),
         "",

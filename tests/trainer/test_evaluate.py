@@ -35,11 +35,17 @@ def test_report_and_metrics_name_the_evaluation_temperature(tmp_path):
                          eval_every=1, max_tokens=4, progress=False, out=str(tmp_path),
                          eval_temperature=0.7)
     train(config)
-    evals = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
-             if r["phase"] == "eval"]
+    records = list(map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()))
+    evals = [r for r in records if r["phase"] == "eval"]
     assert evals and all(r["eval/temperature"] == 0.7 for r in evals)
-    assert "## Evaluation (sampled at temperature 0.7, held-out seeds)" in (
-        tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "## Evaluation (sampled at temperature 0.7, held-out seeds)" in report
+    # the GRPO-only token table counts the GRPO steps' tokens, not the evaluations'
+    grpo_only = report.split("## Tokens per phase, GRPO only (warm start and evaluations "
+                             "excluded)")[1]
+    sampled = sum(int(r["tokens/sampled"]) for r in records if r["phase"] == "grpo")
+    assert f"| sample (decoded tokens) | {sampled:,} |" in grpo_only
+    assert sampled < sum(int(r["tokens/sampled"]) for r in records if r["phase"] != "sft")
 
 
 def test_negative_evaluation_temperature_is_refused():
