@@ -2,7 +2,7 @@
 CI, and `tests/Lengthy-v0`, an env whose rewards vary even for an untrained model (for
 rollout and training tests).
 
-The suite runs on two pytest-xdist workers by default (`-n 2` in pyproject's addopts),
+`./run.sh test` runs the suite on two pytest-xdist workers (`-n 2`),
 one per core of the CI machine; so each worker, and each process a test starts
 (`OMP_NUM_THREADS`, inherited), runs torch on one thread, and the cores are not
 oversubscribed. A test that needs more sets torch's count itself and restores it."""
