@@ -37,6 +37,9 @@ shift || true
 case $cmd in
   train) setup; exec "$venv/bin/prefixgym" train "$@" ;;
   demo)  setup; exec "$venv/bin/prefixgym" demo "$@" ;;
-  test)  setup; exec "$py" -m pytest "$@" ;;
+  # two pytest-xdist workers, one per core of the CI machine (tests/conftest.py gives
+  # each one torch thread); tests go out in collection order, in ever smaller batches, to
+  # whichever worker runs low. A later -n wins: -n 0 runs in one process (for --pdb, -s).
+  test)  setup; exec "$py" -m pytest -n 2 --dist load "$@" ;;
   *) echo "usage: ./run.sh train|test|demo [ARGS]" >&2; exit 2 ;;
 esac

@@ -1,10 +1,16 @@
-"""Shared test settings: one torch thread (the CI machine has two cores and other
-work on them), a hypothesis profile sized for CI, and `tests/Lengthy-v0`, an env whose
-rewards vary even for an untrained model (for rollout and training tests)."""
+"""Shared test settings: one torch thread per process, a hypothesis profile sized for
+CI, and `tests/Lengthy-v0`, an env whose rewards vary even for an untrained model (for
+rollout and training tests).
+
+`./run.sh test` runs the suite on two pytest-xdist workers (`-n 2`),
+one per core of the CI machine; so each worker, and each process a test starts
+(`OMP_NUM_THREADS`, inherited), runs torch on one thread, and the cores are not
+oversubscribed. A test that needs more sets torch's count itself and restores it."""
 
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import gymnasium as gym  # noqa: E402
 import pytest  # noqa: E402

@@ -1,7 +1,14 @@
 """Fixtures of the fault suite: one finished tiny run, and fresh copies of it to damage.
 Every test here is marked `faults` (`pytest -m "not faults"` leaves the suite out).
 Runs in this process write no plots (tests/trainer holds those; here they were a third
-of each finished run's time)."""
+of each finished run's time).
+
+Under pytest-xdist a session fixture is built once per worker, so `finished_run` may be
+trained twice (once per worker that runs one of its users: about 8 s each on an idle
+CI machine). Keeping its users on one worker would take `--dist loadgroup`, which with
+pytest 9.2 and pytest-xdist 3.8 groups nothing (pytest-xdist issue #1386), or
+`--dist loadfile`, which would not group the users in three files either and balances
+the suite worse."""
 
 from __future__ import annotations
 
