@@ -140,19 +140,6 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> tuple[dict[str, float]
     }, usage
 
 
-def phase_metrics(usage: Usage) -> dict[str, float]:
-    """The per-phase token counts, under their metrics.jsonl names (docs/files.md)."""
-    return {
-        "tokens/prefill_computed": float(usage.prefill_computed_tokens),
-        "tokens/prefill_cached": float(usage.prefill_cached_tokens),
-        "tokens/sampled": float(usage.sampled_tokens),
-        "tokens/train_computed": float(usage.train_computed_tokens),
-        "tokens/train_loss": float(usage.train_loss_tokens),
-        "tokens/train_shared": float(usage.train_shared_tokens),
-        "cache/hit_rate": usage.cache_hit_rate,
-    }
-
-
 class StepPipeline:
     """Step 1 in sync or async mode: where the next step's groups come from.
 

@@ -16,10 +16,27 @@ from prefixgym.files import write_text_atomically
 from prefixgym.trainer.tracking import Tracker
 from prefixgym.types import JSONObject, Usage
 
-PHASE_KEYS = (
-    "tokens/prefill_computed", "tokens/prefill_cached", "tokens/sampled",
-    "tokens/train_computed", "tokens/train_loss",
-)
+PHASE_FIELDS = {
+    "tokens/prefill_computed": "prefill_computed_tokens",
+    "tokens/prefill_cached": "prefill_cached_tokens",
+    "tokens/sampled": "sampled_tokens",
+    "tokens/train_computed": "train_computed_tokens",
+    "tokens/train_loss": "train_loss_tokens",
+    "tokens/train_shared": "train_shared_tokens",
+}
+"""metrics.jsonl's per-phase token counts (docs/files.md) and the `Usage` field of each."""
+
+
+def phase_metrics(usage: Usage) -> dict[str, float]:
+    """The per-phase token counts of `usage` under their metrics.jsonl names, and the
+    prefix-cache hit rate."""
+    return {**{key: float(getattr(usage, name)) for key, name in PHASE_FIELDS.items()},
+            "cache/hit_rate": usage.cache_hit_rate}
+
+
+def usage_of(record: JSONObject) -> Usage:
+    """The tokens a metrics record counts (`phase_metrics` read back; 0 where absent)."""
+    return Usage(**{name: int(record.get(key, 0)) for key, name in PHASE_FIELDS.items()})
 
 
 class MetricsLog:
@@ -150,17 +167,6 @@ def improvement_lines(evals: Sequence[JSONObject]) -> list[str]:
     ratio = f" = {diff / se:+.1f} SE" if se else ""
     return [f"GRPO vs the warm start: {100 * diff:+.1f} points of success ± {100 * se:.1f} "
             f"(SE of the difference{ratio}).", ""]
-
-
-def usage_of(record: JSONObject) -> Usage:
-    """The tokens a metrics record counts (its `tokens/*` fields; 0 where absent)."""
-    def count(key: str) -> int:
-        return int(record.get(f"tokens/{key}", 0))
-
-    return Usage(prefill_computed_tokens=count("prefill_computed"),
-                 prefill_cached_tokens=count("prefill_cached"), sampled_tokens=count("sampled"),
-                 train_computed_tokens=count("train_computed"),
-                 train_loss_tokens=count("train_loss"), train_shared_tokens=count("train_shared"))
 
 
 def write_report(

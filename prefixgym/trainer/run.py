@@ -47,10 +47,10 @@ from prefixgym.trainer.checkpoint import (
 )
 from prefixgym.trainer.config import TrainConfig, run_identity
 from prefixgym.trainer.evaluate import evaluate
-from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step, phase_metrics
+from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step
 from prefixgym.trainer.plots import write_plots
 from prefixgym.trainer.progress import Progress
-from prefixgym.trainer.report import MetricsLog, write_report
+from prefixgym.trainer.report import MetricsLog, phase_metrics, write_report
 from prefixgym.trainer.schedule import warmup_cosine_lr
 from prefixgym.trainer.sft import warm_start
 from prefixgym.trainer.tracking import open_tracker
