@@ -49,12 +49,12 @@ def copy_batch(rng: random.Random, n: int, filler: list[int]) -> list[Datum]:
             for t, w in rows]
 
 
-def without_system(datums: list[Datum]) -> list[Datum]:
-    """Each datum from its second `<|im_start|>` (id 1, the user turn) on."""
+def without_system(datums: list[Datum], im_start: int) -> list[Datum]:
+    """Each datum from its second `<|im_start|>` (the user turn) on."""
     out = []
     for d in datums:
         tokens = d.model_input.to_ints()
-        start = tokens.index(1, 1)
+        start = tokens.index(im_start, 1)
         out.append(Datum(model_input=ModelInput.from_ints(tokens[start:]),
                          loss_fn_inputs={k: list(v)[start:] for k, v in d.loss_fn_inputs.items()}))
     return out
@@ -89,7 +89,8 @@ def main() -> None:
     else:
         env_kwargs = {"expert_tool_rate": 1.0, "max_turns": 3, "num_operands": 2}
         envs = [make_agent_env("prefixgym/Arithmetic-v0", env_kwargs) for _ in range(16)]
-        cut = without_system if args.no_system else (lambda ds: ds)
+        im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+        cut = (lambda ds: without_system(ds, im_start)) if args.no_system else (lambda ds: ds)
 
         def batch(step: int) -> list[Datum]:
             seeds = [SFT_SEED_BASE + step * args.per_step + i for i in range(args.per_step)]

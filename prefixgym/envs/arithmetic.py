@@ -66,9 +66,9 @@ class Arithmetic(AgentEnv):
     uses the calculator; in the others it answers at once, with the right value, as a
     teacher who computes in its head would. A small model that imitates such an expert
     calls the calculator on about that share of episodes and guesses on the rest, so
-    GRPO has a choice to learn (recipes/tools.toml). Whether the expert of an episode
-    uses the tool is drawn from `np_random` after the task, so a seed replays it and
-    the task of a seed is the same at every rate.
+    GRPO has a choice to learn (docs/training-your-env.md, section 5). Whether the
+    expert of an episode uses the tool is drawn from `np_random` after the task, so a
+    seed replays it and the task of a seed is the same at every rate.
     """
 
     system_prompt = (
