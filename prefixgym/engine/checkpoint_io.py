@@ -34,6 +34,7 @@ import numpy as np
 import safetensors
 import safetensors.torch
 import torch
+from torch.nn.utils import get_total_norm
 
 from prefixgym.files import (
     file_checksum,
@@ -49,10 +50,18 @@ FORMAT_VERSION = 2
 
 
 def nonfinite_tensor(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
-    """The name of the first floating-point tensor holding a NaN or an inf, if any."""
-    for name, tensor in tensors:
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return name
+    """The name of the first floating-point tensor holding a NaN or an inf, if any.
+
+    One fused norm over all of them decides (on CPU about 10x faster than `isfinite`
+    per tensor, which cost ~60 ms a check on `tiny`); only a norm that is not finite,
+    which huge finite values can also give, is followed by the check per tensor."""
+    named = [(name, t) for name, t in tensors if t.is_floating_point()]
+    with torch.no_grad():
+        if not named or bool(torch.isfinite(get_total_norm([t for _, t in named]))):
+            return None
+        for name, tensor in named:
+            if not bool(torch.isfinite(tensor).all()):
+                return name
     return None
 
 

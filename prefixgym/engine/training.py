@@ -43,7 +43,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
+from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple
 
 import torch
 
@@ -339,8 +339,8 @@ class TrainingClient:
             rows = logprobs_B_T.detach().double().cpu()
             for b, j in enumerate(chunk.indices):
                 logprobs_out[j] = rows[b, : prepared[j].length].tolist()
-        bad_grad = any(g is not None and not bool(torch.isfinite(g).all()) for g in staged)
-        if not math.isfinite(loss_total) or bad_grad:
+        bad_grad = nonfinite_tensor((str(k), g) for k, g in enumerate(staged) if g is not None)
+        if not math.isfinite(loss_total) or bad_grad is not None:
             raise ValueError(
                 f"the loss ({loss_total}) or its gradient is not finite (an importance ratio "
                 "exp(logp - sampler logprob) may have overflowed); gradients left unchanged"
@@ -417,13 +417,7 @@ class TrainingClient:
         params = self._params
         betas = (adam.beta1, adam.beta2)
         if self._optimizer is None:
-            self._optimizer = torch.optim.AdamW(
-                params,
-                lr=adam.learning_rate,
-                betas=betas,
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-            )
+            self._optimizer = make_adamw(params, adam)
         for group in self._optimizer.param_groups:
             group.update(
                 lr=adam.learning_rate, betas=betas, eps=adam.eps, weight_decay=adam.weight_decay
@@ -496,6 +490,18 @@ class TrainingClient:
 
 CustomLossFn = Callable[[list[Datum], list[Tensor]], tuple[Tensor, Mapping[str, float]]]
 """`forward_backward_custom`'s loss: (data, per-datum logprobs) -> (scalar loss, metrics)."""
+
+
+def make_adamw(params: Sequence[torch.nn.Parameter], adam: AdamParams) -> torch.optim.AdamW:
+    """torch's AdamW, its fused kernel where the parameters' device has one (on CPU a
+    step of `tiny` takes ~21 ms against ~70 ms for the loop per tensor; the results
+    differ from that loop's in the last bit, the same from run to run)."""
+    kwargs: dict[str, Any] = dict(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2),
+                                  eps=adam.eps, weight_decay=adam.weight_decay)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except RuntimeError:  # a device or dtype without the fused kernel
+        return torch.optim.AdamW(params, **kwargs)
 
 
 def _data_arg(data: Sequence[Datum] | None, datums: Sequence[Datum] | None) -> Sequence[Datum]:
