@@ -90,8 +90,8 @@ class TrainConfig:
     """Learning rate of the warm start."""
     sft_lr_schedule: str = "cosine"
     """Warm-start learning-rate schedule after its linear warm-up (the first 10% of the
-    steps): cosine (decay to --sft-lr/10) or constant (stay at --sft-lr; copying from a
-    long context, as tool calls need, is learned late: docs/benchmarks.md, "Tool use on
+    steps): cosine (decay to --sft-lr/10) or constant (stay at --sft-lr, for skills
+    learned late, such as copying from a long context: docs/benchmarks.md, "Tool use on
     Arithmetic")."""
     steps: int = 60
     """GRPO steps."""
