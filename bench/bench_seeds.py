@@ -1,7 +1,7 @@
 """The default training run on several seeds: does GRPO beat its warm start on each?
 
 Usage: `python bench/bench_seeds.py [--seeds 0 1 2 3 4] [--parallel 1] [--out runs/seeds]
-[-- TRAIN FLAGS...]`, e.g. `python bench/bench_seeds.py -- --config recipes/tools.toml`.
+[-- TRAIN FLAGS...]`, e.g. `python bench/bench_seeds.py -- --eval-temperature 1`.
 
 Runs `prefixgym train --seed S --out OUT/seedS --no-progress [TRAIN FLAGS]` for every
 seed (`--parallel N` at a time, each on `--threads` torch threads), then reads each

@@ -88,6 +88,11 @@ class TrainConfig:
     """Expert episodes per warm-start step."""
     sft_lr: float = 2e-3
     """Learning rate of the warm start."""
+    sft_lr_schedule: str = "cosine"
+    """Warm-start learning-rate schedule after its linear warm-up (the first 10% of the
+    steps): cosine (decay to --sft-lr/10) or constant (stay at --sft-lr, for skills
+    learned late, such as copying from a long context: docs/benchmarks.md, "Tool use on
+    Arithmetic")."""
     steps: int = 60
     """GRPO steps."""
     groups_per_step: int = 16
@@ -182,6 +187,7 @@ class TrainConfig:
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
         _require_one_of("--loss", self.loss, LOSSES)
         _require_one_of("--lr-schedule", self.lr_schedule, LR_SCHEDULES)
+        _require_one_of("--sft-lr-schedule", self.sft_lr_schedule, LR_SCHEDULES)
         _require_one_of("--backend", self.backend, BACKENDS)
         if self.backend == "tinker" and self.sampler_url:
             raise ValueError("--sampler-url and --backend tinker do not go together: the "

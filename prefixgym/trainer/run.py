@@ -205,6 +205,7 @@ class Run:
                 state.sft_usage = warm_start(
                     self.training, self.envs, self.tokenizer, c.sft_steps,
                     c.sft_episodes_per_step, c.sft_lr, on_step=on_step,
+                    schedule=c.sft_lr_schedule,
                 )
             ref = self.training.save_weights_and_get_sampling_client()
             self.evaluate(ref, 0, "after warm start", state)

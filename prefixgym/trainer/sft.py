@@ -38,21 +38,25 @@ def warm_start(
     training: TrainingClient, envs: Sequence[AgentGymEnv], tokenizer: PreTrainedTokenizerBase,
     steps: int, episodes_per_step: int, lr: float,
     on_step: Callable[[int, dict[str, float], Usage], None] | None = None,
+    schedule: str = "cosine",
 ) -> Usage:
     """`steps` AdamW steps of cross-entropy, each on fresh expert episodes.
 
     The loss is a sum over tokens; dividing the weights by the step's loss tokens
     makes the learning rate independent of episode lengths. The learning rate warms
-    up linearly over the first 10% of steps, then decays (cosine) to lr/10: without
-    the warm-up, some random inits stall on a policy that ignores the env's hints.
+    up linearly over the first 10% of steps, then decays (cosine) to lr/10, or stays
+    at lr with `schedule="constant"`: without the warm-up, some random inits stall on
+    a policy that ignores the env's hints.
     """
+    floor = 1.0 if schedule == "constant" else 0.1
     total = Usage()
     for step in range(steps):
         seeds = [SFT_SEED_BASE + step * episodes_per_step + i for i in range(episodes_per_step)]
         datums = expert_datums(envs, tokenizer, seeds)
         out = training.forward_backward(datums, loss_fn="cross_entropy").result()
         opt = training.optim_step(
-            AdamParams(learning_rate=warmup_cosine_lr(step, steps, lr), grad_clip_norm=1.0)
+            AdamParams(learning_rate=warmup_cosine_lr(step, steps, lr, floor=floor),
+                       grad_clip_norm=1.0)
         ).result()
         total = total + out.usage
         if on_step is not None:

@@ -28,6 +28,8 @@ def test_cosine_without_warm_up_starts_at_the_peak_and_ends_at_the_floor():
     assert all(a >= b for a, b in itertools.pairwise(lrs))
     with pytest.raises(ValueError, match="--lr-schedule"):
         TrainConfig(lr_schedule="linear")
+    with pytest.raises(ValueError, match="--sft-lr-schedule"):
+        TrainConfig(sft_lr_schedule="linear")
 
 
 def test_compute_dtype_is_validated():

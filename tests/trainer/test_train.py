@@ -159,3 +159,19 @@ def test_async_mode_and_kl_penalty_run(tmp_path, monkeypatch, extra):
         if steps[0]["datums/count"]:  # step 0 samples from the reference weights themselves
             assert abs(steps[0]["kl/sampled_vs_ref"]) < 1e-4
     assert result.usage.train_computed_tokens > 0
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_sft_lr_schedule_constant_holds_the_peak_after_the_warm_up(tmp_path, monkeypatch,
+                                                                    schedule):
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+    config = {**SMALL, "sft_steps": 10, "eval_episodes": 1}
+    train(TrainConfig(**config, steps=0, sft_lr=1e-3, sft_lr_schedule=schedule,
+                      out=str(tmp_path)))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["optim/learning_rate"] for r in lines if r["phase"] == "sft"]
+    assert len(lrs) == 10 and lrs[0] == pytest.approx(1e-3)  # a one-step warm-up (10%)
+    if schedule == "constant":
+        assert lrs == pytest.approx([1e-3] * 10)
+    else:
+        assert lrs[-1] < 0.2e-3
