@@ -39,7 +39,7 @@ length. `sampler_url` moves sampling to another server, whose weights are its ow
 Every other field determines results (`eval_episodes` too: evaluations before and
 after the change would not compare)."""
 
-ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0}
+ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine"}
 """Fields added after runs were saved, with the value that gives what a run saved
 without them did (they evaluated greedily): `with_added_fields` fills them into a
 saved config or checkpoint identity, so such runs still resume as themselves."""

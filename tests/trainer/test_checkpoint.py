@@ -189,3 +189,15 @@ def test_a_run_saved_before_eval_temperature_existed_resumes_as_a_greedy_one(
     assert find_checkpoint(tmp_path, greedy).path == saved
     with pytest.raises(ForeignCheckpointError, match="eval_temperature: 1.0 here, 0.0 there"):
         find_checkpoint(tmp_path, IDENTITY)  # the default now evaluates as it samples
+
+
+def test_a_run_saved_before_sft_lr_schedule_existed_resumes_as_a_cosine_one(
+    tmp_path: Path,
+) -> None:
+    ours = run_identity(TrainConfig(eval_temperature=0.0))
+    old = {k: v for k, v in ours.items() if k != "sft_lr_schedule"}  # as it was saved
+    saved = save(tmp_path, 4, old)
+    assert find_checkpoint(tmp_path, ours).path == saved
+    constant = run_identity(TrainConfig(eval_temperature=0.0, sft_lr_schedule="constant"))
+    with pytest.raises(ForeignCheckpointError, match="sft_lr_schedule: 'constant' here, 'cosine' there"):
+        find_checkpoint(tmp_path, constant)
