@@ -32,7 +32,11 @@ class GuessNumber(AgentEnv):
     for finding the number, and a guess outside the possible range earns none. A
     dense signal for RL that binary search maximises.
     `is_success` is True iff the number was found. The expert does binary search,
-    which needs at most ceil(log2(high - low + 1)) + 1 guesses.
+    which needs at most ceil(log2(high - low + 1)) + 1 guesses; with `expert_noise` p
+    it guesses, on each turn with probability p, a number drawn uniformly from the
+    range still possible instead (drawn from `np_random` at reset, so an episode's
+    expert is replayed by its seed): a warm start on such an expert leaves GRPO a
+    better strategy than the one it imitated.
     """
 
     system_prompt = (
@@ -50,6 +54,7 @@ class GuessNumber(AgentEnv):
         speed_bonus: float = 0.2,
         progress_credit: float = 0.0,
         invalid_penalty: float = 0.1,
+        expert_noise: float = 0.0,
         render_mode: str | None = None,
     ) -> None:
         if not (isinstance(low, int) and isinstance(high, int)) or low >= high:
@@ -58,18 +63,26 @@ class GuessNumber(AgentEnv):
             raise ValueError(f"speed_bonus must be >= 0, got {speed_bonus!r}")
         if not 0 <= progress_credit <= 1:
             raise ValueError(f"progress_credit must be in 0..1, got {progress_credit!r}")
+        if isinstance(expert_noise, bool) or not isinstance(expert_noise, (int, float)) \
+                or not 0.0 <= expert_noise <= 1.0:
+            raise ValueError(f"expert_noise must be a number in 0..1, got {expert_noise!r}")
         super().__init__(max_turns=max_turns, invalid_penalty=invalid_penalty,
                          render_mode=render_mode)
         self.low, self.high = low, high
         self.show_range = show_range
         self.speed_bonus = float(speed_bonus)
         self.progress_credit = float(progress_credit)
+        self.expert_noise = float(expert_noise)
+        self._expert_draws_T2 = [(1.0, 0.0)] * max_turns  # (noise?, which) per turn
         self._secret = low
         self._lo, self._hi = low, high
 
     def _reset_task(self) -> str:
         self._secret = int(self.np_random.integers(self.low, self.high + 1))
         self._lo, self._hi = self.low, self.high
+        if self.expert_noise:  # after the secret: the task does not depend on the noise
+            draws = self.np_random.random((self.max_turns, 2))
+            self._expert_draws_T2 = [(float(a), float(b)) for a, b in draws]
         return f"Guess a number between {self.low} and {self.high}."
 
     def _act(self, text: str) -> Outcome:
@@ -99,6 +112,9 @@ class GuessNumber(AgentEnv):
         return {"progress": self.progress_credit * math.log(size_before / size_after) / total}
 
     def expert_action(self) -> str:
+        noise, which = self._expert_draws_T2[min(self.turn, self.max_turns - 1)]
+        if noise < self.expert_noise:
+            return str(self._lo + int(which * (self._hi - self._lo + 1)))
         return str((self._lo + self._hi) // 2)
 
     def _leak_probes(self) -> list[str]:

@@ -72,6 +72,37 @@ def test_guess_number_progress_credit_sums_to_the_range_narrowed() -> None:
         GuessNumber(progress_credit=1.5)
 
 
+def _guess_number_expert(env: GuessNumber, seed: int) -> tuple[int, list[str], bool]:
+    """The secret, the expert's guesses and whether it won, for one seed."""
+    env.reset(seed=seed)
+    secret, guesses, info = env._secret, [], {}
+    while not (info.get("is_success") or env.turn == env.max_turns):
+        guess = env.expert_action()
+        assert env.expert_action() == guess  # asking again draws nothing new
+        lo, hi = env._lo, env._hi
+        guesses.append(guess)
+        _, _, _, _, info = env.step(guess)
+        assert lo <= int(guess) <= hi  # always inside the range still possible
+    return secret, guesses, bool(info["is_success"])
+
+
+def test_guess_number_expert_noise() -> None:
+    exact, noisy, uniform = (GuessNumber(max_turns=4, expert_noise=p) for p in (0.0, 0.5, 1.0))
+    episodes = {p: [_guess_number_expert(env, s) for s in range(300)]
+                for p, env in ((0.0, exact), (0.5, noisy), (1.0, uniform))}
+    # the noise is drawn after the secret: the same tasks at every noise level
+    assert [e[0] for e in episodes[0.0]] == [e[0] for e in episodes[0.5]]
+    assert all(g[0] == "8" for _, g, _ in episodes[0.0])  # binary search: the midpoint
+    firsts = {p: sum(g[0] == "8" for _, g, _ in episodes[p]) for p in (0.5, 1.0)}
+    assert 120 < firsts[0.5] < 200 and firsts[1.0] < 60  # 1/2 + 1/32 and 1/16 expected
+    wins = {p: sum(w for *_, w in episodes[p]) for p in episodes}
+    assert wins[0.0] > wins[0.5] > wins[1.0]  # noise costs the expert wins
+    assert episodes[0.5] == [_guess_number_expert(noisy, s) for s in range(300)]  # replayed
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="expert_noise must be a number in 0..1"):
+            GuessNumber(expert_noise=bad)  # type: ignore[arg-type]
+
+
 def test_calculator_is_safe_and_exact() -> None:
     assert calculator("(7 + 12) * 3 - 5") == "52"
     assert calculator("7 / 2") == "3.5" and calculator("8 / 2") == "4"
