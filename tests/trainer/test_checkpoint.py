@@ -180,24 +180,16 @@ def test_the_metrics_log_is_set_aside_never_deleted(tmp_path: Path) -> None:
     assert not log.path.exists()
 
 
-def test_a_run_saved_before_eval_temperature_existed_resumes_as_a_greedy_one(
-    tmp_path: Path,
+@pytest.mark.parametrize(("field", "old_value", "new_value"), [
+    ("eval_temperature", 0.0, 1.0),  # runs saved before it evaluated greedily
+    ("sft_lr_schedule", "cosine", "constant"),  # ... and warmed up on the cosine
+])
+def test_a_run_saved_before_a_field_existed_resumes_as_what_it_did(
+    tmp_path: Path, field: str, old_value: object, new_value: object,
 ) -> None:
-    greedy = run_identity(TrainConfig(eval_temperature=0.0))
-    old = {k: v for k, v in greedy.items() if k != "eval_temperature"}  # as it was saved
-    saved = save(tmp_path, 4, old)
-    assert find_checkpoint(tmp_path, greedy).path == saved
-    with pytest.raises(ForeignCheckpointError, match="eval_temperature: 1.0 here, 0.0 there"):
-        find_checkpoint(tmp_path, IDENTITY)  # the default now evaluates as it samples
-
-
-def test_a_run_saved_before_sft_lr_schedule_existed_resumes_as_a_cosine_one(
-    tmp_path: Path,
-) -> None:
-    ours = run_identity(TrainConfig(eval_temperature=0.0))
-    old = {k: v for k, v in ours.items() if k != "sft_lr_schedule"}  # as it was saved
-    saved = save(tmp_path, 4, old)
-    assert find_checkpoint(tmp_path, ours).path == saved
-    constant = run_identity(TrainConfig(eval_temperature=0.0, sft_lr_schedule="constant"))
-    with pytest.raises(ForeignCheckpointError, match="sft_lr_schedule: 'constant' here, 'cosine' there"):
-        find_checkpoint(tmp_path, constant)
+    as_it_ran = run_identity(TrainConfig(**{field: old_value}))
+    saved = save(tmp_path, 4, {k: v for k, v in as_it_ran.items() if k != field})
+    assert find_checkpoint(tmp_path, as_it_ran).path == saved
+    with pytest.raises(ForeignCheckpointError,
+                       match=f"{field}: {new_value!r} here, {old_value!r} there"):
+        find_checkpoint(tmp_path, run_identity(TrainConfig(**{field: new_value})))
