@@ -41,8 +41,9 @@ after the change would not compare)."""
 
 ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine"}
 """Fields added after runs were saved, with the value that gives what a run saved
-without them did (they evaluated greedily): `with_added_fields` fills them into a
-saved config or checkpoint identity, so such runs still resume as themselves."""
+without them did (it evaluated greedily, its warm start decayed on the cosine):
+`with_added_fields` fills them into a saved config or checkpoint identity, so such
+runs still resume as themselves."""
 
 
 def with_added_fields(saved: JSONObject) -> JSONObject:
