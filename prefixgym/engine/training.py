@@ -478,8 +478,8 @@ class TrainingClient:
             self._optimizer, self._step = None, 0
             return 0
         if state["optimizer"] is not None:
-            self._optimizer = torch.optim.AdamW(self._params)
-            self._optimizer.load_state_dict(state["optimizer"])
+            self._optimizer = make_adamw(self._params, AdamParams())  # the saved hyper-
+            self._optimizer.load_state_dict(state["optimizer"])  # parameters replace these
         else:
             self._optimizer = None
         self._step = int(state["step"])
