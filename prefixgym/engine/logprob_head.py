@@ -21,6 +21,12 @@ values and gradients holding (rows, V) for one chunk of `chunk_rows(V)` rows:
    - without gradients: chunk by chunk, nothing kept.
 3) The chunks' logprobs are concatenated in row order.
 
+`loss_gradients` trains through this head without running its backward on rows the
+loss does not read (an RL datum's prompt: most of its positions): their logprobs are
+computed without gradient, the loss's gradient with respect to each logprob is taken
+first, and the parameters' gradient then comes from the rows the loss reads (its
+docstring has the steps).
+
 Under autocast the matmuls run in the autocast dtype as in the plain head; the
 log-softmax is float32. This module knows `Transformer.head` and
 `output_weight`; not losses, datums or how rows were gathered.
@@ -28,6 +34,9 @@ log-softmax is float32. This module knows `Transformer.head` and
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +45,8 @@ from torch.utils.checkpoint import checkpoint
 
 from prefixgym.engine.model import Transformer
 
-__all__ = ["CHUNK_ELEMENTS", "chunk_rows", "head_is_frozen", "target_logprobs"]
+__all__ = ["CHUNK_ELEMENTS", "HeadRows", "chunk_rows", "head_is_frozen", "loss_gradients",
+           "target_logprobs"]
 
 Tensor = torch.Tensor
 CHUNK_ELEMENTS = 1 << 24
@@ -103,3 +113,81 @@ class _FrozenHead(torch.autograd.Function):
         (d_h_N_C,) = ctx.saved_tensors
         grad_N = grads[0]
         return (grad_N[:, None].to(d_h_N_C.dtype) * d_h_N_C), None, None, None
+
+
+@dataclass
+class HeadRows:
+    """What the head turns into logprobs for one chunk of datums: the distinct
+    (final-norm row, target) pairs its cells read, and which pair each cell reads."""
+
+    h_P_C: Tensor  # final-norm outputs, one per pair (in the autograd graph when training)
+    targets_P: Tensor  # int64 target ids
+    pair_B_T: Tensor  # int64 (B, T): each cell's pair; P (one past the last) on the padding
+
+    def to_grid(self, logprobs_P: Tensor) -> Tensor:
+        """(B, T) logprobs of the cells from the pairs' (P,) logprobs; 0 on the padding.
+        By `index_select`: a pair read by many cells gets their gradients added in order."""
+        padded = torch.cat((logprobs_P, logprobs_P.new_zeros(1)))
+        return padded.index_select(0, self.pair_B_T.reshape(-1)).view(self.pair_B_T.shape)
+
+
+LossOfGrid = Callable[[Tensor], tuple[Tensor, Any]]
+
+
+def loss_gradients(
+    model: Transformer, rows: HeadRows, in_loss_B_T: Tensor, loss_of_grid: LossOfGrid,
+    params: Sequence[torch.nn.Parameter],
+    autocast: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+) -> tuple[Tensor, Tensor, Any, tuple[Tensor | None, ...]]:
+    """d loss / d params, running the head's backward only on the rows whose logprob the
+    loss depends on. `loss_of_grid(logprobs_B_T) -> (loss, extra)`; `in_loss_B_T` (bool)
+    marks the cells the loss is expected to read (its loss positions). Returns the
+    detached (B, T) logprobs, the detached loss, `extra` and one gradient (or None) per
+    parameter. Most cells of an RL datum are prompt, which the loss does not train on:
+    their head rows need a forward (their logprobs are returned) but no backward.
+
+    1) The pairs read by an in-loss cell: logprobs with gradient; the others without.
+    2) The loss on a detached copy of all of them, and by autograd on that alone its
+       gradient g_p with respect to each pair's logprob.
+    3) A pair outside step 1's set with g_p != 0 (a loss whose gradient reaches cells
+       outside its loss positions) has its logprob computed again, with gradient.
+    4) The gradient of sum_p g_p * logprob_p over the pairs with gradient: by the chain
+       rule the loss's gradient (g is constant there), exactly.
+    The head's cost: a forward on every pair and a forward and backward on the loss
+    pairs, against a forward and backward on every pair.
+    """
+    n_pairs = int(rows.targets_P.shape[0])
+    read = torch.zeros(n_pairs + 1, dtype=torch.bool, device=in_loss_B_T.device)
+    read[rows.pair_B_T[in_loss_B_T]] = True
+    if not read[:n_pairs].any():  # no loss positions: every pair, for the zero gradients
+        read[:n_pairs] = True      # the loss's own backward would give
+    with_grad = read[:n_pairs].nonzero().squeeze(1)
+    without = (~read[:n_pairs]).nonzero().squeeze(1)
+    # 1)
+    h_P_C, targets_P = rows.h_P_C, rows.targets_P
+    logprobs_P = torch.zeros(n_pairs, dtype=torch.float32, device=h_P_C.device)
+    with autocast():
+        lp = target_logprobs(model, h_P_C.index_select(0, with_grad),
+                             targets_P.index_select(0, with_grad))
+    picked = [(with_grad, lp)]
+    logprobs_P = logprobs_P.to(lp.dtype).index_copy(0, with_grad, lp.detach())
+    if without.numel():
+        with torch.no_grad(), autocast():
+            lp_without = target_logprobs(model, h_P_C.detach().index_select(0, without),
+                                         targets_P.index_select(0, without))
+        logprobs_P = logprobs_P.index_copy(0, without, lp_without.to(logprobs_P.dtype))
+    # 2)
+    leaf_P = logprobs_P.requires_grad_()
+    loss, extra = loss_of_grid(rows.to_grid(leaf_P))
+    (g_P,) = torch.autograd.grad(loss, leaf_P, allow_unused=True, materialize_grads=True)
+    # 3)
+    stray = without[g_P.index_select(0, without) != 0]
+    if stray.numel():
+        with autocast():
+            picked.append((stray, target_logprobs(model, h_P_C.index_select(0, stray),
+                                                  targets_P.index_select(0, stray))))
+    # 4)
+    surrogate = sum((g_P.index_select(0, idx) * lp).sum() for idx, lp in picked)
+    assert isinstance(surrogate, Tensor)  # step 1 picked at least one pair
+    grads = torch.autograd.grad(surrogate, params, allow_unused=True)
+    return rows.to_grid(leaf_P.detach()), loss.detach(), extra, grads

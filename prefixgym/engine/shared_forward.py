@@ -8,12 +8,14 @@
    them, so the gradient of a shared position flows back through it once, summed
    over the branches that read it.
 2) Per wave, the log-softmax of every row once; then each datum's target logprob at
-   each of its positions, picked from the row that computed the position. With
-   `chunked_head`, the distinct (row, target) pairs the datums read are gathered from
-   the final norm's output instead, and `logprob_head` computes their logprobs a chunk
-   at a time: a shared row is computed once per distinct target (twice at a branch
-   point whose datums' next tokens differ), not once per datum.
-3) Put the picked values in the chunk's (B, T) grid, zero on the padding.
+   each of its positions, picked from the row that computed the position
+   (`plan_logprobs`). For the chunked head (`plan_rows`), the distinct (row, target)
+   pairs the datums read are gathered from the final norm's output instead, as
+   `logprob_head.HeadRows`, whose logprobs `logprob_head` computes a chunk at a time:
+   a shared row is computed once per distinct target (twice at a branch point whose
+   datums' next tokens differ), not once per datum.
+3) Put the picked values in the chunk's (B, T) grid, zero on the padding
+   (`HeadRows.to_grid` for the chunked head).
 
 The result equals the plain forward's target logprobs up to float rounding; the
 losses then run on it unchanged. This module knows the model's forward signature and
@@ -27,11 +29,11 @@ from collections.abc import Callable
 
 import torch
 
-from prefixgym.engine import logprob_head
+from prefixgym.engine.logprob_head import HeadRows
 from prefixgym.engine.model import ModelConfig, Transformer
 from prefixgym.engine.prefix_trie import TriePlan, Wave
 
-__all__ = ["TrieKV", "context_weight", "plan_logprobs"]
+__all__ = ["TrieKV", "context_weight", "plan_logprobs", "plan_rows"]
 
 Tensor = torch.Tensor
 
@@ -115,18 +117,53 @@ def _distinct_pairs(
     return pairs_P // vocab_size, pairs_P % vocab_size, pair_of_use_U
 
 
+def plan_rows(
+    model: Transformer,
+    plan: TriePlan,
+    targets_B_T: Tensor,
+    autocast: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    recompute: bool = False,
+) -> HeadRows:
+    """Step 1 and the rows of step 2' without the head: each wave's distinct (row,
+    target) pairs, the datums sharing a row mostly sharing its target too. The head
+    (`logprob_head.target_logprobs`) then runs on `h_P_C` and `HeadRows.to_grid` does
+    step 3."""
+    device = targets_B_T.device
+    store = _KVStore(model.config.n_layers)
+    targets = targets_B_T.reshape(-1)
+    hs: list[Tensor] = []
+    pair_targets: list[Tensor] = []
+    pair_of_use: list[Tensor] = []
+    n_pairs = 0
+    for wave in plan.waves:
+        kv = TrieKV(store, wave, device)
+        tokens, positions = wave.tokens_N_L.to(device), wave.positions_N_L.to(device)
+        rows_r, targets_r, pair_of_cell = _distinct_pairs(
+            wave.rows_used.to(device), targets[wave.cells_used.to(device)],
+            model.config.vocab_size)
+        with autocast():
+            h_N_L_C = model.hidden(tokens, positions, kv, recompute=recompute)
+        hs.append(h_N_L_C.reshape(-1, h_N_L_C.shape[-1]).index_select(0, rows_r))
+        pair_targets.append(targets_r)
+        pair_of_use.append(pair_of_cell + n_pairs)
+        n_pairs += int(rows_r.numel())
+    # the plan's order_B_T indexes the uses in wave order, its padding one past the last
+    pair_of_use.append(torch.full((1,), n_pairs, dtype=torch.long, device=device))
+    pair_B_T = torch.cat(pair_of_use)[plan.order_B_T.to(device)]
+    return HeadRows(torch.cat(hs), torch.cat(pair_targets), pair_B_T)
+
+
 def plan_logprobs(
     model: Transformer,
     plan: TriePlan,
     targets_B_T: Tensor,
     autocast: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
-    chunked_head: bool = False,
     recompute: bool = False,
 ) -> Tensor:
     """(B, T) float32 logprobs of `targets_B_T` (the chunk's targets, on the model's
-    device) at every position of the plan's datums; 0 on the padding. Steps 1-3.
-    `chunked_head`: step 2 through `logprob_head` (never all of a wave's logits at
-    once); `recompute`: checkpoint every block (`Transformer.hidden`)."""
+    device) at every position of the plan's datums; 0 on the padding. Steps 1-3 with
+    each wave's logits whole (the plain head; `plan_rows` is the chunked head's way);
+    `recompute`: checkpoint every block (`Transformer.hidden`)."""
     device = targets_B_T.device
     store = _KVStore(model.config.n_layers)
     targets = targets_B_T.reshape(-1)
@@ -135,19 +172,6 @@ def plan_logprobs(
         # 1) one forward per wave
         kv = TrieKV(store, wave, device)
         tokens, positions = wave.tokens_N_L.to(device), wave.positions_N_L.to(device)
-        if chunked_head:
-            # 2') each distinct (row, target) once -- the datums sharing a row mostly
-            # share its target too -- then every (datum, position) picks its pair
-            rows_r, targets_r, pair_of_cell = _distinct_pairs(
-                wave.rows_used.to(device), targets[wave.cells_used.to(device)],
-                model.config.vocab_size)
-            with autocast():
-                h_N_L_C = model.hidden(tokens, positions, kv, recompute=recompute)
-                h_R_C = h_N_L_C.reshape(-1, h_N_L_C.shape[-1])
-                logprobs_r = logprob_head.target_logprobs(
-                    model, h_R_C.index_select(0, rows_r), targets_r)
-            picked.append(logprobs_r.index_select(0, pair_of_cell))
-            continue
         with autocast():
             logits_N_L_V = model(tokens, positions, kv, recompute=recompute)
         # 2) normalise each row once (the fused kernel cross_entropy uses); pick every

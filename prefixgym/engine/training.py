@@ -10,7 +10,9 @@
    right-padded into (B, T) batches (`train_batch.make_chunks`). Causal attention
    makes both equal to running datums one by one; padded positions get weight 0.
 3) Per chunk: forward, per-token target logprobs, the loss (a **sum** of weight x
-   per-token loss, see `losses.py`), gradients. Gradients are staged and added to
+   per-token loss, see `losses.py`), gradients; with the chunked head (the default)
+   the output head's backward runs only on the rows in the loss
+   (`logprob_head.loss_gradients`: a prompt's rows get a forward only). Gradients are staged and added to
    the parameters' `.grad` only when the whole call succeeded with finite values,
    so accumulated gradients are never half-updated. `train_computed_tokens` counts
    the positions run through the model (a shared prefix once per chunk, padding not
@@ -56,7 +58,7 @@ from prefixgym.engine.checkpoint_io import (
     save_checkpoint,
 )
 from prefixgym.engine.model import Transformer
-from prefixgym.engine.shared_forward import context_weight, plan_logprobs
+from prefixgym.engine.shared_forward import context_weight, plan_logprobs, plan_rows
 from prefixgym.engine.train_batch import (
     Chunk,
     PreparedDatum,
@@ -288,23 +290,48 @@ class TrainingClient:
             return make_shared_chunks(prepared, self.max_tokens_per_forward, weight, device)
         return make_chunks(prepared, self.max_tokens_per_forward, device)
 
+    def _head_rows(self, chunk: Chunk) -> logprob_head.HeadRows:
+        """The chunk's final-norm rows and targets for the chunked head."""
+        targets_B_T = chunk.inputs["target_tokens"]
+        if chunk.plan is not None:
+            return plan_rows(self.model, chunk.plan, targets_B_T, self._autocast,
+                             recompute=self.recompute_activations)
+        with self._autocast():
+            h_B_T_C = self.model.hidden(chunk.tokens_B_T, recompute=self.recompute_activations)
+        B, T, C = h_B_T_C.shape
+        cells_B_T = torch.arange(B * T, device=targets_B_T.device).view(B, T)
+        return logprob_head.HeadRows(h_B_T_C.reshape(B * T, C), targets_B_T.reshape(B * T),
+                                     cells_B_T)
+
     def _logprobs(self, chunk: Chunk) -> Tensor:
         """(B, T) logprobs of the chunk's targets, through the trie plan or plainly."""
         targets_B_T = chunk.inputs["target_tokens"]
         recompute = self.recompute_activations
+        if self.chunked_head:
+            rows = self._head_rows(chunk)
+            with self._autocast():
+                return rows.to_grid(logprob_head.target_logprobs(self.model, rows.h_P_C,
+                                                                 rows.targets_P))
         if chunk.plan is not None:
             return plan_logprobs(self.model, chunk.plan, targets_B_T, self._autocast,
-                                 chunked_head=self.chunked_head, recompute=recompute)
-        if self.chunked_head:
-            with self._autocast():
-                h_B_T_C = self.model.hidden(chunk.tokens_B_T, recompute=recompute)
-                B, T, C = h_B_T_C.shape
-                return logprob_head.target_logprobs(
-                    self.model, h_B_T_C.reshape(B * T, C), targets_B_T.reshape(B * T)
-                ).view(B, T)
+                                 recompute=recompute)
         with self._autocast():
             logits_B_T_V = self.model(chunk.tokens_B_T, recompute=recompute)
         return losses.target_logprobs(logits_B_T_V, targets_B_T)
+
+    def _chunk_gradients(
+        self, chunk: Chunk, spec: losses.LossSpec, config: dict[str, float]
+    ) -> tuple[Tensor, Tensor, dict[str, float], Sequence[Tensor | None]]:
+        """(logprobs_B_T, loss, metric sums, a gradient per parameter) of one chunk."""
+        if self.chunked_head:  # the head's backward only where the loss reads
+            return logprob_head.loss_gradients(
+                self.model, self._head_rows(chunk), chunk.inputs["loss_mask"] > 0,
+                lambda logprobs_B_T: spec.fn(logprobs_B_T, chunk.inputs, config),
+                self._params, self._autocast)
+        logprobs_B_T = self._logprobs(chunk)
+        loss, sums = spec.fn(logprobs_B_T, chunk.inputs, config)
+        grads = torch.autograd.grad(loss, self._params, allow_unused=True)
+        return logprobs_B_T.detach(), loss.detach(), sums, grads
 
     def _run(
         self,
@@ -324,15 +351,16 @@ class TrainingClient:
         logprobs_out: list[list[float]] = [[] for _ in prepared]
         chunks = self._chunks(prepared, device)
         for chunk in chunks:
-            with torch.set_grad_enabled(backward):
-                logprobs_B_T = self._logprobs(chunk)
-                loss, sums = spec.fn(logprobs_B_T, chunk.inputs, config)
             if backward:
-                chunk_grads = torch.autograd.grad(loss, params, allow_unused=True)
+                logprobs_B_T, loss, sums, chunk_grads = self._chunk_gradients(chunk, spec, config)
                 for k, g in enumerate(chunk_grads):
                     prev = staged[k]
                     if g is not None:
                         staged[k] = g if prev is None else prev + g
+            else:
+                with torch.no_grad():
+                    logprobs_B_T = self._logprobs(chunk)
+                    loss, sums = spec.fn(logprobs_B_T, chunk.inputs, config)
             loss_total += float(loss.detach())
             for key, value in sums.items():
                 metric_sums[key] = metric_sums.get(key, 0.0) + value

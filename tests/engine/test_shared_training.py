@@ -130,24 +130,31 @@ def test_branches_of_branches_and_two_groups_sharing_a_system_prompt() -> None:
 def test_the_head_computes_each_distinct_position_and_target_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Datums sharing a position and its target read one head row, not one each."""
-    from prefixgym.engine import logprob_head, shared_forward
+    """Datums sharing a position and its target read one head row, not one each; and
+    only the rows of loss positions (the replies here) run with gradient."""
+    from prefixgym.engine import logprob_head
 
     system = tuple(random_ids(10, 5))
     datums = [*group(prompt_len=6, seed=20, system=system),
               *group(prompt_len=4, reply_lens=(4, 4, 8), seed=30, system=system)]
-    head_rows: list[int] = []
+    head_rows: dict[bool, int] = {True: 0, False: 0}  # with gradient -> rows
     inner = logprob_head.target_logprobs
 
     def counting(model: Transformer, h_N_C: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
-        head_rows.append(h_N_C.shape[0])
+        head_rows[torch.is_grad_enabled()] += h_N_C.shape[0]
         return inner(model, h_N_C, targets_N)
 
-    monkeypatch.setattr(shared_forward.logprob_head, "target_logprobs", counting)
+    monkeypatch.setattr(logprob_head, "target_logprobs", counting)
     run(datums, "ppo", share=True)  # exact: test_branches_of_branches_... on the same shapes
-    pairs = {(tuple(d.model_input.tokens[: k + 1]), d.loss_fn_inputs["target_tokens"][k])
-             for d in datums for k in range(d.model_input.length)}
-    assert sum(head_rows) == len(pairs) < sum(d.model_input.length for d in datums)
+
+    def pairs(loss_only: bool) -> set[tuple[tuple[int, ...], int]]:
+        return {(tuple(d.model_input.tokens[: k + 1]), d.loss_fn_inputs["target_tokens"][k])
+                for d in datums for k in range(d.model_input.length)
+                if d.loss_fn_inputs["weights"][k] != 0 or not loss_only}
+
+    assert head_rows[True] + head_rows[False] == len(pairs(False)) \
+        < sum(d.model_input.length for d in datums)
+    assert head_rows[True] == len(pairs(True)) < len(pairs(False))
 
 
 def test_no_shared_prefix_at_all() -> None:

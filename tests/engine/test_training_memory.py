@@ -152,6 +152,47 @@ def test_lora_with_and_without_the_head_adapter(train_unembed: bool) -> None:
     assert_same(recomputed, chunked, 0.0)
 
 
+@pytest.mark.parametrize("guess", ["exact", "too_few", "none"])
+def test_loss_gradients_are_autograds_whatever_the_loss_positions_guess(guess: str) -> None:
+    """`loss_gradients` runs the head's backward on the guessed loss positions only; a
+    loss that reads cells outside the guess still gets its exact gradient (those rows
+    are computed again), and a loss with no positions at all gets zeros, as autograd
+    on the whole head gives."""
+    model = Transformer(CONFIG)
+    init_weights(model, 0)
+    params = list(model.parameters())
+    tokens_B_T = torch.tensor([ids(9, 1), ids(9, 2)])
+    targets_B_T = torch.tensor([ids(9, 3), ids(9, 4)])
+    weights_B_T = torch.rand(2, 9, generator=torch.Generator().manual_seed(5))
+    weights_B_T[:, :4] = 0.0  # a prompt
+    if guess == "none":
+        weights_B_T.zero_()
+    in_loss_B_T = weights_B_T != 0
+    if guess == "too_few":
+        in_loss_B_T[:, 6:] = False  # cells the loss reads, outside the guess
+
+    def loss_of_grid(logprobs_B_T: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return -(weights_B_T * logprobs_B_T).sum(), None
+
+    h_B_T_C = model.hidden(tokens_B_T)
+    rows = logprob_head.HeadRows(h_B_T_C.reshape(18, -1), targets_B_T.reshape(18),
+                                 torch.arange(18).view(2, 9))
+    logprobs, loss, _, grads = logprob_head.loss_gradients(model, rows, in_loss_B_T,
+                                                           loss_of_grid, params)
+    expected = logprob_head.target_logprobs(model, model.hidden(tokens_B_T).reshape(18, -1),
+                                            targets_B_T.reshape(18)).view(2, 9)
+    expected_loss, _ = loss_of_grid(expected)
+    expected_grads = torch.autograd.grad(expected_loss, params)
+    assert_close(logprobs, expected.detach(), REL, "logprobs")
+    assert_close(loss, expected_loss.detach(), REL, "loss")
+    for p, g, e in zip(model.parameters(), grads, expected_grads, strict=True):
+        assert g is not None
+        if guess == "none":
+            assert not g.any() and not e.any()
+        else:
+            assert_close(g, e, REL, f"grad {tuple(p.shape)}")
+
+
 def _is_weight(t: torch.Tensor) -> bool:
     """A parameter or a view of one (linear saves the weight's transpose)."""
     return isinstance(t, torch.nn.Parameter) or (t._base is not None and _is_weight(t._base))
