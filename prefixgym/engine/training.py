@@ -12,11 +12,12 @@
 3) Per chunk: forward, per-token target logprobs, the loss (a **sum** of weight x
    per-token loss, see `losses.py`), gradients; with the chunked head (the default)
    the output head's backward runs only on the rows in the loss
-   (`logprob_head.loss_gradients`: a prompt's rows get a forward only). Gradients are staged and added to
-   the parameters' `.grad` only when the whole call succeeded with finite values,
-   so accumulated gradients are never half-updated. `train_computed_tokens` counts
-   the positions run through the model (a shared prefix once per chunk, padding not
-   at all); `train_shared_tokens` the positions that sharing spared.
+   (`logprob_head.loss_gradients`: a prompt's rows get a forward only). Gradients
+   are staged and added to the parameters' `.grad` only when the whole call
+   succeeded with finite values, so accumulated gradients are never half-updated.
+   `train_computed_tokens` counts the positions run through the model (a shared
+   prefix once per chunk, padding not at all); `train_shared_tokens` the positions
+   that sharing spared.
 4) `optim_step` applies AdamW to the accumulated gradients and zeroes them. A
    non-finite gradient norm (finite gradients can still overflow it) skips the
    update -- weights and Adam moments untouched, `skipped_nonfinite` 1 in its
@@ -352,7 +353,9 @@ class TrainingClient:
         chunks = self._chunks(prepared, device)
         for chunk in chunks:
             if backward:
-                logprobs_B_T, loss, sums, chunk_grads = self._chunk_gradients(chunk, spec, config)
+                with torch.enable_grad():
+                    logprobs_B_T, loss, sums, chunk_grads = self._chunk_gradients(
+                        chunk, spec, config)
                 for k, g in enumerate(chunk_grads):
                     prev = staged[k]
                     if g is not None:
