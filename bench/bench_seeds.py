@@ -28,9 +28,11 @@ from pathlib import Path
 
 
 def evals(run: Path) -> dict[str, dict[str, float]]:
-    """The run's eval lines by `when` (the last GRPO one as "after GRPO")."""
+    """The run's eval lines by `when` (the last GRPO one as "after GRPO"); none for a
+    run that has not logged yet."""
     found: dict[str, dict[str, float]] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
+    metrics = run / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
         record = json.loads(line) if line.strip() else {}
         if record.get("phase") == "eval":
             found["after GRPO" if record["when"] == "GRPO" else record["when"]] = record
