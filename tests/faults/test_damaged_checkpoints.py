@@ -105,8 +105,8 @@ def test_another_runs_checkpoints_are_refused_and_nothing_changes(
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("prefixgym train: ")
-    assert "step-000003 belongs to another run (lr: 0.001 here, 0.0003 there; seed: 1 here, " \
-           "0 there)" in err[0] and "--force-resume" in err[0]
+    assert (f"step-000003 belongs to another run (lr: 0.001 here, {config['lr']} there; "
+            "seed: 1 here, 0 there)") in err[0] and "--force-resume" in err[0]
     assert fingerprint(out) == before
 
 

@@ -112,8 +112,8 @@ def test_another_runs_checkpoint_is_refused_unless_forced(tmp_path: Path) -> Non
     save(tmp_path, None, theirs)
     foreign = save(tmp_path, 2, theirs)
     with pytest.raises(ForeignCheckpointError,
-                       match=r"step-000002 belongs to another run \(lr: 0\.0003 here, 0\.1 "
-                             r"there; seed: 0 here, 1 there\)"):
+                       match=rf"step-000002 belongs to another run \(lr: {IDENTITY['lr']} here, "
+                             r"0\.1 there; seed: 0 here, 1 there\)"):
         find_checkpoint(tmp_path, IDENTITY)
     forced = find_checkpoint(tmp_path, IDENTITY, force=True)
     assert forced.path == foreign and "loaded anyway" in forced.passed_over[0]
