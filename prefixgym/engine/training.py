@@ -18,11 +18,10 @@
    `train_computed_tokens` counts the positions run through the model (a shared
    prefix once per chunk, padding not at all); `train_shared_tokens` the positions
    that sharing spared.
-4) `optim_step` applies AdamW to the accumulated gradients and zeroes them. A
-   non-finite gradient norm (finite gradients can still overflow it) skips the
-   update -- weights and Adam moments untouched, `skipped_nonfinite` 1 in its
-   metrics -- or, with `nonfinite_update="error"`, raises. An update that leaves
-   NaN/inf weights raises: such weights are never published or saved.
+4) `optim_step` applies AdamW to the accumulated gradients and zeroes them
+   (`optimizer.py`, also for what a non-finite gradient norm or weight does: by
+   default the update is skipped and counted; NaN/inf weights are never published
+   or saved).
 
 What trains is given: by default every parameter of the model that requires grad
 (full training); a LoRA client (`EngineService.create_lora_training_client`) passes
@@ -46,7 +45,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple
+from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
 
 import torch
 
@@ -59,6 +58,7 @@ from prefixgym.engine.checkpoint_io import (
     save_checkpoint,
 )
 from prefixgym.engine.model import Transformer
+from prefixgym.engine.optimizer import AdamWUpdate, named
 from prefixgym.engine.shared_forward import context_weight, plan_logprobs, plan_rows
 from prefixgym.engine.train_batch import (
     Chunk,
@@ -77,7 +77,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 Tensor = torch.Tensor
-NONFINITE_UPDATES = ("skip", "error")
 
 
 class TrainingClient:
@@ -122,29 +121,21 @@ class TrainingClient:
             raise ValueError(
                 f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}"
             )
-        if nonfinite_update not in NONFINITE_UPDATES:
-            raise ValueError(f"nonfinite_update must be one of {NONFINITE_UPDATES}, got "
-                             f"{nonfinite_update!r}")
         if max_tokens_per_forward < 1:
             raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
         self.model = model
         self.ledger = ledger if ledger is not None else UsageLedger()
         self.compute_dtype = compute_dtype
         self.max_tokens_per_forward = max_tokens_per_forward
-        self.nonfinite_update = nonfinite_update
-        self.skipped_updates = 0
-        """Updates skipped for a non-finite gradient norm (not restored by `load_state`)."""
         self.share_prefixes = share_prefixes
         self.chunked_head = chunked_head
         self.recompute_activations = recompute_activations
         self._publish = publish
         self._params = (list(params) if params is not None
                         else [p for p in model.parameters() if p.requires_grad])
-        self._param_ids = {id(p) for p in self._params}
+        self._update = AdamWUpdate(self._params, named(model, self._params), nonfinite_update)
         self._state_module = state_module if state_module is not None else model
         self._save_for_sampler = save_for_sampler
-        self._optimizer: torch.optim.AdamW | None = None
-        self._step = 0
         self._generator = torch.Generator().manual_seed(seed)
         # the worker runs on its creator's thread count: torch gives a new thread the
         # process default, which the engine thread moves while it tunes (threads.py)
@@ -156,7 +147,22 @@ class TrainingClient:
     @property
     def step(self) -> int:
         """Optimizer steps taken (restored by `load_state`)."""
-        return self._step
+        return self._update.step
+
+    @property
+    def nonfinite_update(self) -> str:
+        """What an update with a non-finite gradient norm does: "skip" or "error"."""
+        return self._update.nonfinite_update
+
+    @property
+    def skipped_updates(self) -> int:
+        """Updates skipped for a non-finite gradient norm (not restored by `load_state`)."""
+        return self._update.skipped
+
+    @property
+    def _optimizer(self) -> torch.optim.AdamW | None:
+        """The torch optimizer (None before the first update)."""
+        return self._update.optimizer
 
     # -- requests ------------------------------------------------------------------
 
@@ -212,7 +218,7 @@ class TrainingClient:
         """One AdamW update from the accumulated gradients, then zero them."""
         if not isinstance(adam, AdamParams):
             adam = AdamParams.model_validate(adam)
-        return self._submit(self._optim_step, adam)
+        return self._submit(self._update.apply, adam)
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """Publish the current weights as a new version and return a SamplingClient for them."""
@@ -439,64 +445,10 @@ class TrainingClient:
         return ForwardBackwardOutput(loss_fn_outputs=first.loss_fn_outputs, metrics=metrics,
                                      usage=usage)
 
-    def _optim_step(self, adam: AdamParams) -> OptimStepOutput:
-        # AdamW's first step moves by lr / (1 - beta1) and decays by 1 - lr * weight_decay
-        lr = adam.learning_rate
-        if max(lr / (1 - adam.beta1), lr * adam.weight_decay) > torch.finfo(torch.float32).max:
-            raise ValueError(f"learning rate {adam.learning_rate:g} overflows float32 in AdamW's "
-                             "update; nothing changed")
-        params = self._params
-        betas = (adam.beta1, adam.beta2)
-        if self._optimizer is None:
-            self._optimizer = make_adamw(params, adam)
-        for group in self._optimizer.param_groups:
-            group.update(
-                lr=adam.learning_rate, betas=betas, eps=adam.eps, weight_decay=adam.weight_decay
-            )
-        grads = [g for g in (p.grad for p in params) if g is not None]
-        grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        if not math.isfinite(grad_norm):
-            return self._skip_update(grad_norm, adam)
-        if adam.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(
-                params, adam.grad_clip_norm, torch.tensor(grad_norm, device=grads[0].device)
-            )
-        self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=True)
-        self._step += 1
-        # only what the optimizer moved can have become non-finite (a LoRA base is frozen)
-        bad = nonfinite_tensor((name, p) for name, p in self.model.named_parameters()
-                               if id(p) in self._param_ids)
-        if bad is not None:
-            raise ValueError(
-                f"optim_step {self._step} (learning rate {adam.learning_rate:g}) left NaN or inf "
-                f"in {bad}: these weights will not be published or saved; load a checkpoint"
-            )
-        return self._step_output(grad_norm, adam, skipped=False)
-
-    def _skip_update(self, grad_norm: float, adam: AdamParams) -> OptimStepOutput:
-        """Drop the accumulated gradients; weights and optimizer state stay as they are."""
-        self.model.zero_grad(set_to_none=True)
-        self.skipped_updates += 1
-        if self.nonfinite_update == "error":
-            raise ValueError(
-                f"the gradient norm is {grad_norm} (not finite): update skipped, weights and "
-                "optimizer state unchanged, gradients dropped"
-            )
-        return self._step_output(grad_norm, adam, skipped=True)
-
-    def _step_output(self, grad_norm: float, adam: AdamParams, skipped: bool) -> OptimStepOutput:
-        return OptimStepOutput(metrics={
-            "grad_norm": grad_norm,
-            "step": float(self._step),
-            "learning_rate": adam.learning_rate,
-            "skipped_nonfinite": float(skipped),
-        })
-
     def _save_state(self, path: str) -> None:
         state = {
-            "step": self._step,
-            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+            "step": self._update.step,
+            "optimizer": self._update.state_dict(),
             "rng": capture_rng_state(),
             "generator": self._generator.get_state(),
         }
@@ -506,33 +458,16 @@ class TrainingClient:
         state = load_checkpoint(path, self._state_module)
         self.model.zero_grad(set_to_none=True)
         if not with_optimizer:
-            self._optimizer, self._step = None, 0
+            self._update.load(None, 0)
             return 0
-        if state["optimizer"] is not None:
-            self._optimizer = make_adamw(self._params, AdamParams())  # the saved hyper-
-            self._optimizer.load_state_dict(state["optimizer"])  # parameters replace these
-        else:
-            self._optimizer = None
-        self._step = int(state["step"])
+        self._update.load(state["optimizer"], int(state["step"]))
         restore_rng_state(state["rng"])
         self._generator.set_state(state["generator"])
-        return self._step
+        return self._update.step
 
 
 CustomLossFn = Callable[[list[Datum], list[Tensor]], tuple[Tensor, Mapping[str, float]]]
 """`forward_backward_custom`'s loss: (data, per-datum logprobs) -> (scalar loss, metrics)."""
-
-
-def make_adamw(params: Sequence[torch.nn.Parameter], adam: AdamParams) -> torch.optim.AdamW:
-    """torch's AdamW, its fused kernel where the parameters' device has one (on CPU a
-    step of `tiny` takes ~21 ms against ~70 ms for the loop per tensor; the results
-    differ from that loop's in the last bit, the same from run to run)."""
-    kwargs: dict[str, Any] = dict(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2),
-                                  eps=adam.eps, weight_decay=adam.weight_decay)
-    try:
-        return torch.optim.AdamW(params, fused=True, **kwargs)
-    except RuntimeError:  # a device or dtype without the fused kernel
-        return torch.optim.AdamW(params, **kwargs)
 
 
 def _data_arg(data: Sequence[Datum] | None, datums: Sequence[Datum] | None) -> Sequence[Datum]:
