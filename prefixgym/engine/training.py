@@ -422,12 +422,13 @@ class TrainingClient:
             raise ValueError("forward_backward_custom: loss_fn must return (a scalar tensor, "
                              f"a dict of floats) first, got {type(loss).__name__}")
         grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
-        # 3) the linear loss -sum w * logp with w = -g has the same parameter gradient
+        # 3) the linear loss -sum w * logp with w = -g has the same parameter gradient;
+        # its loss positions (where the head runs backward) are where g is not zero
         linear = []
         for p, g in zip(prepared, grads, strict=True):
             g_T = torch.zeros(p.length, dtype=torch.float64) if g is None else g.double()
-            linear.append(PreparedDatum(p.tokens_T, {**p.inputs, "weights": -g_T},
-                                        p.num_loss_tokens))
+            inputs = {**p.inputs, "weights": -g_T, "loss_mask": (g_T != 0).double()}
+            linear.append(PreparedDatum(p.tokens_T, inputs, p.num_loss_tokens))
         out = self._run(linear, spec, {}, True, record_usage=False)
         usage = out.usage.model_copy(update={
             "train_computed_tokens": first.usage.train_computed_tokens
