@@ -153,8 +153,8 @@ def loss_gradients(
        outside its loss positions) has its logprob computed again, with gradient.
     4) The gradient of sum_p g_p * logprob_p over the pairs with gradient: by the chain
        rule the loss's gradient (g is constant there), exactly.
-    The head's cost: a forward on every pair and a forward and backward on the loss
-    pairs, against a forward and backward on every pair.
+    The head's cost: a forward on every pair and a backward on the loss pairs only
+    (the pairs of step 3 get a second forward), against a backward on every pair.
     """
     n_pairs = int(rows.targets_P.shape[0])
     read = torch.zeros(n_pairs + 1, dtype=torch.bool, device=in_loss_B_T.device)
