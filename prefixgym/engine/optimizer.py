@@ -129,6 +129,7 @@ class AdamWUpdate:
 
 
 def named(model: torch.nn.Module, params: Iterable[torch.nn.Parameter]) -> list[str]:
-    """Each parameter's name in `model` (its id where the model does not hold it)."""
+    """Each parameter's name in `model` ("param i", its index, where the model does not
+    hold it): what a non-finite weight is called in the error."""
     names = {id(p): n for n, p in model.named_parameters()}
     return [names.get(id(p), f"param {i}") for i, p in enumerate(params)]

@@ -124,10 +124,10 @@ def plan_rows(
     autocast: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
     recompute: bool = False,
 ) -> HeadRows:
-    """Step 1 and the rows of step 2' without the head: each wave's distinct (row,
-    target) pairs, the datums sharing a row mostly sharing its target too. The head
-    (`logprob_head.target_logprobs`) then runs on `h_P_C` and `HeadRows.to_grid` does
-    step 3."""
+    """Step 1, and step 2's rows for the chunked head without the head itself: each
+    wave's distinct (row, target) pairs, the datums sharing a row mostly sharing its
+    target too. The head (`logprob_head.target_logprobs` or `loss_gradients`) then
+    runs on `h_P_C`, and `HeadRows.to_grid` does step 3."""
     device = targets_B_T.device
     store = _KVStore(model.config.n_layers)
     targets = targets_B_T.reshape(-1)
