@@ -84,7 +84,7 @@ class TrainConfig:
     sft_steps: int = 400
     """Warm-start steps of cross-entropy on expert episodes (0 skips the warm start).
     The default imitates the default env's noisy expert to convergence: every seed
-    measured lands at 58-68% sampled success, the env's ceiling being 94%. Stopping
+    measured lands at 57-68% sampled success, the env's ceiling being 94%. Stopping
     short of an exact expert instead leaves a seed-dependent warm start (GuessNumber:
     26-48% at 65 steps; docs/benchmarks.md)."""
     sft_episodes_per_step: int = 16
