@@ -163,19 +163,20 @@ def loss_gradients(
         read[:n_pairs] = True      # the loss's own backward would give
     with_grad = read[:n_pairs].nonzero().squeeze(1)
     without = (~read[:n_pairs]).nonzero().squeeze(1)
+
+    def head(pairs: Tensor) -> Tensor:
+        """The logprobs of these pairs, with gradient where grad mode is on."""
+        with autocast():
+            return target_logprobs(model, rows.h_P_C.index_select(0, pairs),
+                                   rows.targets_P.index_select(0, pairs))
+
     # 1)
-    h_P_C, targets_P = rows.h_P_C, rows.targets_P
-    logprobs_P = torch.zeros(n_pairs, dtype=torch.float32, device=h_P_C.device)
-    with autocast():
-        lp = target_logprobs(model, h_P_C.index_select(0, with_grad),
-                             targets_P.index_select(0, with_grad))
+    lp = head(with_grad)
     picked = [(with_grad, lp)]
-    logprobs_P = logprobs_P.to(lp.dtype).index_copy(0, with_grad, lp.detach())
+    logprobs_P = lp.detach().new_zeros(n_pairs).index_copy(0, with_grad, lp.detach())
     if without.numel():
-        with torch.no_grad(), autocast():
-            lp_without = target_logprobs(model, h_P_C.detach().index_select(0, without),
-                                         targets_P.index_select(0, without))
-        logprobs_P = logprobs_P.index_copy(0, without, lp_without.to(logprobs_P.dtype))
+        with torch.no_grad():
+            logprobs_P.index_copy_(0, without, head(without).to(logprobs_P.dtype))
     # 2)
     leaf_P = logprobs_P.requires_grad_()
     loss, extra = loss_of_grid(rows.to_grid(leaf_P))
@@ -183,9 +184,7 @@ def loss_gradients(
     # 3)
     stray = without[g_P.index_select(0, without) != 0]
     if stray.numel():
-        with autocast():
-            picked.append((stray, target_logprobs(model, h_P_C.index_select(0, stray),
-                                                  targets_P.index_select(0, stray))))
+        picked.append((stray, head(stray)))
     # 4)
     surrogate = sum((g_P.index_select(0, idx) * lp).sum() for idx, lp in picked)
     assert isinstance(surrogate, Tensor)  # step 1 picked at least one pair

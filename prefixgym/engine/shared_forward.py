@@ -25,7 +25,7 @@ the `KVView` protocol; not losses, optimizers or how the plan was made.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -117,6 +117,20 @@ def _distinct_pairs(
     return pairs_P // vocab_size, pairs_P % vocab_size, pair_of_use_U
 
 
+def _wave_forwards(
+    forward: Callable[..., Tensor], model: Transformer, plan: TriePlan, device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager[None]], recompute: bool,
+) -> Iterator[tuple[Wave, Tensor]]:
+    """Step 1: each wave with what `forward` (`model.hidden` or `model`) gives for it,
+    in order, every wave attending to the keys/values of the waves it reads."""
+    store = _KVStore(model.config.n_layers)
+    for wave in plan.waves:
+        kv = TrieKV(store, wave, device)
+        tokens, positions = wave.tokens_N_L.to(device), wave.positions_N_L.to(device)
+        with autocast():
+            yield wave, forward(tokens, positions, kv, recompute=recompute)
+
+
 def plan_rows(
     model: Transformer,
     plan: TriePlan,
@@ -129,20 +143,16 @@ def plan_rows(
     target too. The head (`logprob_head.target_logprobs` or `loss_gradients`) then
     runs on `h_P_C`, and `HeadRows.to_grid` does step 3."""
     device = targets_B_T.device
-    store = _KVStore(model.config.n_layers)
     targets = targets_B_T.reshape(-1)
     hs: list[Tensor] = []
     pair_targets: list[Tensor] = []
     pair_of_use: list[Tensor] = []
     n_pairs = 0
-    for wave in plan.waves:
-        kv = TrieKV(store, wave, device)
-        tokens, positions = wave.tokens_N_L.to(device), wave.positions_N_L.to(device)
+    for wave, h_N_L_C in _wave_forwards(model.hidden, model, plan, device, autocast,
+                                        recompute):
         rows_r, targets_r, pair_of_cell = _distinct_pairs(
             wave.rows_used.to(device), targets[wave.cells_used.to(device)],
             model.config.vocab_size)
-        with autocast():
-            h_N_L_C = model.hidden(tokens, positions, kv, recompute=recompute)
         hs.append(h_N_L_C.reshape(-1, h_N_L_C.shape[-1]).index_select(0, rows_r))
         pair_targets.append(targets_r)
         pair_of_use.append(pair_of_cell + n_pairs)
@@ -165,15 +175,9 @@ def plan_logprobs(
     each wave's logits whole (the plain head; `plan_rows` is the chunked head's way);
     `recompute`: checkpoint every block (`Transformer.hidden`)."""
     device = targets_B_T.device
-    store = _KVStore(model.config.n_layers)
     targets = targets_B_T.reshape(-1)
     picked: list[Tensor] = []
-    for wave in plan.waves:
-        # 1) one forward per wave
-        kv = TrieKV(store, wave, device)
-        tokens, positions = wave.tokens_N_L.to(device), wave.positions_N_L.to(device)
-        with autocast():
-            logits_N_L_V = model(tokens, positions, kv, recompute=recompute)
+    for wave, logits_N_L_V in _wave_forwards(model, model, plan, device, autocast, recompute):
         # 2) normalise each row once (the fused kernel cross_entropy uses); pick every
         # (datum, position) that this wave computed
         V = logits_N_L_V.shape[-1]
