@@ -114,9 +114,9 @@ def read_config_file(cls: type, path: str, flag_names: dict[str, str] | None = N
 
 
 def _value_kind(kind: object) -> object:
-    """The type a flag or TOML value takes: `float | None` fields take floats (unset,
-    None, is resolved by the config itself)."""
-    return float if kind == float | None else kind
+    """The type a flag or TOML value takes: `float | None` fields take floats and
+    `bool | None` fields booleans (unset, None, is resolved by the config itself)."""
+    return {float | None: float, bool | None: bool}.get(kind, kind)  # type: ignore[call-overload]
 
 
 def _typed(path: str, key: str, value: object, kind: object) -> object:

@@ -13,6 +13,7 @@ with another identity.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 
 from prefixgym.trainer.tracking import TRACKERS
@@ -29,13 +30,14 @@ NONFINITE_UPDATES = ("skip", "error")
 RESUMABLE_CHANGES = (
     "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
     "num_threads", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
-    "recompute_activations",
+    "recompute_activations", "eval_on_start",
 )
 """Fields a resumed run may set differently from the run it continues. `steps` extends
 (or shortens) a run; with the cosine schedule the remaining steps then follow the new
 length. `sampler_url` moves sampling to another server, whose weights are its own.
 `share_prefixes`, like `num_threads`, changes how the same sums are computed, not what;
 `recompute_activations` changes only what is kept for backward (bit-for-bit the same).
+`eval_on_start` only matters to a new run (a resumed one has evaluated already).
 Every other field determines results (`eval_episodes` too: evaluations before and
 after the change would not compare)."""
 
@@ -122,6 +124,11 @@ class TrainConfig:
     eval_episodes: int = 1500
     """Held-out seeds per evaluation (standard error of a success rate near 65%: 1.2
     points)."""
+    eval_on_start: bool | None = None
+    """Evaluate the starting weights before training. Unset: yes for a checkpoint
+    directory or a hosted model; no for a built-in preset (tiny, small), whose starting
+    weights are a random init: it wins nothing, and its replies all run to --max-tokens,
+    which makes it a run's slowest evaluation (about 50 s of the default run)."""
     eval_temperature: float | None = None
     """Sampling temperature of the evaluations. Unset: the GRPO --temperature, so they
     score the policy GRPO trains (one sample per held-out seed, seeded: repeatable).
@@ -187,6 +194,8 @@ class TrainConfig:
             self.env_kwargs = default_env_kwargs(self.env)
         if self.eval_temperature is None:
             self.eval_temperature = self.temperature
+        if self.eval_on_start is None:  # a local model is a preset unless it is a directory
+            self.eval_on_start = self.backend != "local" or os.path.isdir(self.model)
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
         _require_one_of("--loss", self.loss, LOSSES)

@@ -1,6 +1,7 @@
 """`train(config)`: the whole job — evaluate, warm start, GRPO, report.
 
-  1) evaluate the starting weights on held-out seeds;
+  1) evaluate the starting weights on held-out seeds (unless they are a built-in
+     preset's random init: `TrainConfig.eval_on_start`);
   2) warm start on expert episodes (SFT), evaluate again;
   3) GRPO steps (see grpo.py), evaluating and checkpointing at intervals;
   4) write report.md and the plots.
@@ -59,6 +60,11 @@ from prefixgym.types import JSONObject, Usage
 RUN_CONFIG = "config.json"
 """The run's full resolved config, written when it starts (read back by --resume and
 `prefixgym rollout --run`)."""
+EVAL_WIDTH = 256
+"""Evaluation episodes played at once (the local engine's default `max_running`): wider
+rounds than that only queue. Episodes are seeded one by one, and a deterministic
+engine's outputs do not depend on how it batches them: the width changes the time an
+evaluation takes, not its result."""
 
 
 @dataclass
@@ -114,7 +120,7 @@ class Run:
         self.out = Path(config.out)
         ensure_writable_dir(self.out)
         self.envs = [make_env() for _ in range(config.groups_per_step * config.group_size)]
-        self.eval_envs = [make_env() for _ in range(min(config.eval_episodes, 100))]
+        self.eval_envs = [make_env() for _ in range(min(config.eval_episodes, EVAL_WIDTH))]
         self.rollout_config = RolloutConfig(
             max_tokens=config.max_tokens, temperature=config.temperature,
             lockstep=config.deterministic,
@@ -188,8 +194,9 @@ class Run:
                 print(f"kept the earlier {self.log.path.name} as {aside}", file=sys.stderr)
             write_text_atomically(self.out / RUN_CONFIG, json.dumps(asdict(c), indent=2) + "\n")
         state = LoopState(next_step=0)
-        # 1) the starting weights
-        self.evaluate(self.clients.sampler, 0, "before training", state)
+        # 1) the starting weights, unless they are a random init (`eval_on_start`)
+        if c.eval_on_start:
+            self.evaluate(self.clients.sampler, 0, "before training", state)
         # 2) warm start
         if c.sft_steps:
             with Progress("warm start", c.sft_steps, "step", c.progress and self.main

@@ -120,8 +120,7 @@ def test_a_run_is_resumed_and_rolled_out_with_its_own_env_and_settings(
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in lines].count("sft") == 1  # kept, not run again
     assert [r["step"] for r in lines if r["phase"] == "grpo"] == [0, 1]
-    assert [r["when"] for r in lines if r["phase"] == "eval"] == [
-        "before training", "after warm start", "GRPO"]
+    assert [r["when"] for r in lines if r["phase"] == "eval"] == ["after warm start", "GRPO"]
 
 
 def test_settings_come_from_a_config_file_and_flags_win(

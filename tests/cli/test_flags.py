@@ -18,6 +18,9 @@ def test_parse_values():
     c = parse_config(TrainConfig, ["--steps", "3", "--async", "--lr", "0.01",
                                    "--env-kwargs", '{"high": 8}'], "t", "d", FLAG_NAMES)
     assert (c.steps, c.async_mode, c.lr, c.env_kwargs) == (3, True, 0.01, {"high": 8})
+    # an unset `bool | None` is the config's to resolve; the flag pair sets it either way
+    assert parse_config(TrainConfig, [], "t", "d", FLAG_NAMES).eval_on_start is False
+    assert parse_config(TrainConfig, ["--eval-on-start"], "t", "d", FLAG_NAMES).eval_on_start
 
 
 @pytest.mark.parametrize("argv", [["--loss", "nope"], ["--group-size", "1"], ["--lr", "-1"]])

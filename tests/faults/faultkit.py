@@ -32,7 +32,7 @@ def assert_complete(out: Path) -> None:
     assert [r["step"] for r in lines if r["phase"] == "grpo"] == [0, 1, 2, 3]
     assert [r["sft_step"] for r in lines if r["phase"] == "sft"] == [0, 1]
     assert [(r["when"], r["step"]) for r in lines if r["phase"] == "eval"] == [
-        ("before training", 0), ("after warm start", 0), ("GRPO", 2), ("GRPO", 4)]
+        ("after warm start", 0), ("GRPO", 2), ("GRPO", 4)]
     assert (out / "checkpoints" / "latest").read_text() == "step-000003"
     assert (out / "report.md").exists()
     leftovers = [p.name for p in [*out.iterdir(), *(out / "checkpoints").iterdir()]

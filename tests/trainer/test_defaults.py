@@ -47,6 +47,15 @@ def test_default_env_kwargs_apply_to_the_default_env_only():
     assert TrainConfig(env_kwargs={"high": 8}).env_kwargs == {"high": 8}
 
 
+def test_the_starting_weights_are_evaluated_unless_they_are_a_presets_random_init(tmp_path):
+    assert TrainConfig().eval_on_start is False  # tiny
+    assert TrainConfig(model="small").eval_on_start is False
+    assert TrainConfig(model=str(tmp_path)).eval_on_start is True  # a checkpoint directory
+    assert TrainConfig(backend="tinker", model="Qwen/Qwen3-8B").eval_on_start is True
+    assert TrainConfig(eval_on_start=True).eval_on_start is True
+    assert TrainConfig(model=str(tmp_path), eval_on_start=False).eval_on_start is False
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_auto_compute_dtype_is_bf16_only_where_bf16_is_native(monkeypatch, fast):
     monkeypatch.setattr(train_command, "has_fast_bf16", lambda: fast)

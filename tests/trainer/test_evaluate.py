@@ -29,6 +29,22 @@ def test_sampled_evaluation_is_reproducible_and_differs_from_greedy():
         assert sampled != greedy
 
 
+def test_a_deterministic_evaluation_does_not_depend_on_how_many_episodes_play_at_once():
+    """`prefixgym train` plays `EVAL_WIDTH` evaluation episodes at once: only the time
+    may depend on that number."""
+    config = RolloutConfig(max_tokens=6, temperature=1.0, lockstep=True)
+    with LocalService(model="tiny", seed=0, deterministic=True) as service:
+        sampler = service.create_sampling_client()
+
+        def run(width: int) -> tuple[float, float, int, int]:
+            envs = [make_env("tests/Lengthy-v0") for _ in range(width)]
+            result = evaluate(sampler, service.tokenizer, envs, 12, config, temperature=1.0)
+            return (result.reward, result.success, result.usage.sampled_tokens,
+                    result.usage.prefill_computed_tokens + result.usage.prefill_cached_tokens)
+
+        assert run(12) == run(5) == run(1)
+
+
 def test_report_and_metrics_name_the_evaluation_temperature(tmp_path):
     config = TrainConfig(env="tests/Lengthy-v0", sft_steps=1, sft_episodes_per_step=2,
                          groups_per_step=1, group_size=2, steps=1, eval_episodes=4,

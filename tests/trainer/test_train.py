@@ -77,7 +77,7 @@ def test_cli_run_writes_metrics_report_plots_and_checkpoints(tmp_path):
                 "tokens/sampled", "tokens/train_computed", "tokens/train_loss", "time/step_s"]:
         assert all(key in r for r in steps), key
     evals = [r for r in records if r["phase"] == "eval"]
-    assert [e["when"] for e in evals] == ["before training", "after warm start", "GRPO"]
+    assert [e["when"] for e in evals] == ["after warm start", "GRPO"]  # a preset: random init
     assert all("eval/reward/mean" in e for e in evals)
     report = (out / "report.md").read_text()
     assert "prefill, served from the prefix cache" in report and "train, in the loss" in report
@@ -126,6 +126,26 @@ def test_same_run_same_metrics_and_resume_continues_exactly(tmp_path, monkeypatc
     assert [r["step"] for r in c if r["phase"] == "grpo"] == [0, 1, 2, 3]
     assert sum(1 for r in a if r.get("tokens/train_computed")) >= 2, "steps must train"
     assert a == c
+
+
+def test_evaluating_the_random_init_is_opt_in_and_changes_nothing_else(tmp_path, monkeypatch):
+    """A built-in preset starts from a random init, which the run does not evaluate
+    unless asked; asked, that evaluation is the only line of metrics.jsonl that differs
+    (its prompts leave the prefix cache with blocks of other weights)."""
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+
+    def run(out, **kwargs):
+        config = TrainConfig(**SMALL, steps=2, out=str(tmp_path / out), **kwargs)
+        train(config)
+        return config, _grpo_lines(tmp_path / out)
+
+    config, default = run("default")
+    assert config.eval_on_start is False
+    _, asked = run("asked", eval_on_start=True)
+    assert [r["when"] for r in asked if r["phase"] == "eval"] == [
+        "before training", "after warm start", "GRPO"]
+    assert [r for r in asked if r.get("when") != "before training"] == default
+    assert sum(1 for r in default if r.get("tokens/train_computed")) >= 1, "steps must train"
 
 
 def test_failing_env_is_left_out_and_counted():
