@@ -38,7 +38,7 @@ from prefixgym.types import AdamParams, Datum  # noqa: E402
 
 LORA_RANK = 4
 TRAIN = ["--env", f"{__file__}:Varied", "--sft-steps", "0", "--groups-per-step", "4", "--group-size", "2", "--max-tokens", "4",
-         "--eval-episodes", "2", "--eval-every", "2", "--checkpoint-every", "1",
+         "--eval-episodes", "2", "--eval-every", "2", "--eval-on-start", "--checkpoint-every", "1",
          "--compute-dtype", "float32", "--num-threads", "1", "--no-progress", "--lr", "0.05",
          "--lr-schedule", "constant", "--lora-rank", str(LORA_RANK)]
 ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
