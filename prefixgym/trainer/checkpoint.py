@@ -9,6 +9,9 @@ Layout under OUT/checkpoints/:
   warm_start/...                the same, after the warm start (the KL reference)
   latest                        the name of the newest complete step checkpoint
 
+`prune_checkpoints` keeps the newest step checkpoints (the run's `keep_checkpoints`)
+and deletes the older ones; the warm start's is never deleted.
+
 Each checkpoint is written into a temporary directory and renamed into place, and
 `latest` is replaced atomically after it (`prefixgym.files`), so a crash leaves the
 previous one intact; `remove_leftovers` deletes what killed writes left behind.
@@ -24,11 +27,14 @@ nothing of models.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefixgym.files import (
+    TEMPORARY_SUFFIX,
     file_checksum,
     remove_temporaries,
     verify_checksums,
@@ -114,6 +120,29 @@ def mark_latest(checkpoint: Path) -> None:
         write_text_atomically(pointer, checkpoint.name)
 
 
+def step_checkpoints(root: Path) -> list[str]:
+    """The names of the step checkpoints in `root` (OUT/checkpoints), newest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p.name for p in root.iterdir() if _STEP_NAME.fullmatch(p.name)),
+                  key=lambda n: int(n.removeprefix("step-")), reverse=True)
+
+
+def prune_checkpoints(root: Path, keep: int, written: Path) -> list[str]:
+    """Delete the step checkpoints in `root` but the newest `keep` and `written` (the one
+    just saved); keep=0 deletes none. Each goes by a rename to a temporary name first, so
+    that a kill half-way leaves a leftover for `remove_leftovers`, never a damaged
+    checkpoint that resuming would have to pass over. Returns the names deleted."""
+    if keep <= 0:
+        return []
+    old = [n for n in step_checkpoints(root)[keep:] if n != written.name]
+    for name in old:
+        doomed = root / f".{name}.deleted{TEMPORARY_SUFFIX}"
+        os.replace(root / name, doomed)
+        shutil.rmtree(doomed)
+    return old
+
+
 def remove_leftovers(out: Path) -> list[str]:
     """Delete the temporaries of killed writes in OUT and OUT/checkpoints."""
     return remove_temporaries(out) + remove_temporaries(out / "checkpoints")
@@ -166,10 +195,7 @@ def candidates(out: Path, passed_over: list[str]) -> list[Path]:
             names.append(name)
         else:
             passed_over.append(f"{pointer} does not name a checkpoint directory ({name[:40]!r})")
-    if root.is_dir():
-        steps = sorted((p.name for p in root.iterdir() if _STEP_NAME.fullmatch(p.name)),
-                       key=lambda n: int(n.removeprefix("step-")), reverse=True)
-        names += steps
+    names += step_checkpoints(root)
     names.append(WARM_START)
     return [root / name for name in dict.fromkeys(names)]
 

@@ -30,7 +30,7 @@ NONFINITE_UPDATES = ("skip", "error")
 RESUMABLE_CHANGES = (
     "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
     "num_threads", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
-    "recompute_activations", "eval_on_start",
+    "recompute_activations", "eval_on_start", "keep_checkpoints",
 )
 """Fields a resumed run may set differently from the run it continues. `steps` extends
 (or shortens) a run; with the cosine schedule the remaining steps then follow the new
@@ -150,6 +150,10 @@ class TrainConfig:
     in a field that determines results)."""
     checkpoint_every: int = 10
     """Save resumable state every this many GRPO steps."""
+    keep_checkpoints: int = 2
+    """GRPO step checkpoints kept, the newest (an older one is the fallback when the
+    newest is damaged); older ones are deleted. The warm start's is always kept. 0
+    keeps every one."""
     compute_dtype: str = "auto"
     """Training compute dtype: float32, bfloat16 (autocast, fp32 master weights; about 2x
     faster where the CPU has bf16 matmuls, about 2x slower where it emulates them), or
@@ -227,7 +231,8 @@ class TrainConfig:
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         for name, value in {"steps": self.steps, "sft_steps": self.sft_steps,
-                            "num_threads": self.num_threads}.items():
+                            "num_threads": self.num_threads,
+                            "keep_checkpoints": self.keep_checkpoints}.items():
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
         for name, value in asdict(self).items():

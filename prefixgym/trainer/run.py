@@ -42,6 +42,7 @@ from prefixgym.trainer.checkpoint import (
     find_checkpoint,
     load_checkpoint,
     mark_latest,
+    prune_checkpoints,
     remove_leftovers,
     save_checkpoint,
     verify_checkpoint,
@@ -134,8 +135,10 @@ class Run:
     def checkpoint(self, state: LoopState, name: str | None = None) -> None:
         """Rank 0 writes; the other ranks meet it at the barrier its write holds."""
         if self.main:
-            save_checkpoint(self.out, self.training, state, self.identity, name=name,
-                            config=asdict(self.config))
+            path = save_checkpoint(self.out, self.training, state, self.identity, name=name,
+                                   config=asdict(self.config))
+            if name is None:  # a step checkpoint: the older ones beyond keep_checkpoints go
+                prune_checkpoints(path.parent, self.config.keep_checkpoints, path)
         elif self.ranks.barrier is not None:
             self.ranks.barrier()
 

@@ -18,6 +18,7 @@ from prefixgym.trainer.checkpoint import (
     LoopState,
     find_checkpoint,
     load_checkpoint,
+    prune_checkpoints,
     remove_leftovers,
     save_checkpoint,
 )
@@ -146,6 +147,24 @@ def test_leftover_temporaries_of_killed_writes_are_removed(tmp_path: Path) -> No
     assert remove_leftovers(tmp_path) == [".metrics.jsonl.zz.tmp", ".latest.ab12.tmp",
                                           ".step-000010.k2j3.tmp"]
     assert sorted(p.name for p in root.iterdir()) == ["latest", keep.name]
+
+
+def test_pruning_keeps_the_newest_step_checkpoints_the_one_just_written_and_the_warm_start(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "checkpoints"
+    save(tmp_path, None)
+    saved = [save(tmp_path, step) for step in (9, 999_998, 1_000_000)]  # in number order
+    assert prune_checkpoints(root, 2, saved[-1]) == ["step-000009"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "latest", "step-1000000", "step-999998", WARM_START]
+    assert prune_checkpoints(root, 0, saved[-1]) == []  # 0 keeps every one
+    # a run resumed from an older checkpoint writes one numbered below the newest
+    older = save(tmp_path, 19)
+    assert prune_checkpoints(root, 1, older) == ["step-999998"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "latest", "step-000019", "step-1000000", WARM_START]
+    assert find_checkpoint(tmp_path, IDENTITY).path == older  # `latest` names it
 
 
 def test_a_partial_last_metrics_line_is_dropped_and_truncation_rewrites_it(

@@ -148,6 +148,17 @@ def test_evaluating_the_random_init_is_opt_in_and_changes_nothing_else(tmp_path,
     assert sum(1 for r in default if r.get("tokens/train_computed")) >= 1, "steps must train"
 
 
+def test_a_run_keeps_its_newest_step_checkpoints(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+    out = tmp_path / "run"
+    train(TrainConfig(**{**SMALL, "eval_episodes": 2}, steps=4, checkpoint_every=1,
+                      keep_checkpoints=2, out=str(out)))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "latest", "step-000002", "step-000003", "warm_start"]
+    with pytest.raises(ValueError, match="--keep-checkpoints must be >= 0"):
+        TrainConfig(keep_checkpoints=-1)
+
+
 def test_failing_env_is_left_out_and_counted():
     config = TrainConfig(**{**SMALL, "env_kwargs": {"raise_on_seed": None}}, steps=1)
     with LocalService(model="tiny", seed=0) as service:
