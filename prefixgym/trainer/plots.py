@@ -1,13 +1,14 @@
 """The run's two figures, drawn from metrics.jsonl: training.png and tokens.png.
 
-Both share one time axis, the training step: warm-start steps 1..S first, then GRPO
-step k at S + k + 1 (the shaded part is the warm start).
-- training.png: the warm-start loss; the GRPO train reward, raw and smoothed; eval
-  success and eval mean reward with their standard errors, at every evaluation
-  (before training at 0, after the warm start at S).
+- training.png: the warm-start loss against the warm-start step (its own axis: a
+  warm start of 400 steps would otherwise squeeze 60 GRPO steps into a sliver); below,
+  against the GRPO step, the GRPO train reward (raw and smoothed) and eval success and
+  eval mean reward with their standard errors. The evaluation after the warm start is
+  at GRPO step 0; one of the starting weights ("before training") is a dashed line.
 - tokens.png: one panel per phase -- prefill computed, prefill cached, sampled, train
   computed, train positions a shared prefix saved, train in the loss -- and the cache
-  hit rate, each on its own scale, so no series hides another.
+  hit rate, per GRPO step, each on its own scale, so no series hides another (the
+  warm start's totals are in report.md).
 Knows metric names; not how they were produced.
 """
 
@@ -34,23 +35,25 @@ TOKEN_PANELS = (  # the grid's first row, then its second
 
 
 class _Timeline:
-    """x positions: warm-start step i -> i + 1, GRPO step k -> S + k + 1, eval at step k -> S + k."""
+    """x positions: warm-start step i -> i + 1; GRPO step k -> k + 1, so that the
+    evaluation after step k (logged as step k + 1) sits on it and the one after the warm
+    start on 0."""
 
     def __init__(self, records: Sequence[JSONObject]) -> None:
         self.sft = [r for r in records if r.get("phase") == "sft"]
         self.grpo = [r for r in records if r.get("phase") == "grpo"]
-        self.evals = [r for r in records if r.get("phase") == "eval"]
-        self.warm_steps = len(self.sft)
+        evals = [r for r in records if r.get("phase") == "eval"]
+        self.start = [r for r in evals if r["when"] == "before training"]
+        self.evals = [r for r in evals if r["when"] != "before training"]
 
     def sft_x(self) -> list[int]:
         return [int(r["sft_step"]) + 1 for r in self.sft]
 
     def grpo_x(self) -> list[int]:
-        return [self.warm_steps + int(r["step"]) + 1 for r in self.grpo]
+        return [int(r["step"]) + 1 for r in self.grpo]
 
     def eval_x(self) -> list[int]:
-        return [0 if r["when"] == "before training" else self.warm_steps + int(r["step"])
-                for r in self.evals]
+        return [int(r["step"]) for r in self.evals]
 
 
 def smoothed(values: Sequence[float], window: int) -> list[float]:
@@ -74,12 +77,15 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     t = _Timeline(records)
     paths = [out / "training.png", out / "tokens.png"]
 
-    fig, axes = plt.subplots(4, 1, figsize=(7.5, 9.5), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(7.5, 9.5), height_ratios=(1, 1, 1, 1))
     loss_ax, reward_ax, success_ax, eval_reward_ax = axes
+    for ax in (success_ax, eval_reward_ax):
+        ax.sharex(reward_ax)
     if t.sft:
         loss_ax.plot(t.sft_x(), [r["sft/loss"] for r in t.sft], color="tab:purple")
         loss_ax.set_yscale("log")
     _label(loss_ax, "warm-start loss\n(cross-entropy)", bool(t.sft), "no warm start")
+    loss_ax.set_xlabel("warm-start step")
     if t.grpo:
         rewards = [float(r["reward/mean"]) for r in t.grpo]
         reward_ax.plot(t.grpo_x(), rewards, color="tab:blue", alpha=0.35, lw=1, label="per step")
@@ -87,41 +93,45 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
                        color="tab:blue", lw=2, label="smoothed")
         reward_ax.legend(loc="lower right", fontsize=8)
     _label(reward_ax, "GRPO train reward\n(mean per episode)", bool(t.grpo), "no GRPO steps")
-    how = eval_kind(t.evals).replace("sampled at ", "")
-    for ax, key, err, colour, name in (
-        (success_ax, "eval/success", "eval/success_stderr", "tab:green", "eval success"),
+    how = eval_kind([*t.start, *t.evals]).replace("sampled at ", "")
+    for ax, key, err, colour, name, show in (
+        (success_ax, "eval/success", "eval/success_stderr", "tab:green", "eval success",
+         "{:.1%}"),
         (eval_reward_ax, "eval/reward/mean", "eval/reward/stderr", "tab:orange",
-         "eval mean reward"),
+         "eval mean reward", "{:.3f}"),
     ):
         if t.evals:
             ax.errorbar(t.eval_x(), [r[key] for r in t.evals],
                         yerr=[r.get(err, 0.0) for r in t.evals], fmt="o-", capsize=3,
-                        color=colour)
-        _label(ax, f"{name}\n({how}, held-out)", bool(t.evals), "no evaluation")
+                        color=colour, label="step 0: after the warm start")
+        for r in t.start:
+            ax.axhline(r[key], color="grey", ls="--", lw=1,
+                       label=f"before training ({show.format(r[key])})")
+        if t.evals or t.start:
+            ax.legend(loc="best", fontsize=8)
+        _label(ax, f"{name}\n({how}, held-out)", bool(t.evals or t.start), "no evaluation")
     success_ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-    eval_reward_ax.set_xlabel("training step (shaded: warm start, then GRPO)")
+    eval_reward_ax.set_xlabel("GRPO step")
     for ax in axes:
-        _shade_warm_start(ax, t.warm_steps)
+        _integer_steps(ax)
     fig.suptitle("Training run")
     fig.tight_layout()
     fig.savefig(paths[0], dpi=100)
     plt.close(fig)
 
     fig, grid = plt.subplots(2, 4, figsize=(13, 5.5), sharex=True)
-    steps = [*t.sft, *t.grpo]
-    xs = [*t.sft_x(), *t.grpo_x()]
+    xs = t.grpo_x()
     panels = [*grid[0][:3], *grid[1][:3]]
     for ax, (key, name) in zip(panels, TOKEN_PANELS):
-        points = [(x, r[key]) for x, r in zip(xs, steps) if key in r]
+        points = [(x, r[key]) for x, r in zip(xs, t.grpo) if key in r]
         if points:
             ax.plot(*zip(*points), marker=".", ms=3, lw=1)
             ax.set_ylim(bottom=0)
-        _label(ax, "tokens per step", bool(points),
-               "no GRPO steps" if key.startswith(("tokens/prefill", "tokens/sampled")) else "none")
+        _label(ax, "tokens per step", bool(points), "no GRPO steps")
         ax.set_title(name, fontsize=10)
     grid[1][3].axis("off")
     hit_ax = grid[0][3]
-    points = [(x, r["cache/hit_rate"]) for x, r in zip(t.grpo_x(), t.grpo)]
+    points = [(x, r["cache/hit_rate"]) for x, r in zip(xs, t.grpo)]
     if points:
         hit_ax.plot(*zip(*points), marker=".", ms=3, lw=1, color="tab:green")
         hit_ax.set_ylim(0, 1.02)
@@ -129,11 +139,11 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     _label(hit_ax, "of prompt tokens", bool(points), "no GRPO steps")
     hit_ax.set_title("prefix-cache hit rate", fontsize=10)
     for ax in (*panels, hit_ax):
-        _shade_warm_start(ax, t.warm_steps)
+        _integer_steps(ax)
     for ax in (*grid[1][:3], hit_ax):
-        ax.set_xlabel("training step")
+        ax.set_xlabel("GRPO step")
     hit_ax.tick_params(labelbottom=True)
-    fig.suptitle("Tokens per phase, per training step")
+    fig.suptitle("Tokens per phase, per GRPO step (the warm start's: report.md)")
     fig.tight_layout()
     fig.savefig(paths[1], dpi=100)
     plt.close(fig)
@@ -148,9 +158,7 @@ def _label(ax: Axes, ylabel: str, has_data: bool, empty: str) -> None:
                 color="grey")
 
 
-def _shade_warm_start(ax: Axes, warm_steps: int) -> None:
+def _integer_steps(ax: Axes) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if warm_steps:
-        ax.axvspan(0, warm_steps, color="grey", alpha=0.08, lw=0)
