@@ -50,14 +50,22 @@ def warm_start(
     """
     floor = 1.0 if schedule == "constant" else 0.1
     total = Usage()
+
+    def batch(step: int) -> list[Datum]:
+        return expert_datums(envs, tokenizer, [SFT_SEED_BASE + step * episodes_per_step + i
+                                               for i in range(episodes_per_step)])
+
+    datums = batch(0) if steps else []
     for step in range(steps):
-        seeds = [SFT_SEED_BASE + step * episodes_per_step + i for i in range(episodes_per_step)]
-        datums = expert_datums(envs, tokenizer, seeds)
-        out = training.forward_backward(datums, loss_fn="cross_entropy").result()
-        opt = training.optim_step(
+        # both requests are queued before the next batch is played: the expert's episodes
+        # (Python) overlap the update, as with the hosted service's futures
+        backward = training.forward_backward(datums, loss_fn="cross_entropy")
+        update = training.optim_step(
             AdamParams(learning_rate=warmup_cosine_lr(step, steps, lr, floor=floor),
-                       grad_clip_norm=1.0)
-        ).result()
+                       grad_clip_norm=1.0))
+        if step + 1 < steps:
+            datums = batch(step + 1)
+        out, opt = backward.result(), update.result()
         total = total + out.usage
         if on_step is not None:
             on_step(step, {"sft/loss": out.metrics["loss:sum"],
