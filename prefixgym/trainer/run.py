@@ -63,9 +63,11 @@ RUN_CONFIG = "config.json"
 `prefixgym rollout --run`)."""
 EVAL_WIDTH = 256
 """Evaluation episodes played at once (the local engine's default `max_running`): wider
-rounds than that only queue. Episodes are seeded one by one, and a deterministic
-engine's outputs do not depend on how it batches them: the width changes the time an
-evaluation takes, not its result."""
+rounds than that only queue. Episodes are seeded one by one, so the width changes the
+time an evaluation takes, not what it measures: a row's logprobs could differ in their
+last bits with its batch, but no sampled token has changed with the width yet (1500
+episodes of the default run at widths 100 and 256, each with the same outcome;
+tests/trainer/test_evaluate.py checks a small case)."""
 
 
 @dataclass
