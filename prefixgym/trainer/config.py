@@ -22,7 +22,7 @@ from prefixgym.types import JSONObject
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_ENV = "prefixgym/GuessNumber-v0"
-DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4, "expert_noise": 0.5}
+DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4, "expert_noise": 0.5, "invalid_penalty": 1.0}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 BACKENDS = ("local", "tinker")
 LORA_TARGETS = ("attn", "mlp", "unembed")
@@ -64,9 +64,11 @@ class TrainConfig:
     path/to/file.py:Class (docs/envs.md)."""
     env_kwargs: JSONObject | None = None
     """Keyword arguments for the env, e.g. {"high": 32}. Unset: {"max_turns": 4,
-    "expert_noise": 0.5} for the default GuessNumber (binary search then wins 94%; the
-    warm start imitates an expert that guesses at random on half its turns and wins
-    70%, so GRPO has a better strategy to find), {} for any other env."""
+    "expert_noise": 0.5, "invalid_penalty": 1.0} for the default GuessNumber (binary
+    search then wins 94%; the warm start imitates an expert that guesses at random on
+    half its turns and wins 70%, so GRPO has a better strategy to find; an invalid
+    reply costs as much as a win earns, so an episode that wins after one never
+    outscores a valid one), {} for any other env."""
     model: str = "tiny"
     """A built-in preset (tiny, small) or a local Hugging Face Llama/Qwen2 checkpoint
     directory (config.json, *.safetensors and its tokenizer); its chat template is used

@@ -42,7 +42,8 @@ def test_compute_dtype_is_validated():
 
 
 def test_default_env_kwargs_apply_to_the_default_env_only():
-    assert TrainConfig().env_kwargs == {"max_turns": 4, "expert_noise": 0.5}
+    assert TrainConfig().env_kwargs == {"max_turns": 4, "expert_noise": 0.5,
+                                      "invalid_penalty": 1.0}
     assert TrainConfig(env="prefixgym/Arithmetic-v0").env_kwargs == {}
     assert TrainConfig(env_kwargs={"high": 8}).env_kwargs == {"high": 8}
 
