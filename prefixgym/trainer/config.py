@@ -67,8 +67,8 @@ class TrainConfig:
     "expert_noise": 0.5, "invalid_penalty": 1.0} for the default GuessNumber (binary
     search then wins 94%; the warm start imitates an expert that guesses at random on
     half its turns and wins 70%, so GRPO has a better strategy to find; an invalid
-    reply costs as much as a win earns, so an episode that wins after one never
-    outscores a valid one), {} for any other env."""
+    reply costs as much as a win earns, so an episode that wins after one scores about
+    what a failed one does, its speed bonus only), {} for any other env."""
     model: str = "tiny"
     """A built-in preset (tiny, small) or a local Hugging Face Llama/Qwen2 checkpoint
     directory (config.json, *.safetensors and its tokenizer); its chat template is used
