@@ -77,7 +77,7 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     t = _Timeline(records)
     paths = [out / "training.png", out / "tokens.png"]
 
-    fig, axes = plt.subplots(4, 1, figsize=(7.5, 9.5), height_ratios=(1, 1, 1, 1))
+    fig, axes = plt.subplots(4, 1, figsize=(7.5, 9.5))
     loss_ax, reward_ax, success_ax, eval_reward_ax = axes
     for ax in (success_ax, eval_reward_ax):
         ax.sharex(reward_ax)
@@ -94,6 +94,9 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
         reward_ax.legend(loc="lower right", fontsize=8)
     _label(reward_ax, "GRPO train reward\n(mean per episode)", bool(t.grpo), "no GRPO steps")
     how = eval_kind([*t.start, *t.evals]).replace("sampled at ", "")
+    # without a warm start the first evaluation is a GRPO one: no step-0 label then
+    first = ("step 0: after the warm start"
+             if t.evals and t.evals[0]["when"] == "after warm start" else None)
     for ax, key, err, colour, name, show in (
         (success_ax, "eval/success", "eval/success_stderr", "tab:green", "eval success",
          "{:.1%}"),
@@ -103,11 +106,11 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
         if t.evals:
             ax.errorbar(t.eval_x(), [r[key] for r in t.evals],
                         yerr=[r.get(err, 0.0) for r in t.evals], fmt="o-", capsize=3,
-                        color=colour, label="step 0: after the warm start")
+                        color=colour, label=first)
         for r in t.start:
             ax.axhline(r[key], color="grey", ls="--", lw=1,
                        label=f"before training ({show.format(r[key])})")
-        if t.evals or t.start:
+        if first or t.start:
             ax.legend(loc="best", fontsize=8)
         _label(ax, f"{name}\n({how}, held-out)", bool(t.evals or t.start), "no evaluation")
     success_ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))

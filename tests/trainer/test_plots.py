@@ -1,0 +1,57 @@
+"""training.png's evaluation panels say which point is which."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+import pytest
+from matplotlib.figure import Figure
+
+from prefixgym.trainer.plots import write_plots
+
+matplotlib.use("Agg")
+
+
+def _eval(when: str, step: int, success: float) -> dict:
+    return {"phase": "eval", "when": when, "step": step, "eval/success": success,
+            "eval/success_stderr": 0.01, "eval/reward/mean": success,
+            "eval/reward/stderr": 0.01, "eval/temperature": 1.0}
+
+
+def _grpo(step: int) -> dict:
+    return {"phase": "grpo", "step": step, "reward/mean": 0.5, "cache/hit_rate": 0.9,
+            "tokens/prefill_computed": 10, "tokens/prefill_cached": 90,
+            "tokens/sampled": 20, "tokens/train_computed": 30,
+            "tokens/train_shared": 40, "tokens/train_loss": 5}
+
+
+def _legends(tmp_path: Path, records: list[dict], monkeypatch) -> list[list[str]]:
+    """The legend labels of training.png's two evaluation panels."""
+    seen: list[list[list[str]]] = []
+
+    def save(fig: Figure, *args, **kwargs) -> None:
+        seen.append([[t.get_text() for t in ax.get_legend().get_texts()]
+                     if ax.get_legend() else [] for ax in fig.axes])
+
+    monkeypatch.setattr(Figure, "savefig", save)
+    write_plots(tmp_path, records)
+    return seen[0][2:4]  # training.png: loss, reward, success, eval reward
+
+
+@pytest.mark.parametrize(("warm", "start", "want"), [
+    (True, False, ["step 0: after the warm start"]),
+    (True, True, ["step 0: after the warm start", "before training (2.0%)"]),
+    (False, False, []),  # the first evaluation is a GRPO one: nothing is at step 0
+    (False, True, ["before training (2.0%)"]),
+])
+def test_the_evaluation_legend_names_only_what_is_there(tmp_path, monkeypatch, warm, start,
+                                                        want):
+    records = [_eval("before training", 0, 0.02)] if start else []
+    if warm:
+        records += [{"phase": "sft", "step": 0, "sft_step": 0, "sft/loss": 1.0},
+                    _eval("after warm start", 0, 0.5)]
+    records += [_grpo(0), _grpo(1), _eval("GRPO", 2, 0.6)]
+    success, reward = _legends(tmp_path, records, monkeypatch)
+    assert sorted(success) == sorted(want)
+    assert sorted(reward) == sorted(w.replace("2.0%", "0.020") for w in want)
