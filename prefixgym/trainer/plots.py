@@ -2,8 +2,9 @@
 
 - training.png: the warm-start loss against the warm-start step (its own axis: a
   warm start of 400 steps would otherwise squeeze 60 GRPO steps into a sliver); below,
-  against the GRPO step, the GRPO train reward (raw and smoothed) and eval success and
-  eval mean reward with their standard errors. The evaluation after the warm start is
+  against the GRPO step, the GRPO train reward (raw and smoothed); the invalid replies
+  per episode and the update's gradient norm (a collapse of the reply format shows
+  there first); eval success and eval mean reward with their standard errors. The evaluation after the warm start is
   at GRPO step 0; one of the starting weights ("before training") is a dashed line.
 - tokens.png: one panel per phase -- prefill computed, prefill cached, sampled, train
   computed, train positions a shared prefix saved, train in the loss -- and the cache
@@ -77,9 +78,9 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     t = _Timeline(records)
     paths = [out / "training.png", out / "tokens.png"]
 
-    fig, axes = plt.subplots(4, 1, figsize=(7.5, 9.5))
-    loss_ax, reward_ax, success_ax, eval_reward_ax = axes
-    for ax in (success_ax, eval_reward_ax):
+    fig, axes = plt.subplots(5, 1, figsize=(7.5, 11.5))
+    loss_ax, reward_ax, health_ax, success_ax, eval_reward_ax = axes
+    for ax in (health_ax, success_ax, eval_reward_ax):
         ax.sharex(reward_ax)
     if t.sft:
         loss_ax.plot(t.sft_x(), [r["sft/loss"] for r in t.sft], color="tab:purple")
@@ -93,6 +94,7 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
                        color="tab:blue", lw=2, label="smoothed")
         reward_ax.legend(loc="lower right", fontsize=8)
     _label(reward_ax, "GRPO train reward\n(mean per episode)", bool(t.grpo), "no GRPO steps")
+    _health(health_ax, t)
     how = eval_kind([*t.start, *t.evals]).replace("sampled at ", "")
     # without a warm start the first evaluation is a GRPO one: no step-0 label then
     first = ("step 0: after the warm start"
@@ -151,6 +153,24 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     fig.savefig(paths[1], dpi=100)
     plt.close(fig)
     return paths
+
+
+def _health(ax: Axes, t: _Timeline) -> None:
+    """Invalid replies per episode (left axis) and the gradient norm (right axis)."""
+    invalid = [(x, r["invalid_actions/mean"]) for x, r in zip(t.grpo_x(), t.grpo)
+               if "invalid_actions/mean" in r]
+    norms = [(x, r["optim/grad_norm"]) for x, r in zip(t.grpo_x(), t.grpo)
+             if "optim/grad_norm" in r]
+    if invalid:
+        ax.plot(*zip(*invalid), color="tab:red", lw=1.5, label="invalid replies per episode")
+        ax.set_ylim(bottom=0)
+    if norms:
+        twin = ax.twinx()
+        twin.plot(*zip(*norms), color="tab:grey", lw=1, alpha=0.7, label="gradient norm")
+        twin.set_ylim(bottom=0)
+        twin.set_ylabel("gradient norm", fontsize=9, color="tab:grey")
+        ax.legend(handles=[*ax.get_lines(), *twin.get_lines()], loc="upper left", fontsize=8)
+    _label(ax, "invalid replies\n(per episode)", bool(invalid or norms), "no GRPO steps")
 
 
 def _label(ax: Axes, ylabel: str, has_data: bool, empty: str) -> None:

@@ -1,4 +1,5 @@
-"""training.png's evaluation panels say which point is which."""
+"""training.png's evaluation panels say which point is which; its health panel shows
+the invalid replies and gradient norms of the GRPO steps."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _legends(tmp_path: Path, records: list[dict], monkeypatch) -> list[list[str]
 
     monkeypatch.setattr(Figure, "savefig", save)
     write_plots(tmp_path, records)
-    return seen[0][2:4]  # training.png: loss, reward, success, eval reward
+    return seen[0][3:5]  # training.png: loss, reward, health, success, eval reward, twin
 
 
 @pytest.mark.parametrize(("warm", "start", "want"), [
@@ -55,3 +56,19 @@ def test_the_evaluation_legend_names_only_what_is_there(tmp_path, monkeypatch, w
     success, reward = _legends(tmp_path, records, monkeypatch)
     assert sorted(success) == sorted(want)
     assert sorted(reward) == sorted(w.replace("2.0%", "0.020") for w in want)
+
+
+def test_the_health_panel_plots_invalid_replies_and_gradient_norms(tmp_path, monkeypatch):
+    records = [{**_grpo(k), "invalid_actions/mean": 0.1 * k, "optim/grad_norm": 2.0 + k}
+               for k in range(3)]
+    seen: list[dict[str, list]] = []
+
+    def save(fig: Figure, *args, **kwargs) -> None:
+        seen.append({line.get_label(): [list(line.get_xdata()), list(line.get_ydata())]
+                     for ax in fig.axes for line in ax.get_lines()})
+
+    monkeypatch.setattr(Figure, "savefig", save)
+    write_plots(tmp_path, records)
+    lines = seen[0]
+    assert lines["invalid replies per episode"] == [[1, 2, 3], [0.0, 0.1, 0.2]]
+    assert lines["gradient norm"] == [[1, 2, 3], [2.0, 3.0, 4.0]]
