@@ -20,6 +20,7 @@ Knows the training protocol and Arithmetic's expert; not sampling or GRPO.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import time
@@ -65,6 +66,9 @@ def main() -> None:
     parser.add_argument("--task", choices=("copy", "arithmetic"), default="copy")
     parser.add_argument("--prefix", type=int, default=0, help="copy: filler tokens before it")
     parser.add_argument("--no-system", action="store_true", help="arithmetic: cut the system turn")
+    parser.add_argument("--env-kwargs", default='{"num_operands": 2}',
+                        help='arithmetic: JSON env kwargs (the expert always calls), e.g. '
+                        '\'{"num_operands": 2, "tool_schemas": false}\'')
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--per-step", type=int, default=16)
@@ -87,7 +91,7 @@ def main() -> None:
         held = copy_batch(random.Random(999), 64, filler)
         is_copy: Callable[[int], bool] = lambda token: True  # noqa: E731
     else:
-        env_kwargs = {"expert_tool_rate": 1.0, "max_turns": 3, "num_operands": 2}
+        env_kwargs = {"max_turns": 3, **json.loads(args.env_kwargs), "expert_tool_rate": 1.0}
         envs = [make_agent_env("prefixgym/Arithmetic-v0", env_kwargs) for _ in range(16)]
         im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
         cut = (lambda ds: without_system(ds, im_start)) if args.no_system else (lambda ds: ds)

@@ -90,8 +90,11 @@ class AgentEnv(gym.Env[Observation, str]):
         max_turns: int = 8,
         invalid_penalty: float = 0.1,
         tools: Sequence[ToolLike] | None = None,
+        tool_schemas: bool = True,
         render_mode: str | None = None,
     ) -> None:
+        if not isinstance(tool_schemas, bool):
+            raise ValueError(f"tool_schemas must be true or false, got {tool_schemas!r}")
         if not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
         if not invalid_penalty >= 0:
@@ -103,6 +106,7 @@ class AgentEnv(gym.Env[Observation, str]):
         # a typed function or a pydantic model class becomes a Tool exactly as @tool makes it
         self.tools: list[Tool] = as_tools(tools)
         tools_json(self.tools)  # fails early on duplicate tool names
+        self.tool_schemas = tool_schemas
         self.render_mode = render_mode
         self.observation_space = messages_space()
         self.action_space = AnyText()
@@ -130,6 +134,19 @@ class AgentEnv(gym.Env[Observation, str]):
         """Texts that reveal the hidden answer: no user message may contain one
         (as a whole word) before the episode ends."""
         return []
+
+    def prompt(self) -> tuple[str, list[Tool]]:
+        """The system text and the tools whose definitions the conversation's fixed
+        prefix carries. With `tool_schemas` (the default) that is the system prompt and
+        every tool, whose JSON schemas the chat format renders; without, the system
+        prompt plus one line naming each tool and its arguments, and no schemas: a far
+        shorter context for a small model trained from scratch, which learns the call
+        syntax from the expert's episodes (the tools run the same either way)."""
+        if self.tool_schemas or not self.tools:
+            return self.system_prompt, list(self.tools)
+        names = ", ".join(f"{t.name}({', '.join(t.schema()['parameters'].get('properties', {}))})"
+                          for t in self.tools)
+        return f"{self.system_prompt} Tools: {names}.".strip(), []
 
     # --- gymnasium API -----------------------------------------------------------------
 

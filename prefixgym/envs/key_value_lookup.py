@@ -26,7 +26,8 @@ class KeyValueLookup(AgentEnv):
     (one hop done); 0 for anything else; the episode ends on any answer.
     `-invalid_penalty` per invalid reply or malformed tool call. Difficulty:
     `num_keys` (distractor keys, some of which also point at keys), `key_length`.
-    The expert looks up twice, then answers.
+    The expert looks up twice, then answers. `tool_schemas=False`: the system turn
+    names the tool ("Tools: lookup(key).") instead of carrying its JSON schema.
     """
 
     system_prompt = (
@@ -42,6 +43,7 @@ class KeyValueLookup(AgentEnv):
         max_turns: int = 6,
         partial_credit: float = 0.2,
         invalid_penalty: float = 0.1,
+        tool_schemas: bool = True,
         render_mode: str | None = None,
     ) -> None:
         if not 3 <= num_keys <= 1000:
@@ -50,7 +52,7 @@ class KeyValueLookup(AgentEnv):
             raise ValueError(f"key_length must be in 4..32, got {key_length!r}")
         lookup = Tool.from_function(self.lookup, name="lookup")
         super().__init__(max_turns=max_turns, invalid_penalty=invalid_penalty,
-                         tools=[lookup], render_mode=render_mode)
+                         tools=[lookup], tool_schemas=tool_schemas, render_mode=render_mode)
         self.num_keys, self.key_length = num_keys, key_length
         self.partial_credit = float(partial_credit)
         self._store: dict[str, str] = {}

@@ -37,9 +37,8 @@ class Episode:
     ) -> None:
         self.env = env
         self.agent: AgentEnv = agent_of(env)
-        self.conv = Conversation(
-            tokenizer=tokenizer, system=self.agent.system_prompt, tools=list(self.agent.tools)
-        )
+        system, tools = self.agent.prompt()
+        self.conv = Conversation(tokenizer=tokenizer, system=system, tools=tools)
         self.traj = trajectory
         self.done = False
         self._logprobs: list[Sequence[float]] = []  # per turn, until finish()

@@ -223,3 +223,15 @@ def test_key_value_lookup_two_hops_and_partial_credit() -> None:
     env.reset(seed=0)
     _, reward, terminated, _, info = env.step("  " + env._answer + "\n")
     assert (reward, terminated, info["is_success"]) == (1.0, True, True)
+
+
+def test_tool_schemas_off_names_each_tool_and_its_arguments_in_the_system_text() -> None:
+    env = KeyValueLookup(tool_schemas=False)
+    system, tools = env.prompt()
+    assert system == f"{KeyValueLookup.system_prompt} Tools: lookup(key)." and tools == []
+    assert env.tools[0].name == "lookup"  # the tool still runs
+    default = KeyValueLookup()
+    assert default.prompt() == (KeyValueLookup.system_prompt, default.tools)
+    assert GuessNumber().prompt() == (GuessNumber.system_prompt, [])
+    with pytest.raises(ValueError, match="tool_schemas must be true or false"):
+        Arithmetic(tool_schemas="no")  # type: ignore[arg-type]

@@ -28,3 +28,23 @@ def test_expert_episode_is_the_conversation_a_rollout_of_its_replies_builds():
     assert [i for i, m in enumerate(traj.sampled_mask) if m] == sampled
     assert traj.logprobs == [0.0] * len(traj.tokens)
     assert traj.total_reward > 0
+
+
+def test_without_tool_schemas_the_system_turn_names_the_tools_and_the_episode_is_the_same():
+    tok = load_tokenizer()
+    full, compact = (play_expert(gym.make("prefixgym/Arithmetic-v0", num_operands=2,
+                                          tool_schemas=schemas), tok, seed=3)
+                     for schemas in (True, False))
+    first = full.trajectory.turns[0].reply_start
+    short = compact.trajectory.turns[0].reply_start
+    prompt = tok.decode(compact.trajectory.tokens[:short])
+    assert "Tools: calculator(expression)." in prompt and "<tools>" not in prompt
+    assert "<tools>" in tok.decode(full.trajectory.tokens[:first])
+    assert short < first - 150  # the schema is most of the default prompt
+    # from the user turn on, the same tokens and the same (won) episode
+    user = tok.convert_tokens_to_ids("<|im_start|>")
+    tail = [t.trajectory.tokens[t.trajectory.tokens.index(user, 1):] for t in (full, compact)]
+    assert tail[0] == tail[1]
+    assert full.trajectory.is_success and compact.trajectory.is_success
+    assert [t.reply_text for t in full.trajectory.turns] == \
+        [t.reply_text for t in compact.trajectory.turns]
