@@ -71,7 +71,7 @@ class Arithmetic(AgentEnv):
     seed replays it and the task of a seed is the same at every rate.
 
     `tool_schemas=False` replaces the calculator's JSON schema in the system turn by
-    "Tools: calculator(expression)." (98 prompt tokens instead of 282 for 2 operands):
+    "Tools: calculator(expression)." (with 2 operands a 59-token first prompt, not 243):
     a small model trained from scratch must learn to copy the question's expression
     into its call, and that is learned far sooner in a short context (the tool
     recipe, docs/benchmarks.md).
