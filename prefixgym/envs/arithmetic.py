@@ -70,6 +70,14 @@ class Arithmetic(AgentEnv):
     expert of an episode uses the tool is drawn from `np_random` after the task, so a
     seed replays it and the task of a seed is the same at every rate.
 
+    `expert_noise` (0..1, default 0) is the share of episodes in which the expert
+    mistypes its call: the expression's last operand becomes another value in
+    1..max_value, and the expert then answers the tool's (wrong) result, so the
+    episode fails. A model that imitates it copies the question into its call but
+    puts a random last operand there in about that share of its calls, which GRPO
+    can learn away (the same idea as GuessNumber's noisy expert). Drawn after the
+    tool-rate draw, and only when above 0.
+
     `tool_schemas=False` replaces the calculator's JSON schema in the system turn by
     "Tools: calculator(expression)." (with 2 operands a 59-token first prompt, not 243):
     a small model trained from scratch must learn to copy the question's expression
@@ -91,6 +99,7 @@ class Arithmetic(AgentEnv):
         max_turns: int = 4,
         invalid_penalty: float = 0.1,
         expert_tool_rate: float = 1.0,
+        expert_noise: float = 0.0,
         tool_schemas: bool = True,
         render_mode: str | None = None,
     ) -> None:
@@ -98,6 +107,9 @@ class Arithmetic(AgentEnv):
                 or not 0.0 <= expert_tool_rate <= 1.0:
             raise ValueError(f"expert_tool_rate must be a number in 0..1, got "
                              f"{expert_tool_rate!r}")
+        if isinstance(expert_noise, bool) or not isinstance(expert_noise, (int, float)) \
+                or not 0.0 <= expert_noise <= 1.0:
+            raise ValueError(f"expert_noise must be a number in 0..1, got {expert_noise!r}")
         if not 2 <= num_operands <= 8:
             raise ValueError(f"num_operands must be in 2..8, got {num_operands!r}")
         if not 1 <= max_value <= 10**6:
@@ -108,7 +120,9 @@ class Arithmetic(AgentEnv):
         self.num_operands, self.max_value = num_operands, max_value
         self.parentheses = parentheses
         self.expert_tool_rate = float(expert_tool_rate)
+        self.expert_noise = float(expert_noise)
         self._expression, self._answer = "1 + 1", 2
+        self._expert_expression = self._expression
         self._expert_uses_tool = True
 
     def _reset_task(self) -> str:
@@ -125,6 +139,13 @@ class Arithmetic(AgentEnv):
         # drawn only below rate 1, so that runs at the default keep their random stream
         self._expert_uses_tool = (self.expert_tool_rate >= 1.0
                                   or float(self.np_random.random()) < self.expert_tool_rate)
+        self._expert_expression = text
+        if self.expert_noise > 0 and self.max_value > 1 \
+                and float(self.np_random.random()) < self.expert_noise:
+            typo = int(rng.integers(1, self.max_value))  # 1..max_value-1, shifted past the
+            typo += typo >= int(numbers[-1])             # real one: never the asked value
+            head = text[: text.rfind(numbers[-1])]
+            self._expert_expression = head + str(typo) + text[len(head) + len(numbers[-1]):]
         return f"What is {text}?"
 
     def _act(self, text: str) -> Outcome:
@@ -142,7 +163,7 @@ class Arithmetic(AgentEnv):
             return last["content"]
         if not self._expert_uses_tool:
             return str(self._answer)
-        return format_tool_call("calculator", {"expression": self._expression})
+        return format_tool_call("calculator", {"expression": self._expert_expression})
 
     def _leak_probes(self) -> list[str]:
         return [f"= {self._answer}", f"answer is {self._answer}", f"answer was {self._answer}"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -155,6 +156,31 @@ def test_arithmetic_expert_tool_rate() -> None:
 def test_arithmetic_expert_tool_rate_must_be_a_share(rate: object) -> None:
     with pytest.raises(ValueError, match="expert_tool_rate must be a number in 0..1"):
         Arithmetic(expert_tool_rate=rate)  # type: ignore[arg-type]
+
+
+def test_arithmetic_expert_noise_mistypes_the_last_operand_and_loses() -> None:
+    exact, noisy = Arithmetic(), Arithmetic(expert_noise=0.4)
+    mistyped = 0
+    for seed in range(400):
+        question, replies, won = _expert_episode(noisy, seed)
+        assert question == _expert_episode(exact, seed)[0]  # the task does not change
+        assert _expert_episode(noisy, seed) == (question, replies, won)  # replays
+        asked = question.removeprefix("What is ").removesuffix("?")
+        called = json.loads(replies[0].removeprefix("<tool_call>")
+                            .removesuffix("</tool_call>"))["arguments"]["expression"]
+        assert replies[1] == calculator(called)  # it answers the tool's result
+        if called == asked:
+            assert won
+            continue
+        mistyped += 1
+        head, last = asked.rsplit(" ", 1)
+        typed_head, typed_last = called.rsplit(" ", 1)
+        assert typed_head == head and typed_last != last
+        assert 1 <= int(typed_last) <= noisy.max_value
+        assert won == (int(calculator(called)) == noisy._answer)  # a typo can still land
+    assert 0.33 < mistyped / 400 < 0.47  # 0.4 ± 3 binomial SE
+    with pytest.raises(ValueError, match="expert_noise must be a number in 0..1"):
+        Arithmetic(expert_noise=1.5)
 
 
 def test_mastermind_scoring_and_feedback() -> None:
