@@ -4,8 +4,9 @@
   warm start of 400 steps would otherwise squeeze 60 GRPO steps into a sliver); below,
   against the GRPO step, the GRPO train reward (raw and smoothed); the invalid replies
   per episode and the update's gradient norm (a collapse of the reply format shows
-  there first); eval success and eval mean reward with their standard errors. The evaluation after the warm start is
-  at GRPO step 0; one of the starting weights ("before training") is a dashed line.
+  there first); eval success and eval mean reward with their standard errors. The
+  evaluation after the warm start is at GRPO step 0; one of the starting weights
+  ("before training") is a dashed line.
 - tokens.png: one panel per phase -- prefill computed, prefill cached, sampled, train
   computed, train positions a shared prefix saved, train in the loss -- and the cache
   hit rate, per GRPO step, each on its own scale, so no series hides another (the
