@@ -1,7 +1,7 @@
 """`prefixgym rollout`: sample episodes of an env and print them with their cache hits.
 
-Each turn prints the prompt length, how much of it came from the prefix cache, and
-the reply; `--trace FILE.jsonl` also writes every sampling request in the trace
+Each turn prints the prompt length, how much of it came from the prefix cache, what
+the env added to the prompt before the reply (as the model saw it), and the reply; `--trace FILE.jsonl` also writes every sampling request in the trace
 format that `prefixgym lint trace` reads. With `--run DIR` (a `prefixgym train
 --out`), the episodes come from that run's newest weights (the last GRPO checkpoint,
 else the warm start), and the run's env, env kwargs, model, max tokens and
@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import build_config, build_parser, read_json_object
+from prefixgym.envs.base import agent_of
+from prefixgym.prompting.conversation import Conversation
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 from prefixgym.rollouts.types import TrajectoryGroup
 from prefixgym.trainer.config import DEFAULT_ENV, default_env_kwargs
@@ -58,7 +61,11 @@ class RolloutArgs:
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
 
 
-def print_group(group: TrajectoryGroup, out: TextIO | None = None) -> None:
+def print_group(group: TrajectoryGroup, out: TextIO | None = None,
+                decode: Callable[[list[int]], str] | None = None, fixed_prefix: int = 0) -> None:
+    """Each episode's turns: prompt size, cache hits, reward and reply; with `decode`,
+    also what the env added to the prompt before each reply (the question, tool
+    results, feedback), as the model saw it, past the `fixed_prefix` tokens."""
     out = out or sys.stdout
     for traj in group.trajectories:
         print(f"== episode {traj.episode_id} (seed {traj.seed})", file=out)
@@ -68,6 +75,9 @@ def print_group(group: TrajectoryGroup, out: TextIO | None = None) -> None:
                    if turn.usage.prefill_tokens else f"shared with {turn.shared_by - 1} others")
             print(f"  turn {i}: prompt {turn.prompt_length} tokens, {hit}; "
                   f"reward {turn.reward:+.2f}", file=out)
+            if decode is not None:
+                start = traj.turns[i - 1].reply_end if i else fixed_prefix
+                print(f"    env: {decode(traj.tokens[start:turn.reply_start])!r}", file=out)
             print(f"    assistant: {turn.reply_text!r}", file=out)
         print(f"  -> {traj.stop_reason}; total reward {traj.total_reward:+.2f}, success "
               f"{traj.is_success}" + (f", error: {traj.error}" if traj.error else ""), file=out)
@@ -116,9 +126,12 @@ def main(argv: list[str]) -> int:
             RolloutConfig(max_tokens=args.max_tokens, temperature=args.temperature),
             trace=TraceWriter(trace_file) if trace_file else None,
         )
+        tokenizer = service.tokenizer
+        system, tools = agent_of(envs[0]).prompt()
+        fixed = len(Conversation(tokenizer, system=system, tools=tools).tokens)
         for g in range(args.groups):
             group = asyncio.run(rollouts.run_group(envs, args.seed + g, f"g{g}"))
-            print_group(group)
+            print_group(group, decode=lambda ids: str(tokenizer.decode(ids)), fixed_prefix=fixed)
     finally:
         if trace_file:
             trace_file.close()

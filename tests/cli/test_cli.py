@@ -53,3 +53,32 @@ def test_import_prefixgym_registers_the_envs_without_loading_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_rollout_transcript_shows_what_the_env_added_before_each_reply():
+    import io
+
+    import gymnasium as gym
+
+    from prefixgym.cli.rollout import print_group
+    from prefixgym.prompting import Conversation
+    from prefixgym.prompting.tokenizer import load_tokenizer
+    from prefixgym.rollouts.expert import play_expert
+    from prefixgym.rollouts.types import TrajectoryGroup
+
+    tok = load_tokenizer()
+    env = gym.make("prefixgym/Arithmetic-v0", num_operands=2, tool_schemas=False)
+    traj = play_expert(env, tok, seed=4).trajectory
+    system, tools = env.unwrapped.prompt()
+    fixed = len(Conversation(tok, system=system, tools=tools).tokens)
+    out = io.StringIO()
+    print_group(TrajectoryGroup("g", 4, [traj]), out, decode=tok.decode, fixed_prefix=fixed)
+    env_lines = [line for line in out.getvalue().splitlines() if line.startswith("    env: ")]
+    question, result = env_lines
+    assert f"What is {env.unwrapped._expression}?" in question and "Tools:" not in question
+    assert f"\\n{env.unwrapped._answer}<|im_end|>" in result  # the calculator's reply
+    assert "What is" not in result
+    # without a decoder, the transcript is as before: no env lines
+    plain = io.StringIO()
+    print_group(TrajectoryGroup("g", 4, [traj]), plain)
+    assert "env: " not in plain.getvalue() and plain.getvalue().count("assistant: ") == 2
