@@ -1,8 +1,9 @@
 """`prefixgym rollout`: sample episodes of an env and print them with their cache hits.
 
 Each turn prints the prompt length, how much of it came from the prefix cache, what
-the env added to the prompt before the reply (as the model saw it), and the reply; `--trace FILE.jsonl` also writes every sampling request in the trace
-format that `prefixgym lint trace` reads. With `--run DIR` (a `prefixgym train
+the env added to the prompt before the reply (as the model saw it), and the reply;
+`--trace FILE.jsonl` also writes every sampling request in the trace format that
+`prefixgym lint trace` reads. With `--run DIR` (a `prefixgym train
 --out`), the episodes come from that run's newest weights (the last GRPO checkpoint,
 else the warm start), and the run's env, env kwargs, model, max tokens and
 temperature are the defaults that flags given here override.
@@ -19,8 +20,6 @@ from typing import TextIO
 
 from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import build_config, build_parser, read_json_object
-from prefixgym.envs.base import agent_of
-from prefixgym.prompting.conversation import Conversation
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 from prefixgym.rollouts.types import TrajectoryGroup
 from prefixgym.trainer.config import DEFAULT_ENV, default_env_kwargs
@@ -95,8 +94,10 @@ def main(argv: list[str]) -> int:
     if "env" in given:  # another env than the run's: not the run's env kwargs either
         from_run.pop("env_kwargs", None)
     args = build_config(RolloutArgs, parser, from_run, given)
+    from prefixgym.envs.base import agent_of
     from prefixgym.envs.registration import make_agent_env
     from prefixgym.local_service import LocalService
+    from prefixgym.prompting.conversation import Conversation
     from prefixgym.protocols import SamplingClient
     from prefixgym.trainer.checkpoint import load_checkpoint
 
