@@ -10,7 +10,7 @@ import operator
 import re
 from collections.abc import Callable
 
-from prefixgym.envs.base import AgentEnv, Outcome
+from prefixgym.envs.base import AgentEnv, Outcome, share
 from prefixgym.prompting.tools import Tool, format_tool_call
 
 _INT_RE = re.compile(r"\s*([+-]?\d{1,30})\s*\.?\s*")
@@ -103,13 +103,8 @@ class Arithmetic(AgentEnv):
         tool_schemas: bool = True,
         render_mode: str | None = None,
     ) -> None:
-        if isinstance(expert_tool_rate, bool) or not isinstance(expert_tool_rate, (int, float)) \
-                or not 0.0 <= expert_tool_rate <= 1.0:
-            raise ValueError(f"expert_tool_rate must be a number in 0..1, got "
-                             f"{expert_tool_rate!r}")
-        if isinstance(expert_noise, bool) or not isinstance(expert_noise, (int, float)) \
-                or not 0.0 <= expert_noise <= 1.0:
-            raise ValueError(f"expert_noise must be a number in 0..1, got {expert_noise!r}")
+        tool_rate = share("expert_tool_rate", expert_tool_rate)
+        noise = share("expert_noise", expert_noise)
         if not 2 <= num_operands <= 8:
             raise ValueError(f"num_operands must be in 2..8, got {num_operands!r}")
         if not 1 <= max_value <= 10**6:
@@ -119,8 +114,7 @@ class Arithmetic(AgentEnv):
                          render_mode=render_mode)
         self.num_operands, self.max_value = num_operands, max_value
         self.parentheses = parentheses
-        self.expert_tool_rate = float(expert_tool_rate)
-        self.expert_noise = float(expert_noise)
+        self.expert_tool_rate, self.expert_noise = tool_rate, noise
         self._expression, self._answer = "1 + 1", 2
         self._expert_expression = self._expression
         self._expert_uses_tool = True

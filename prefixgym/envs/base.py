@@ -272,6 +272,15 @@ class AgentEnv(gym.Env[Observation, str]):
         }
 
 
+def share(name: str, value: object) -> float:
+    """`value` as a float in 0..1 (an env's share of episodes, e.g. an expert's noise);
+    ValueError naming `name` for anything else (bools and strings included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a number in 0..1, got {value!r}")
+    return float(value)
+
+
 def agent_of(env: gym.Env[Observation, str]) -> AgentEnv:
     """The `AgentEnv` under an env's wrappers; ValueError for an env that is not one."""
     agent = env.unwrapped

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-from prefixgym.envs.base import AgentEnv, Outcome
+from prefixgym.envs.base import AgentEnv, Outcome, share
 
 _INT_RE = re.compile(r"\s*([+-]?\d{1,12})\s*\.?\s*")
 
@@ -63,16 +63,14 @@ class GuessNumber(AgentEnv):
             raise ValueError(f"speed_bonus must be >= 0, got {speed_bonus!r}")
         if not 0 <= progress_credit <= 1:
             raise ValueError(f"progress_credit must be in 0..1, got {progress_credit!r}")
-        if isinstance(expert_noise, bool) or not isinstance(expert_noise, (int, float)) \
-                or not 0.0 <= expert_noise <= 1.0:
-            raise ValueError(f"expert_noise must be a number in 0..1, got {expert_noise!r}")
+        noise = share("expert_noise", expert_noise)
         super().__init__(max_turns=max_turns, invalid_penalty=invalid_penalty,
                          render_mode=render_mode)
         self.low, self.high = low, high
         self.show_range = show_range
         self.speed_bonus = float(speed_bonus)
         self.progress_credit = float(progress_credit)
-        self.expert_noise = float(expert_noise)
+        self.expert_noise = noise
         self._expert_draws_T2 = [(1.0, 0.0)] * max_turns  # (noise?, which) per turn
         self._secret = low
         self._lo, self._hi = low, high
