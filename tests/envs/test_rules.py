@@ -160,7 +160,7 @@ def test_arithmetic_expert_tool_rate_must_be_a_share(rate: object) -> None:
 
 def test_arithmetic_expert_noise_mistypes_the_last_operand_and_loses() -> None:
     exact, noisy = Arithmetic(), Arithmetic(expert_noise=0.4)
-    mistyped = 0
+    mistyped, typed = 0, set()
     for seed in range(400):
         question, replies, won = _expert_episode(noisy, seed)
         assert question == _expert_episode(exact, seed)[0]  # the task does not change
@@ -176,9 +176,10 @@ def test_arithmetic_expert_noise_mistypes_the_last_operand_and_loses() -> None:
         head, last = asked.rsplit(" ", 1)
         typed_head, typed_last = called.rsplit(" ", 1)
         assert typed_head == head and typed_last != last
-        assert 1 <= int(typed_last) <= noisy.max_value
-        assert won == (int(calculator(called)) == noisy._answer)  # a typo can still land
+        typed.add(int(typed_last))
+        assert not won  # operands >= 1: another last operand never gives the same value
     assert 0.33 < mistyped / 400 < 0.47  # 0.4 ± 3 binomial SE
+    assert typed == set(range(1, noisy.max_value + 1))  # every value, the ends included
     with pytest.raises(ValueError, match="expert_noise must be a number in 0..1"):
         Arithmetic(expert_noise=1.5)
 
