@@ -83,6 +83,9 @@ class AgentEnv(gym.Env[Observation, str]):
     """The most an episode of garbage replies may earn (checked by check_agent_env)."""
     full_return: float = 1.0
     """The least an expert episode earns (checked by check_agent_env)."""
+    expert_noise: float = 0.0
+    """The share of episodes (or replies) in which the expert errs on purpose, to leave
+    GRPO something to learn; check_agent_env checks the expert with it set to 0."""
 
     def __init__(
         self,

@@ -2,7 +2,8 @@
 
 1. `gymnasium.utils.env_checker.check_env` on the unwrapped env;
 2. seeded determinism: the same seed and replies give the same episode;
-3. the expert reaches `full_return` with `is_success` and no invalid reply;
+3. the expert reaches `full_return` with `is_success` and no invalid reply (with
+   `expert_noise` set to 0 for the check: a noisy expert errs on purpose);
 4. garbage replies (empty, whitespace, random text, a huge string, broken tool
    calls) never raise, never succeed, and earn at most `reward_floor`;
 5. no leak: no user message before the episode ends contains a `_leak_probes()`
@@ -150,13 +151,23 @@ def _replay(
 def _check_expert(
     env: gym.Env[Any, Any], agent: AgentEnv, seeds: list[int], report: CheckReport
 ) -> None:
-    for seed in seeds:
-        _, total, info = _episode(env, agent, seed, lambda _: agent.expert_action())
-        report.expert_returns.append(total)
-        assert info["is_success"], f"seed {seed}: expert failed ({info['stop_reason']})"
-        assert info["num_invalid_actions"] == 0, f"seed {seed}: expert made invalid replies"
-        assert total >= agent.full_return - 1e-9, (
-            f"seed {seed}: expert return {total:.3f} < full_return {agent.full_return}")
+    noise, agent.expert_noise = agent.expert_noise, 0.0
+    try:
+        for seed in seeds:
+            _expert_episode(env, agent, seed, report)
+    finally:
+        agent.expert_noise = noise
+
+
+def _expert_episode(
+    env: gym.Env[Any, Any], agent: AgentEnv, seed: int, report: CheckReport
+) -> None:
+    _, total, info = _episode(env, agent, seed, lambda _: agent.expert_action())
+    report.expert_returns.append(total)
+    assert info["is_success"], f"seed {seed}: expert failed ({info['stop_reason']})"
+    assert info["num_invalid_actions"] == 0, f"seed {seed}: expert made invalid replies"
+    assert total >= agent.full_return - 1e-9, (
+        f"seed {seed}: expert return {total:.3f} < full_return {agent.full_return}")
 
 
 def _check_garbage(

@@ -110,3 +110,23 @@ def test_tutorial_example_runs_as_a_script() -> None:
                             timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert ": ok" in result.stdout and "[assistant]" in result.stdout
+
+
+@pytest.mark.parametrize(("env_id", "max_turns"),
+                         [("prefixgym/GuessNumber-v0", 5), ("prefixgym/Arithmetic-v0", 3)])
+def test_a_noisy_expert_is_checked_without_its_noise(env_id: str, max_turns: int) -> None:
+    env = gym.make(env_id, expert_noise=0.5, max_turns=max_turns)
+    agent = env.unwrapped
+    assert isinstance(agent, AgentEnv)
+    failed = 0
+    for seed in range(8):  # the noise is real: some of these episodes fail
+        agent.reset(seed=seed)
+        while True:
+            _, _, terminated, truncated, info = agent.step(agent.expert_action())
+            if terminated or truncated:
+                break
+        failed += not info["is_success"]
+    assert failed > 0
+    report = check_agent_env(env, seeds=range(8), skip_gym_check=True)
+    assert report.ok and min(report.expert_returns) >= agent.full_return
+    assert agent.expert_noise == 0.5
