@@ -49,13 +49,26 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def json_object(text: str) -> JSONObject:
     """An argparse type: a JSON object given as a flag's value."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    value = _json(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object like '{{\"k\": 1}}', got {text!r}")
     return value
+
+
+def json_objects(text: str) -> list[JSONObject]:
+    """An argparse type: a JSON list of objects given as a flag's value."""
+    value = _json(text)
+    if not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON list of objects like '[{{\"k\": 1}}]', got {text!r}")
+    return value
+
+
+def _json(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
 
 
 def build_parser(
@@ -87,6 +100,9 @@ def build_parser(
             parser.add_argument(flag, dest=f.name, type=kind, help=help_text)
         elif kind == list[str]:  # repeat the flag for several values
             parser.add_argument(flag, dest=f.name, action="append", help=help_text + " (repeat)")
+        elif kind == list[JSONObject]:
+            parser.add_argument(flag, dest=f.name, type=json_objects,
+                                help=help_text + " (JSON list)")
         else:  # dicts come as JSON
             parser.add_argument(flag, dest=f.name, type=json_object, help=help_text + " (JSON)")
     return parser
@@ -126,6 +142,10 @@ def _typed(path: str, key: str, value: object, kind: object) -> object:
             return [value]
         if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             raise ValueError(f"{path}: {key} = {value!r} must be a string or a list of strings")
+        return value
+    if kind == list[JSONObject]:
+        if not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+            raise ValueError(f"{path}: {key} = {value!r} must be a list of tables")
         return value
     ok = {bool: isinstance(value, bool), str: isinstance(value, str),
           int: isinstance(value, int) and not isinstance(value, bool),

@@ -33,6 +33,7 @@ from prefixgym.local_service import LocalService
 from prefixgym.prompting.chat_format import ChatMLFormat
 from prefixgym.prompting.conversation import chat_format_for
 from prefixgym.protocols import TrainingClient
+from prefixgym.recipes import config_path, recipe_names
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.types import TrajectoryGroup
 from prefixgym.serving.config import API_KEY_VARIABLE
@@ -55,10 +56,12 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
     """The run of `config` and the service it trains on (built here unless given; none
     with `--backend tinker`, whose tinker `ServiceClient` may be given instead)."""
 
-    def make() -> AgentGymEnv:
-        return make_agent_env(config.env, config.env_kwargs)
+    def make(overrides: JSONObject | None = None) -> AgentGymEnv:
+        return make_agent_env(config.env, {**(config.env_kwargs or {}), **(overrides or {})})
 
     make().close()  # a bad --env, or an --out that cannot be written, fails before the model loads
+    for stage in config.sft_stages:  # and so does a stage's bad env_kwargs
+        make(stage["env_kwargs"]).close()
     ensure_writable_dir(Path(config.out))
     if config.sampler_url and config.kl_coef > 0:
         raise ValueError(
@@ -238,13 +241,14 @@ def main(argv: list[str]) -> int:
         TrainConfig, prog="prefixgym train",
         description="SFT warm start on expert episodes, then GRPO, on one env; writes "
         "metrics.jsonl, report.md, plots and checkpoints to --out. Settings come from the "
-        "defaults, then a resumed run's saved config.json, then --config FILE.toml, then "
-        "the flags given here.",
+        "defaults, then a resumed run's saved config.json, then --config FILE.toml (or a "
+        f"shipped recipe's name: {', '.join(recipe_names()) or 'none'}), then the flags given "
+        "here.",
         flag_names=FLAG_NAMES, config_file=True,
     )
     given = vars(parser.parse_args(argv))
     try:
-        from_file = (read_config_file(TrainConfig, given["config"], FLAG_NAMES)
+        from_file = (read_config_file(TrainConfig, config_path(given["config"]), FLAG_NAMES)
                      if "config" in given else {})
         saved = saved_run_config({**from_file, **given})
     except ValueError as e:

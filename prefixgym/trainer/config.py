@@ -41,9 +41,11 @@ length. `sampler_url` moves sampling to another server, whose weights are its ow
 Every other field determines results (`eval_episodes` too: evaluations before and
 after the change would not compare)."""
 
-ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine"}
+ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine",
+                            "sft_warmup": 0.1, "sft_stages": []}
 """Fields added after runs were saved, with the value that gives what a run saved
-without them did (it evaluated greedily, its warm start decayed on the cosine):
+without them did (it evaluated greedily, its warm start warmed up over 10% of its
+steps, decayed on the cosine and imitated one expert throughout):
 `with_added_fields` fills them into a saved config or checkpoint identity, so such
 runs still resume as themselves."""
 
@@ -96,10 +98,21 @@ class TrainConfig:
     sft_lr: float = 2e-3
     """Learning rate of the warm start."""
     sft_lr_schedule: str = "cosine"
-    """Warm-start learning-rate schedule after its linear warm-up (the first 10% of the
-    steps): cosine (decay to --sft-lr/10) or constant (stay at --sft-lr, for skills
-    learned late, such as copying from a long context: docs/benchmarks.md, "Tool use on
+    """Warm-start learning-rate schedule after its linear warm-up (--sft-warmup):
+    cosine (decay to --sft-lr/10) or constant (stay at --sft-lr, for skills learned
+    late, such as copying from the context: docs/benchmarks.md, "Tool use on
     Arithmetic")."""
+    sft_warmup: float = 0.1
+    """Share of the warm-start steps over which its learning rate rises linearly from
+    zero (0: none). On Arithmetic's tool calls a warm-up delayed the copy of the
+    question into the call past step 150 on a seed that copied by 150 without one."""
+    sft_stages: list[JSONObject] = field(default_factory=list)
+    """The warm start in stages, one after another under one learning-rate schedule,
+    e.g. [{"steps": 250, "env_kwargs": {"expert_tool_rate": 1.0}}, {"steps": 50}]:
+    each stage imitates the expert of the env built with --env-kwargs updated by the
+    stage's env_kwargs; their steps must add up to --sft-steps. A first stage can teach
+    a skill (calling the calculator) that a last one then uses less, leaving GRPO a
+    choice to learn. Empty: every step imitates the expert of --env-kwargs."""
     steps: int = 60
     """GRPO steps."""
     groups_per_step: int = 16
@@ -207,6 +220,9 @@ class TrainConfig:
         _require_one_of("--loss", self.loss, LOSSES)
         _require_one_of("--lr-schedule", self.lr_schedule, LR_SCHEDULES)
         _require_one_of("--sft-lr-schedule", self.sft_lr_schedule, LR_SCHEDULES)
+        if not 0 <= self.sft_warmup < 1:
+            raise ValueError(f"--sft-warmup must be in [0, 1), got {self.sft_warmup}")
+        self.sft_stages = _checked_stages(self.sft_stages, self.sft_steps)
         _require_one_of("--backend", self.backend, BACKENDS)
         if self.backend == "tinker" and self.sampler_url:
             raise ValueError("--sampler-url and --backend tinker do not go together: the "
@@ -250,6 +266,33 @@ class TrainConfig:
                 f"--group-size must be at least 2 (group-relative advantages), got "
                 f"{self.group_size}"
             )
+
+
+def _checked_stages(stages: object, sft_steps: int) -> list[JSONObject]:
+    """`--sft-stages` as a list of {"steps": int, "env_kwargs": dict}, covering
+    `sft_steps`; ValueError naming the stage otherwise."""
+    if not isinstance(stages, list):
+        raise ValueError(f"--sft-stages must be a list of stages, got {stages!r}")
+    checked: list[JSONObject] = []
+    for i, stage in enumerate(stages):
+        where = f"--sft-stages: stage {i + 1}"
+        if not isinstance(stage, dict):
+            raise ValueError(f"{where} must be an object like {{\"steps\": 100}}, got {stage!r}")
+        unknown = set(stage) - {"steps", "env_kwargs"}
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {sorted(unknown)}; a stage has steps "
+                             "and env_kwargs")
+        steps, kwargs = stage.get("steps"), stage.get("env_kwargs", {})
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"{where} needs steps, an integer >= 1, got {steps!r}")
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"{where}: env_kwargs must be an object, got {kwargs!r}")
+        checked.append({"steps": steps, "env_kwargs": kwargs})
+    total = sum(int(stage["steps"]) for stage in checked)
+    if checked and total != sft_steps:
+        raise ValueError(f"--sft-stages cover {total} warm-start steps and --sft-steps is "
+                         f"{sft_steps}: make them equal")
+    return checked
 
 
 def run_identity(config: TrainConfig) -> JSONObject:

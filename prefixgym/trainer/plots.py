@@ -1,7 +1,8 @@
 """The run's two figures, drawn from metrics.jsonl: training.png and tokens.png.
 
 - training.png: the warm-start loss against the warm-start step (its own axis: a
-  warm start of 400 steps would otherwise squeeze 60 GRPO steps into a sliver); below,
+  warm start of 400 steps would otherwise squeeze 60 GRPO steps into a sliver; a
+  dashed line where each stage of a staged warm start begins); below,
   against the GRPO step, the GRPO train reward (raw and smoothed); the invalid replies
   per episode and the update's gradient norm (a collapse of the reply format shows
   there first); eval success and eval mean reward with their standard errors. The
@@ -51,6 +52,16 @@ class _Timeline:
     def sft_x(self) -> list[int]:
         return [int(r["sft_step"]) + 1 for r in self.sft]
 
+    def stage_starts(self) -> list[tuple[int, int]]:
+        """(x, stage) where a warm start in stages (`--sft-stages`) enters each one."""
+        starts, last = [], None
+        for x, r in zip(self.sft_x(), self.sft):
+            stage = r.get("sft_stage")
+            if stage is not None and stage != last:
+                starts.append((x, int(stage)))
+            last = stage
+        return starts
+
     def grpo_x(self) -> list[int]:
         return [int(r["step"]) + 1 for r in self.grpo]
 
@@ -86,6 +97,10 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     if t.sft:
         loss_ax.plot(t.sft_x(), [r["sft/loss"] for r in t.sft], color="tab:purple")
         loss_ax.set_yscale("log")
+        for x, stage in t.stage_starts()[1:]:  # where each stage after the first begins
+            loss_ax.axvline(x - 0.5, color="gray", ls="--", lw=1)
+            loss_ax.annotate(f" stage {stage}", (x - 0.5, 0.97), xycoords=("data", "axes fraction"),
+                             va="top", fontsize=8, color="gray")
     _label(loss_ax, "warm-start loss\n(cross-entropy)", bool(t.sft), "no warm start")
     loss_ax.set_xlabel("warm-start step")
     if t.grpo:

@@ -111,7 +111,8 @@ class RunResult:
 
 class Run:
     def __init__(
-        self, config: TrainConfig, clients: Clients, make_env: Callable[[], AgentGymEnv]
+        self, config: TrainConfig, clients: Clients,
+        make_env: Callable[[JSONObject | None], AgentGymEnv],
     ) -> None:
         self.config = config
         self.identity = run_identity(config)
@@ -122,8 +123,9 @@ class Run:
         self.main = clients.ranks.is_main
         self.out = Path(config.out)
         ensure_writable_dir(self.out)
-        self.envs = [make_env() for _ in range(config.groups_per_step * config.group_size)]
-        self.eval_envs = [make_env() for _ in range(min(config.eval_episodes, EVAL_WIDTH))]
+        self.envs = [make_env(None) for _ in range(config.groups_per_step * config.group_size)]
+        self.eval_envs = [make_env(None) for _ in range(min(config.eval_episodes, EVAL_WIDTH))]
+        self.make_env = make_env
         self.rollout_config = RolloutConfig(
             max_tokens=config.max_tokens, temperature=config.temperature,
             lockstep=config.deterministic,
@@ -207,17 +209,24 @@ class Run:
             with Progress("warm start", c.sft_steps, "step", c.progress and self.main
                           ) as progress:
 
+                stage_of = [k + 1 for k, stage in enumerate(c.sft_stages)
+                            for _ in range(stage["steps"])]
+
                 def on_step(i: int, metrics: dict[str, float], usage: Usage) -> None:
-                    self.write({"step": 0, "phase": "sft", "sft_step": i, **metrics,
+                    stage = {"sft_stage": stage_of[i]} if stage_of else {}
+                    self.write({"step": 0, "phase": "sft", "sft_step": i, **stage, **metrics,
                                     "tokens/train_computed": usage.train_computed_tokens,
                                     "tokens/train_loss": usage.train_loss_tokens,
                                     "tokens/train_shared": usage.train_shared_tokens})
                     progress.update(1, loss=f"{metrics['sft/loss']:.3f}")
 
+                stages = [(stage["steps"], [self.make_env(stage["env_kwargs"])
+                                            for _ in range(c.sft_episodes_per_step)])
+                          for stage in c.sft_stages]
                 state.sft_usage = warm_start(
                     self.training, self.envs, self.tokenizer, c.sft_steps,
                     c.sft_episodes_per_step, c.sft_lr, on_step=on_step,
-                    schedule=c.sft_lr_schedule,
+                    schedule=c.sft_lr_schedule, warmup=c.sft_warmup, stages=stages,
                 )
             ref = self.training.save_weights_and_get_sampling_client()
             self.evaluate(ref, 0, "after warm start", state)

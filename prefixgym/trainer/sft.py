@@ -39,21 +39,32 @@ def warm_start(
     steps: int, episodes_per_step: int, lr: float,
     on_step: Callable[[int, dict[str, float], Usage], None] | None = None,
     schedule: str = "cosine",
+    warmup: float = 0.1,
+    stages: Sequence[tuple[int, Sequence[AgentGymEnv]]] = (),
 ) -> Usage:
     """`steps` AdamW steps of cross-entropy, each on fresh expert episodes.
 
     The loss is a sum over tokens; dividing the weights by the step's loss tokens
     makes the learning rate independent of episode lengths. The learning rate warms
-    up linearly over the first 10% of steps, then decays (cosine) to lr/10, or stays
-    at lr with `schedule="constant"`: without the warm-up, some random inits stall on
-    a policy that ignores the env's hints.
+    up linearly over the first `warmup` share of the steps (on GuessNumber, without
+    it some random inits stall on a policy that ignores the env's hints; on
+    Arithmetic's calls it delayed the copy), then decays (cosine) to lr/10, or stays
+    at lr with `schedule="constant"`. `stages`, (steps, envs) pairs adding up to
+    `steps`, replace `envs` stage by stage (one schedule over them all); the episode
+    seeds run on across stages.
     """
     floor = 1.0 if schedule == "constant" else 0.1
     total = Usage()
+    plan = list(stages) or [(steps, envs)]
+    if sum(n for n, _ in plan) != steps:
+        raise ValueError(f"the warm-start stages cover {sum(n for n, _ in plan)} steps, "
+                         f"not {steps}")
+    envs_of_step = [stage_envs for n, stage_envs in plan for _ in range(n)]
 
     def batch(step: int) -> list[Datum]:
-        return expert_datums(envs, tokenizer, [SFT_SEED_BASE + step * episodes_per_step + i
-                                               for i in range(episodes_per_step)])
+        return expert_datums(envs_of_step[step], tokenizer,
+                             [SFT_SEED_BASE + step * episodes_per_step + i
+                              for i in range(episodes_per_step)])
 
     datums = batch(0) if steps else []
     for step in range(steps):
@@ -61,7 +72,7 @@ def warm_start(
         # (Python) overlap the update, as with the hosted service's futures
         backward = training.forward_backward(datums, loss_fn="cross_entropy")
         update = training.optim_step(
-            AdamParams(learning_rate=warmup_cosine_lr(step, steps, lr, floor=floor),
+            AdamParams(learning_rate=warmup_cosine_lr(step, steps, lr, warmup, floor=floor),
                        grad_clip_norm=1.0))
         if step + 1 < steps:
             datums = batch(step + 1)

@@ -11,7 +11,11 @@ import gymnasium as gym
 import pytest
 
 from prefixgym.cli import main
+from prefixgym.cli.flags import read_config_file
+from prefixgym.cli.train import FLAG_NAMES
 from prefixgym.envs.registration import absolute_spec, make_env
+from prefixgym.recipes import config_path, recipe_names
+from prefixgym.trainer.config import TrainConfig
 
 ENV_MODULE = textwrap.dedent('''
     import gymnasium as gym
@@ -184,3 +188,35 @@ def test_installed_packages_register_envs_through_entry_points(
         assert type(env.unwrapped).__name__ == "Countdown" and env.unwrapped.start == 5
     finally:
         gym.registry.pop("entrytest/Countdown-v0", None)
+
+
+def test_a_shipped_recipe_is_used_by_name_and_flags_win(
+    workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert "tools" in recipe_names()
+    recipe = read_config_file(TrainConfig, config_path("tools"), FLAG_NAMES)
+    out = workdir / "run"
+    stages = '[{"steps": 1, "env_kwargs": {"expert_tool_rate": 1.0}}]'
+    assert main(["train", "--config", "tools", "--out", str(out), "--sft-stages", stages,
+                 *TINY_RUN]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["env"] == recipe["env"] and saved["env_kwargs"] == recipe["env_kwargs"]
+    assert (saved["steps"], saved["sft_steps"], saved["max_tokens"]) == (1, 1, 4)
+    assert saved["sft_lr_schedule"] == recipe["sft_lr_schedule"]
+    assert saved["sft_stages"] == [{"steps": 1, "env_kwargs": {"expert_tool_rate": 1.0}}]
+    # a file of that name where the command runs wins over the recipe
+    (workdir / "tools").write_text("steps = 3\n")
+    assert config_path("tools") == "tools"
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", "no-such-recipe"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no config file 'no-such-recipe'" in err and "tools" in err
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_every_shipped_recipe_is_a_valid_config_of_a_working_env(name: str) -> None:
+    values = read_config_file(TrainConfig, config_path(name), FLAG_NAMES)
+    config = TrainConfig(**values)
+    env = make_env(config.env, config.env_kwargs)
+    env.reset(seed=0)
+    env.close()

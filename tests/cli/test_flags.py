@@ -47,3 +47,23 @@ def test_sampler_url_repeats_and_old_saved_strings_still_load(tmp_path):
     (tmp_path / "bad.toml").write_text('sampler_url = [1]\n')
     with pytest.raises(ValueError, match="list of strings"):
         read_config_file(TrainConfig, str(tmp_path / "bad.toml"))
+
+
+def test_sft_stages_come_as_a_json_list_or_toml_tables(tmp_path, capsys):
+    stages = [{"steps": 2, "env_kwargs": {"high": 8}}, {"steps": 1, "env_kwargs": {}}]
+    config = parse_config(TrainConfig, ["--sft-steps", "3", "--sft-stages",
+                                        '[{"steps": 2, "env_kwargs": {"high": 8}}, {"steps": 1}]'],
+                          "t", "", FLAG_NAMES)
+    assert config.sft_stages == stages
+    from prefixgym.cli.flags import read_config_file
+
+    (tmp_path / "c.toml").write_text('[[sft_stages]]\nsteps = 2\nenv_kwargs = { high = 8 }\n'
+                                     '[[sft_stages]]\nsteps = 1\n')
+    read = read_config_file(TrainConfig, str(tmp_path / "c.toml"))
+    assert TrainConfig(sft_steps=3, **read).sft_stages == stages
+    (tmp_path / "bad.toml").write_text('sft_stages = [1, 2]\n')
+    with pytest.raises(ValueError, match="must be a list of tables"):
+        read_config_file(TrainConfig, str(tmp_path / "bad.toml"))
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--sft-stages", '{"steps": 2}'], "t", "", FLAG_NAMES)
+    assert "must be a JSON list of objects" in capsys.readouterr().err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,8 @@ def test_the_metrics_log_is_set_aside_never_deleted(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("field", "old_value", "new_value"), [
     ("eval_temperature", 0.0, 1.0),  # runs saved before it evaluated greedily
     ("sft_lr_schedule", "cosine", "constant"),  # ... and warmed up on the cosine
+    ("sft_warmup", 0.1, 0.0),  # ... over 10% of the steps
+    ("sft_stages", [], [{"steps": 400, "env_kwargs": {"max_turns": 5}}]),  # ... one expert
 ])
 def test_a_run_saved_before_a_field_existed_resumes_as_what_it_did(
     tmp_path: Path, field: str, old_value: object, new_value: object,
@@ -210,5 +213,5 @@ def test_a_run_saved_before_a_field_existed_resumes_as_what_it_did(
     saved = save(tmp_path, 4, {k: v for k, v in as_it_ran.items() if k != field})
     assert find_checkpoint(tmp_path, as_it_ran).path == saved
     with pytest.raises(ForeignCheckpointError,
-                       match=f"{field}: {new_value!r} here, {old_value!r} there"):
+                       match=re.escape(f"{field}: {new_value!r} here, {old_value!r} there")):
         find_checkpoint(tmp_path, run_identity(TrainConfig(**{field: new_value})))

@@ -61,3 +61,22 @@ def test_the_starting_weights_are_evaluated_unless_they_are_a_presets_random_ini
 def test_auto_compute_dtype_is_bf16_only_where_bf16_is_native(monkeypatch, fast):
     monkeypatch.setattr(train_command, "has_fast_bf16", lambda: fast)
     assert compute_dtype(TrainConfig()) == (torch.bfloat16 if fast else torch.float32)
+
+
+def test_sft_stages_and_warm_up_are_validated():
+    stages = [{"steps": 3, "env_kwargs": {"expert_tool_rate": 1.0}}, {"steps": 2}]
+    config = TrainConfig(sft_steps=5, sft_stages=stages, sft_warmup=0.0)
+    assert config.sft_stages == [stages[0], {"steps": 2, "env_kwargs": {}}]
+    bad = {
+        "cover 5 warm-start steps and --sft-steps is 4": {"sft_steps": 4, "sft_stages": stages},
+        "stage 2 needs steps": {"sft_steps": 3, "sft_stages": [stages[0], {"steps": 0}]},
+        "stage 1 has unknown keys \\['env'\\]": {"sft_steps": 3,
+                                                 "sft_stages": [{"steps": 3, "env": "x"}]},
+        "stage 1: env_kwargs must be an object": {
+            "sft_steps": 3, "sft_stages": [{"steps": 3, "env_kwargs": [1]}]},
+        "must be a list of stages": {"sft_stages": {"steps": 3}},
+        "--sft-warmup must be in": {"sft_warmup": 1.0},
+    }
+    for message, kwargs in bad.items():
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**kwargs)

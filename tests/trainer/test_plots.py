@@ -72,3 +72,20 @@ def test_the_health_panel_plots_invalid_replies_and_gradient_norms(tmp_path, mon
     lines = seen[0]
     assert lines["invalid replies per episode"] == [[1, 2, 3], [0.0, 0.1, 0.2]]
     assert lines["gradient norm"] == [[1, 2, 3], [2.0, 3.0, 4.0]]
+
+
+def test_the_warm_start_panel_marks_where_each_stage_begins(tmp_path, monkeypatch):
+    stages = [1] * 3 + [2] * 2
+    records = [{"phase": "sft", "step": 0, "sft_step": i, "sft_stage": stage, "sft/loss": 1.0}
+               for i, stage in enumerate(stages)] + [_grpo(0)]
+    seen: list[list[tuple[str, float]]] = []
+
+    def save(fig: Figure, *args, **kwargs) -> None:
+        loss_ax = fig.axes[0]
+        seen.append([(t.get_text().strip(), t.xy[0]) for t in loss_ax.texts])
+
+    monkeypatch.setattr(Figure, "savefig", save)
+    write_plots(tmp_path, records)
+    assert seen[0] == [("stage 2", 3.5)]  # x of step i is i + 1: between steps 2 and 3
+    write_plots(tmp_path, [{k: v for k, v in r.items() if k != "sft_stage"} for r in records])
+    assert seen[2] == []  # a warm start in one piece has no marks (seen[1]: tokens.png)

@@ -11,6 +11,7 @@ from prefixgym.envs.registration import make_env
 from prefixgym.local_service import LocalService
 from prefixgym.rollouts.rollout import RolloutConfig
 from prefixgym.trainer import run as run_module
+from prefixgym.trainer import sft
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.grpo import assemble, collect, grpo_step
 
@@ -206,3 +207,70 @@ def test_sft_lr_schedule_constant_holds_the_peak_after_the_warm_up(tmp_path, mon
         assert lrs == pytest.approx([1e-3] * 10)
     else:
         assert lrs[-1] < 0.2e-3
+
+
+def test_the_warm_start_runs_its_stages_in_order_without_a_warm_up(tmp_path, monkeypatch):
+    """Two stages of Arithmetic's expert: always calling, then never; no warm-up."""
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+    seen: list[tuple[float, bool]] = []  # per warm-start step: the lr, any call in its datums
+    real = run_module.warm_start
+
+    def spy(training, envs, tokenizer, steps, per_step, lr, **kwargs):
+        call = tokenizer.encode("<tool_call>", add_special_tokens=False)[0]
+        stages = kwargs["stages"]
+        assert [n for n, _ in stages] == [2, 3]
+        for n, stage_envs in stages:
+            datums = sft.expert_datums(stage_envs, tokenizer, list(range(8)))
+            seen.append((n, any(call in _reply_tokens(d) for d in datums)))
+        return real(training, envs, tokenizer, steps, per_step, lr, **kwargs)
+
+    monkeypatch.setattr(run_module, "warm_start", spy)
+    stages = [{"steps": 2, "env_kwargs": {"expert_tool_rate": 1.0}},
+              {"steps": 3, "env_kwargs": {"expert_tool_rate": 0.0}}]
+    train(TrainConfig(env="prefixgym/Arithmetic-v0", env_kwargs={"num_operands": 2},
+                      sft_steps=5, sft_stages=stages, sft_warmup=0.0, sft_lr=1e-3,
+                      sft_lr_schedule="constant", sft_episodes_per_step=2, steps=0,
+                      eval_episodes=1, max_tokens=4, progress=False, out=str(tmp_path)))
+    assert seen == [(2, True), (3, False)]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["optim/learning_rate"] for r in lines if r["phase"] == "sft"] == \
+        pytest.approx([1e-3] * 5)  # no warm-up: the peak from the first step
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["sft_stages"] == stages and saved["sft_warmup"] == 0.0
+
+
+def test_warm_start_stages_switch_envs_at_their_step_and_must_cover_the_steps():
+    """Each step trains on episodes of its stage's expert; the seeds run on."""
+    service = LocalService(model="tiny", seed=0, num_threads=1, thread_tuning=False)
+    tokenizer = service.tokenizer
+    call = tokenizer.encode("<tool_call>", add_special_tokens=False)[0]
+    calling, answering = ([make_env("prefixgym/Arithmetic-v0", {"num_operands": 2,
+                                    "expert_tool_rate": rate})] for rate in (1.0, 0.0))
+
+    training = service.create_training_client()
+
+    class Recorder:  # the training protocol's two calls, recording each step's datums
+        def __init__(self) -> None:
+            self.steps: list[list[list[int]]] = []
+
+        def forward_backward(self, datums, loss_fn):
+            self.steps.append([_reply_tokens(d) for d in datums])
+            return training.forward_backward(datums, loss_fn)
+
+        def optim_step(self, adam):
+            return training.optim_step(adam)
+
+    recorder = Recorder()
+    sft.warm_start(recorder, calling, tokenizer, 5, 3, 1e-3,
+                   stages=[(2, calling), (3, answering)])
+    assert [all(call in t for t in step) for step in recorder.steps] == [True] * 2 + [False] * 3
+    assert len({tuple(t) for step in recorder.steps for t in step}) > 5  # the seeds run on
+    with pytest.raises(ValueError, match="cover 4 steps, not 5"):
+        sft.warm_start(recorder, calling, tokenizer, 5, 3, 1e-3,
+                       stages=[(2, calling), (2, answering)])
+
+
+def _reply_tokens(datum) -> list[int]:
+    """The tokens a warm-start datum trains on: the expert's replies."""
+    inputs = datum.loss_fn_inputs
+    return [int(t) for t, w in zip(inputs["target_tokens"], inputs["weights"]) if w > 0]
