@@ -60,8 +60,11 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
         return make_agent_env(config.env, {**(config.env_kwargs or {}), **(overrides or {})})
 
     make().close()  # a bad --env, or an --out that cannot be written, fails before the model loads
-    for stage in config.sft_stages:  # and so does a stage's bad env_kwargs
-        make(stage["env_kwargs"]).close()
+    for i, stage in enumerate(config.sft_stages):  # and so does a stage's bad env_kwargs
+        try:
+            make(stage["env_kwargs"]).close()
+        except ValueError as e:
+            raise ValueError(f"--sft-stages: stage {i + 1}: {e}") from None
     ensure_writable_dir(Path(config.out))
     if config.sampler_url and config.kl_coef > 0:
         raise ValueError(

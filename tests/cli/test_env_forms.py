@@ -204,6 +204,13 @@ def test_a_shipped_recipe_is_used_by_name_and_flags_win(
     assert (saved["steps"], saved["sft_steps"], saved["max_tokens"]) == (1, 1, 4)
     assert saved["sft_lr_schedule"] == recipe["sft_lr_schedule"]
     assert saved["sft_stages"] == [{"steps": 1, "env_kwargs": {"expert_tool_rate": 1.0}}]
+    # a stage whose env kwargs the env refuses stops the run before the model loads
+    bad = '[{"steps": 1, "env_kwargs": {"expert_tool_rate": 2}}]'
+    assert main(["train", "--config", "tools", "--out", str(workdir / "bad"),
+                 "--sft-stages", bad, *TINY_RUN]) != 0
+    err = capsys.readouterr().err
+    assert "--sft-stages: stage 1:" in err and "expert_tool_rate must be" in err
+    assert not (workdir / "bad" / "metrics.jsonl").exists()
     # a file of that name where the command runs wins over the recipe
     (workdir / "tools").write_text("steps = 3\n")
     assert config_path("tools") == "tools"
