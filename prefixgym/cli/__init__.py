@@ -27,9 +27,12 @@ Run `prefixgym COMMAND --help` for the options of one command.
 
 
 def _train(argv: list[str]) -> int:
-    from prefixgym.cli.train import main
+    from prefixgym.cli.train_args import parse_train_config
 
-    return main(argv)
+    config = parse_train_config(argv)  # --help and usage errors answer before torch loads
+    from prefixgym.cli.train import run_command
+
+    return run_command(config)
 
 
 def _rollout(argv: list[str]) -> int:

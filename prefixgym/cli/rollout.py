@@ -22,8 +22,7 @@ from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import build_config, build_parser, read_json_object
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 from prefixgym.rollouts.types import TrajectoryGroup
-from prefixgym.trainer.config import DEFAULT_ENV, default_env_kwargs
-from prefixgym.trainer.run import RUN_CONFIG
+from prefixgym.trainer.config import DEFAULT_ENV, RUN_CONFIG, default_env_kwargs
 from prefixgym.types import JSONObject, Usage
 
 

@@ -1,4 +1,4 @@
-"""`prefixgym train`: parse flags into a TrainConfig, build the clients, run it.
+"""`prefixgym train`: build the clients of a TrainConfig (from `train_args.py`), run it.
 
 The only place that turns a TrainConfig into services and clients: a `LocalService`
 for training (and sampling, unless `--sampler-url` points rollouts and evaluation at
@@ -24,24 +24,24 @@ from typing import Any, Literal
 import torch
 
 from prefixgym.cli.errors import error_line
-from prefixgym.cli.flags import build_config, build_parser, read_config_file, read_json_object
+from prefixgym.cli.train_args import FLAG_NAMES, parse_train_config, saved_run_config
 from prefixgym.engine.device import has_fast_bf16
 from prefixgym.engine.training import TrainingClient as LocalTrainingClient
-from prefixgym.envs.registration import absolute_spec, make_agent_env
+from prefixgym.envs.registration import make_agent_env
 from prefixgym.files import ensure_writable_dir
 from prefixgym.local_service import LocalService
 from prefixgym.prompting.chat_format import ChatMLFormat
 from prefixgym.prompting.conversation import chat_format_for
 from prefixgym.protocols import TrainingClient
-from prefixgym.recipes import config_path, recipe_names
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.types import TrajectoryGroup
 from prefixgym.serving.config import API_KEY_VARIABLE
-from prefixgym.trainer.config import TrainConfig, with_added_fields
-from prefixgym.trainer.run import RUN_CONFIG, Clients, Ranks, Run, RunResult
+from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.run import Clients, Ranks, Run, RunResult
 from prefixgym.types import JSONObject, Usage
 
-FLAG_NAMES = {"async_mode": "async", "lr": "lr"}
+__all__ = ["FLAG_NAMES", "build_run", "compute_dtype", "main", "run_command",
+           "saved_run_config", "train"]
 
 
 def compute_dtype(config: TrainConfig) -> torch.dtype:
@@ -240,24 +240,11 @@ def train(config: TrainConfig, service: LocalService | None = None) -> RunResult
 
 
 def main(argv: list[str]) -> int:
-    parser = build_parser(
-        TrainConfig, prog="prefixgym train",
-        description="SFT warm start on expert episodes, then GRPO, on one env; writes "
-        "metrics.jsonl, report.md, plots and checkpoints to --out. Settings come from the "
-        "defaults, then a resumed run's saved config.json, then --config FILE.toml (or a "
-        f"shipped recipe's name: {', '.join(recipe_names()) or 'none'}), then the flags given "
-        "here.",
-        flag_names=FLAG_NAMES, config_file=True,
-    )
-    given = vars(parser.parse_args(argv))
-    try:
-        from_file = (read_config_file(TrainConfig, config_path(given["config"]), FLAG_NAMES)
-                     if "config" in given else {})
-        saved = saved_run_config({**from_file, **given})
-    except ValueError as e:
-        parser.error(str(e))
-    config = build_config(TrainConfig, parser, saved, from_file, given)
-    config.env = absolute_spec(config.env)
+    return run_command(parse_train_config(argv))
+
+
+def run_command(config: TrainConfig) -> int:
+    """Train `config` as the command does: an error is one line on stderr and code 2."""
     try:
         result = train(config)
     except (ValueError, OSError) as e:  # bad input, or a file that cannot be read or written
@@ -266,11 +253,3 @@ def main(argv: list[str]) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"report: {result.out / 'report.md'}")
     return 0
-
-
-def saved_run_config(settings: JSONObject) -> JSONObject:
-    """With `resume` set, the config the run in `out` saved (nothing if it saved none)."""
-    if not settings.get("resume"):
-        return {}
-    path = Path(settings.get("out", TrainConfig.out)) / RUN_CONFIG
-    return with_added_fields(read_json_object(path)) if path.exists() else {}

@@ -47,7 +47,7 @@ from prefixgym.trainer.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from prefixgym.trainer.config import TrainConfig, run_identity
+from prefixgym.trainer.config import RUN_CONFIG, TrainConfig, run_identity
 from prefixgym.trainer.evaluate import evaluate
 from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step
 from prefixgym.trainer.plots import write_plots
@@ -58,7 +58,6 @@ from prefixgym.trainer.sft import warm_start
 from prefixgym.trainer.tracking import open_tracker
 from prefixgym.types import JSONObject, Usage
 
-RUN_CONFIG = "config.json"
 """The run's full resolved config, written when it starts (read back by --resume and
 `prefixgym rollout --run`)."""
 EVAL_WIDTH = 256

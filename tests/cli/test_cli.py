@@ -55,6 +55,19 @@ def test_import_prefixgym_registers_the_envs_without_loading_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_train_help_and_usage_errors_answer_without_loading_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom prefixgym.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'torch' in sys.modules)")
+    for argv, code_out in [(["--help"], 0), (["--lr", "-1"], 2), (["--config", "nope"], 2)]:
+        out = subprocess.run([sys.executable, "-c", code, "train", *argv], capture_output=True,
+                             text=True, check=True)
+        assert out.stdout.strip().splitlines()[-1] == f"exit {code_out} False", out.stderr
+
+
 def test_rollout_transcript_shows_what_the_env_added_before_each_reply():
     import io
 

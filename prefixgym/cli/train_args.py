@@ -1,0 +1,50 @@
+"""`prefixgym train`'s command line: flags, a config file or shipped recipe, and a
+resumed run's saved config, resolved into one `TrainConfig`.
+
+Kept apart from `train.py` so that `prefixgym train --help` and a usage error answer
+before torch and the engine load (`cli/__init__.py` parses here first). Knows flags
+and files; builds nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefixgym.cli.flags import build_config, build_parser, read_config_file, read_json_object
+from prefixgym.envs.registration import absolute_spec
+from prefixgym.recipes import config_path, recipe_names
+from prefixgym.trainer.config import RUN_CONFIG, TrainConfig, with_added_fields
+from prefixgym.types import JSONObject
+
+FLAG_NAMES = {"async_mode": "async", "lr": "lr"}
+
+
+def parse_train_config(argv: list[str]) -> TrainConfig:
+    """The run `argv` asks for; a bad flag or file exits with a usage error (code 2)."""
+    parser = build_parser(
+        TrainConfig, prog="prefixgym train",
+        description="SFT warm start on expert episodes, then GRPO, on one env; writes "
+        "metrics.jsonl, report.md, plots and checkpoints to --out. Settings come from the "
+        "defaults, then a resumed run's saved config.json, then --config FILE.toml (or a "
+        f"shipped recipe's name: {', '.join(recipe_names()) or 'none'}), then the flags given "
+        "here.",
+        flag_names=FLAG_NAMES, config_file=True,
+    )
+    given = vars(parser.parse_args(argv))
+    try:
+        from_file = (read_config_file(TrainConfig, config_path(given["config"]), FLAG_NAMES)
+                     if "config" in given else {})
+        saved = saved_run_config({**from_file, **given})
+    except ValueError as e:
+        parser.error(str(e))
+    config = build_config(TrainConfig, parser, saved, from_file, given)
+    config.env = absolute_spec(config.env)
+    return config
+
+
+def saved_run_config(settings: JSONObject) -> JSONObject:
+    """With `resume` set, the config the run in `out` saved (nothing if it saved none)."""
+    if not settings.get("resume"):
+        return {}
+    path = Path(settings.get("out", TrainConfig.out)) / RUN_CONFIG
+    return with_added_fields(read_json_object(path)) if path.exists() else {}
