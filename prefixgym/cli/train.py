@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 
 from prefixgym.cli.errors import error_line
-from prefixgym.cli.train_args import FLAG_NAMES, parse_train_config, saved_run_config
+from prefixgym.cli.train_args import parse_train_config
 from prefixgym.engine.device import has_fast_bf16
 from prefixgym.engine.training import TrainingClient as LocalTrainingClient
 from prefixgym.envs.registration import make_agent_env
@@ -39,9 +39,6 @@ from prefixgym.serving.config import API_KEY_VARIABLE
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.run import Clients, Ranks, Run, RunResult
 from prefixgym.types import JSONObject, Usage
-
-__all__ = ["FLAG_NAMES", "build_run", "compute_dtype", "main", "run_command",
-           "saved_run_config", "train"]
 
 
 def compute_dtype(config: TrainConfig) -> torch.dtype:

@@ -21,7 +21,8 @@ from prefixgym.types import JSONObject
 
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 RUN_CONFIG = "config.json"
-"""The file in a run's directory that holds its resolved config."""
+"""The run's full resolved config, in its directory: written when it starts, read
+back by --resume and `prefixgym rollout --run`."""
 LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_ENV = "prefixgym/GuessNumber-v0"
 DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4, "expert_noise": 0.5, "invalid_penalty": 1.0}

@@ -58,8 +58,6 @@ from prefixgym.trainer.sft import warm_start
 from prefixgym.trainer.tracking import open_tracker
 from prefixgym.types import JSONObject, Usage
 
-"""The run's full resolved config, written when it starts (read back by --resume and
-`prefixgym rollout --run`)."""
 EVAL_WIDTH = 256
 """Evaluation episodes played at once (the local engine's default `max_running`): wider
 rounds than that only queue. Episodes are seeded one by one, so the width changes the

@@ -12,7 +12,7 @@ import pytest
 
 from prefixgym.cli import main
 from prefixgym.cli.flags import read_config_file
-from prefixgym.cli.train import FLAG_NAMES
+from prefixgym.cli.train_args import FLAG_NAMES
 from prefixgym.envs.registration import absolute_spec, make_env
 from prefixgym.recipes import config_path, recipe_names
 from prefixgym.trainer.config import TrainConfig

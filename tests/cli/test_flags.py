@@ -1,7 +1,7 @@
 import pytest
 
 from prefixgym.cli.flags import build_parser, parse_config
-from prefixgym.cli.train import FLAG_NAMES
+from prefixgym.cli.train_args import FLAG_NAMES
 from prefixgym.trainer.config import TrainConfig
 
 

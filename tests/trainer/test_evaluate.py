@@ -78,7 +78,7 @@ def test_evaluation_samples_as_grpo_does_unless_told_otherwise():
 def test_a_resumed_run_saved_without_eval_temperature_keeps_evaluating_greedily(tmp_path):
     from dataclasses import asdict
 
-    from prefixgym.cli.train import saved_run_config
+    from prefixgym.cli.train_args import saved_run_config
 
     saved = {k: v for k, v in asdict(TrainConfig()).items() if k != "eval_temperature"}
     (tmp_path / "config.json").write_text(json.dumps(saved))
