@@ -12,6 +12,13 @@ from typing import TYPE_CHECKING, Any
 # Spin-waiting OpenMP threads make torch several times slower on a shared, busy CPU;
 # this only takes effect when set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# MKL picks its matmul kernels by thread count (a 5-11-row matmul rounds differently on 1
+# and 2 threads), and the engine's thread tuner picks counts by measured time, i.e. by
+# load: in its default mode a run's sampler logprobs would depend on what else ran on the
+# machine. Strict conditional numerical reproducibility makes MKL's results the same
+# bits on any thread count, at no measured cost (docs/architecture.md, "Determinism").
+# MKL reads it at its first call, so this must come before torch computes anything.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 from prefixgym.envs.registration import register_envs  # noqa: E402
 from prefixgym.types import (  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 
 from prefixgym.engine.threads import ThreadTuner, size_bucket
 from prefixgym.local_service import LocalService
-from prefixgym.types import SamplingParams
+from prefixgym.types import SampleRequest, SamplingParams
 
 
 class FakeMachine:
@@ -145,23 +145,46 @@ def test_bad_arguments_are_refused() -> None:
         ThreadTuner(max_threads=2, explore_below=0.0)
 
 
-def test_engine_with_two_threads_gives_the_same_greedy_tokens_with_tuning_on_and_off() -> None:
+class Alternating(ThreadTuner):
+    """A tuner whose choices flip between 1 and 2 threads every step: what measured
+    times on a machine with a changing load could make it do."""
+
+    def __init__(self) -> None:
+        super().__init__(max_threads=2)
+        self.chosen: list[int] = []
+
+    def choose(self, key: object) -> int:
+        self.chosen.append(1 + len(self.chosen) % 2)
+        return self.chosen[-1]
+
+
+def _round(svc: LocalService) -> list[tuple[list[int], list[float]]]:
+    """Seven requests, two samples each: prefills and decodes of 5-14 rows (MKL's
+    5-11-row matmuls are the ones whose kernels change with the thread count)."""
+    sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+    requests = [SampleRequest([(7 * i + j) % 300 + 1 for j in range(20 + 11 * i)], 2,
+                              SamplingParams(max_tokens=10, seed=i)) for i in range(7)]
+    return [(s.tokens, s.logprobs) for f in sampler.sample_many(requests)
+            for s in f.result().sequences]
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's strict mode")
+def test_engine_outputs_are_the_same_bits_on_any_thread_count_and_tuner_choice() -> None:
+    """Sampled tokens and their logprobs, bit for bit, at 1 thread, at 2, and with the
+    tuner switching between them step by step (fails without MKL_CBWR=AUTO,STRICT)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
     try:
-        params = SamplingParams(max_tokens=12, temperature=0.0)
-        prompts = [[1 + i, 2, 3, 4 + i] for i in range(6)]
-        results = []
-        for tuning in (True, False):
-            with LocalService("tiny", seed=0, thread_tuning=tuning) as svc:
-                client = svc.create_sampling_client(stop_at_end_of_turn=False)
-                for _ in range(3):  # enough steps for the tuner to try both counts
-                    futures = [client.sample(p, sampling_params=params) for p in prompts]
-                    results.append([f.result().sequences[0].tokens for f in futures])
-                if tuning:
-                    assert svc.engine.threads.candidates == [1, 2]
-                assert torch.get_num_threads() == 2
-        assert all(r == results[0] for r in results)
+        outputs = []
+        for threads, tuner in ((1, None), (2, None), (2, Alternating())):
+            torch.set_num_threads(threads)
+            with LocalService("tiny", seed=0, thread_tuning=False, deterministic=True) as svc:
+                if tuner is not None:
+                    svc.engine.threads = svc.engine.runner.threads = tuner
+                outputs.append(_round(svc))
+                assert torch.get_num_threads() == threads
+        assert tuner is not None and set(tuner.chosen) == {1, 2}
+        assert outputs[1] == outputs[0]
+        assert outputs[2] == outputs[0]
     finally:
         torch.set_num_threads(before)
 

@@ -4,6 +4,7 @@ per-phase accounting identities, exact resume, and failing envs."""
 import json
 
 import pytest
+import torch
 
 from prefixgym.cli import main as cli_main
 from prefixgym.cli.train import train
@@ -17,6 +18,14 @@ from prefixgym.trainer.grpo import assemble, collect, grpo_step
 
 SMALL = dict(env="tests/Lengthy-v0", sft_steps=1, sft_episodes_per_step=2, groups_per_step=2,
              group_size=3, eval_episodes=4, eval_every=2, max_tokens=6, progress=False)
+
+
+@pytest.fixture
+def thread_count_restored():
+    """`--num-threads` sets torch's count for the process: put it back for other tests."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 def make_envs(config, n):
@@ -97,14 +106,17 @@ class Killed(Exception):
 
 
 @pytest.mark.parametrize("async_mode", [False, True])
-def test_same_run_same_metrics_and_resume_continues_exactly(tmp_path, monkeypatch, async_mode):
+def test_same_run_same_metrics_and_resume_continues_exactly(tmp_path, monkeypatch, async_mode,
+                                                            thread_count_restored):
     """Deterministic mode (the default): the engine's batches are fixed by the rollout
     schedule, so two runs of one config log the same numbers, bit for bit (steps 0-1 of
     "a" and "c"), and a run killed after a checkpoint and resumed logs what the
-    uninterrupted run did (steps 2-3)."""
+    uninterrupted run did (steps 2-3). "a" runs on 2 threads, "c" on 1: torch's thread
+    count changes no bits either (MKL's strict mode, prefixgym/__init__.py)."""
     def run(out, resume=False):
         config = TrainConfig(**{**SMALL, "eval_episodes": 2}, steps=4, checkpoint_every=2,
-                             out=str(tmp_path / out), resume=resume, async_mode=async_mode)
+                             out=str(tmp_path / out), resume=resume, async_mode=async_mode,
+                             num_threads=2 if out == "a" else 1)
         train(config)
 
     # (the plots are test_cli_run_writes_metrics_report_plots_and_checkpoints's to check)
