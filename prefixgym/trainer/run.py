@@ -206,12 +206,8 @@ class Run:
             with Progress("warm start", c.sft_steps, "step", c.progress and self.main
                           ) as progress:
 
-                stage_of = [k + 1 for k, stage in enumerate(c.sft_stages)
-                            for _ in range(stage["steps"])]
-
                 def on_step(i: int, metrics: dict[str, float], usage: Usage) -> None:
-                    stage = {"sft_stage": stage_of[i]} if stage_of else {}
-                    self.write({"step": 0, "phase": "sft", "sft_step": i, **stage, **metrics,
+                    self.write({"step": 0, "phase": "sft", "sft_step": i, **metrics,
                                     "tokens/train_computed": usage.train_computed_tokens,
                                     "tokens/train_loss": usage.train_loss_tokens,
                                     "tokens/train_shared": usage.train_shared_tokens})

@@ -51,7 +51,8 @@ def warm_start(
     Arithmetic's calls it delayed the copy), then decays (cosine) to lr/10, or stays
     at lr with `schedule="constant"`. `stages`, (steps, envs) pairs adding up to
     `steps`, replace `envs` stage by stage (one schedule over them all); the episode
-    seeds run on across stages.
+    seeds run on across stages, and `on_step`'s metrics name each step's stage
+    (`sft_stage`, from 1).
     """
     floor = 1.0 if schedule == "constant" else 0.1
     total = Usage()
@@ -60,6 +61,7 @@ def warm_start(
         raise ValueError(f"the warm-start stages cover {sum(n for n, _ in plan)} steps, "
                          f"not {steps}")
     envs_of_step = [stage_envs for n, stage_envs in plan for _ in range(n)]
+    stage_of_step = [k + 1 for k, (n, _) in enumerate(plan) for _ in range(n)]
 
     def batch(step: int) -> list[Datum]:
         return expert_datums(envs_of_step[step], tokenizer,
@@ -79,6 +81,7 @@ def warm_start(
         out, opt = backward.result(), update.result()
         total = total + out.usage
         if on_step is not None:
-            on_step(step, {"sft/loss": out.metrics["loss:sum"],
+            stage = {"sft_stage": stage_of_step[step]} if stages else {}
+            on_step(step, {**stage, "sft/loss": out.metrics["loss:sum"],
                            **{f"optim/{k}": v for k, v in opt.metrics.items()}}, out.usage)
     return total

@@ -247,6 +247,7 @@ def test_the_warm_start_runs_its_stages_in_order_without_a_warm_up(tmp_path, mon
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["optim/learning_rate"] for r in lines if r["phase"] == "sft"] == \
         pytest.approx([1e-3] * 5)  # no warm-up: the peak from the first step
+    assert [r["sft_stage"] for r in lines if r["phase"] == "sft"] == [1, 1, 2, 2, 2]
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["sft_stages"] == stages and saved["sft_warmup"] == 0.0
 
