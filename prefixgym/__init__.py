@@ -16,7 +16,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # and 2 threads), and the engine's thread tuner picks counts by measured time, i.e. by
 # load: in its default mode a run's sampler logprobs would depend on what else ran on the
 # machine. Strict conditional numerical reproducibility makes MKL's results the same
-# bits on any thread count, at no measured cost (docs/architecture.md, "Determinism").
+# bits on any thread count, at no cost resolved above noise (docs/architecture.md,
+# "Determinism").
 # MKL reads it at its first call, so this must come before torch computes anything.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
