@@ -24,7 +24,6 @@ from typing import Any, Literal
 import torch
 
 from prefixgym.cli.errors import error_line
-from prefixgym.cli.train_args import parse_train_config
 from prefixgym.engine.device import has_fast_bf16
 from prefixgym.engine.training import TrainingClient as LocalTrainingClient
 from prefixgym.envs.registration import make_agent_env
@@ -234,10 +233,6 @@ def train(config: TrainConfig, service: LocalService | None = None) -> RunResult
     print(json.dumps({f"{e['when']} (step {e['step']})": round(e["eval/success"], 3)
                       for e in result.evals}))
     return result
-
-
-def main(argv: list[str]) -> int:
-    return run_command(parse_train_config(argv))
 
 
 def run_command(config: TrainConfig) -> int:

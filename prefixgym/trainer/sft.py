@@ -60,11 +60,11 @@ def warm_start(
     if sum(n for n, _ in plan) != steps:
         raise ValueError(f"the warm-start stages cover {sum(n for n, _ in plan)} steps, "
                          f"not {steps}")
-    envs_of_step = [stage_envs for n, stage_envs in plan for _ in range(n)]
-    stage_of_step = [k + 1 for k, (n, _) in enumerate(plan) for _ in range(n)]
+    stage_of_step = [(k + 1, stage_envs) for k, (n, stage_envs) in enumerate(plan)
+                     for _ in range(n)]  # (stage number, its envs) of each step
 
     def batch(step: int) -> list[Datum]:
-        return expert_datums(envs_of_step[step], tokenizer,
+        return expert_datums(stage_of_step[step][1], tokenizer,
                              [SFT_SEED_BASE + step * episodes_per_step + i
                               for i in range(episodes_per_step)])
 
@@ -81,7 +81,7 @@ def warm_start(
         out, opt = backward.result(), update.result()
         total = total + out.usage
         if on_step is not None:
-            stage = {"sft_stage": stage_of_step[step]} if stages else {}
+            stage = {"sft_stage": stage_of_step[step][0]} if stages else {}
             on_step(step, {**stage, "sft/loss": out.metrics["loss:sum"],
                            **{f"optim/{k}": v for k, v in opt.metrics.items()}}, out.usage)
     return total
