@@ -76,6 +76,7 @@ def worker(out: Path, kill_pid: int, argv: list[str]) -> None:
     import prefixgym.cli.train as train_cli
     import prefixgym.serving.openai_client as openai_client
     import prefixgym.trainer.run as run_module
+    from prefixgym.cli import main as cli_main
     from prefixgym.serving.pool import SamplerPool
     from prefixgym.serving.weight_sync import RemoteWeightSync
 
@@ -144,7 +145,7 @@ def worker(out: Path, kill_pid: int, argv: list[str]) -> None:
     RemoteWeightSync._push = push  # type: ignore[method-assign]
     openai_client.OpenAISamplingClient.sample_now = sample_now  # type: ignore[method-assign]
     run_module.write_plots = lambda out, records: []  # (the resumed run writes them)
-    assert train_cli.main(argv) == 0
+    assert cli_main(["train", *argv]) == 0
     model = kept["training"].model
     torch.save({k: v.clone() for k, v in model.state_dict().items()},
                out / f"weights_rank{rank}.pt")
