@@ -3,17 +3,12 @@
 1) Validate the whole request before any compute (loss name and config, then every
    datum via `train_batch.prepare_datum`): a bad request raises ValueError naming the
    datum and key, and changes nothing.
-2) Group the datums into chunks within the `max_tokens_per_forward` budget. With
-   `share_prefixes` (the default) a chunk is a prefix trie (`prefix_trie.py`): the
-   token prefixes its datums share are computed once, in waves whose later branches
-   attend to the earlier ones' keys/values (`shared_forward.py`). Without, datums are
-   right-padded into (B, T) batches (`train_batch.make_chunks`). Causal attention
-   makes both equal to running datums one by one; padded positions get weight 0.
-3) Per chunk: forward, per-token target logprobs, the loss (a **sum** of weight x
-   per-token loss, see `losses.py`), gradients; with the chunked head (the default)
-   the output head's backward runs only on the rows in the loss
-   (`logprob_head.loss_gradients`: a prompt's rows get a forward only). Gradients
-   are staged and added to the parameters' `.grad` only when the whole call
+2) Compute: `train_pass.run_pass` chunks the datums within the
+   `max_tokens_per_forward` budget (with `share_prefixes`, the default, each chunk a
+   prefix trie whose shared positions are computed once), runs forward, the loss (a
+   **sum** of weight x per-token loss, see `losses.py`) and its gradients (with the
+   chunked head, the default, the head's backward on the loss rows only).
+3) Commit: the gradients are added to the parameters' `.grad` only when the whole call
    succeeded with finite values, so accumulated gradients are never half-updated.
    `train_computed_tokens` counts the positions run through the model (a shared
    prefix once per chunk, padding not at all); `train_shared_tokens` the positions
@@ -41,7 +36,6 @@ of tokenizers, caches or the sampler: publishing weights is a callable it is giv
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -49,7 +43,7 @@ from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
 
 import torch
 
-from prefixgym.engine import logprob_head, losses, malloc_tuning
+from prefixgym.engine import losses, malloc_tuning
 from prefixgym.engine.checkpoint_io import (
     capture_rng_state,
     load_checkpoint,
@@ -59,14 +53,8 @@ from prefixgym.engine.checkpoint_io import (
 )
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.optimizer import AdamWUpdate, named
-from prefixgym.engine.shared_forward import context_weight, plan_logprobs, plan_rows
-from prefixgym.engine.train_batch import (
-    Chunk,
-    PreparedDatum,
-    make_chunks,
-    make_shared_chunks,
-    prepare_datum,
-)
+from prefixgym.engine.train_batch import PreparedDatum, prepare_datum
+from prefixgym.engine.train_pass import PassOptions, autocast_for, run_pass
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.futures import APIFuture
 from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput, Usage
@@ -285,61 +273,6 @@ class TrainingClient:
         ]
         return prepared, spec, config
 
-    def _autocast(self) -> contextlib.AbstractContextManager[None]:
-        param = next(self.model.parameters())
-        if self.compute_dtype == torch.float32 or param.dtype != torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(param.device.type, dtype=self.compute_dtype)
-
-    def _chunks(self, prepared: list[PreparedDatum], device: torch.device) -> list[Chunk]:
-        if self.share_prefixes:
-            weight = context_weight(self.model.config)
-            return make_shared_chunks(prepared, self.max_tokens_per_forward, weight, device)
-        return make_chunks(prepared, self.max_tokens_per_forward, device)
-
-    def _head_rows(self, chunk: Chunk) -> logprob_head.HeadRows:
-        """The chunk's final-norm rows and targets for the chunked head."""
-        targets_B_T = chunk.inputs["target_tokens"]
-        if chunk.plan is not None:
-            return plan_rows(self.model, chunk.plan, targets_B_T, self._autocast,
-                             recompute=self.recompute_activations)
-        with self._autocast():
-            h_B_T_C = self.model.hidden(chunk.tokens_B_T, recompute=self.recompute_activations)
-        B, T, C = h_B_T_C.shape
-        cells_B_T = torch.arange(B * T, device=targets_B_T.device).view(B, T)
-        return logprob_head.HeadRows(h_B_T_C.reshape(B * T, C), targets_B_T.reshape(B * T),
-                                     cells_B_T)
-
-    def _logprobs(self, chunk: Chunk) -> Tensor:
-        """(B, T) logprobs of the chunk's targets, through the trie plan or plainly."""
-        targets_B_T = chunk.inputs["target_tokens"]
-        recompute = self.recompute_activations
-        if self.chunked_head:
-            rows = self._head_rows(chunk)
-            with self._autocast():
-                return rows.to_grid(logprob_head.target_logprobs(self.model, rows.h_P_C,
-                                                                 rows.targets_P))
-        if chunk.plan is not None:
-            return plan_logprobs(self.model, chunk.plan, targets_B_T, self._autocast,
-                                 recompute=recompute)
-        with self._autocast():
-            logits_B_T_V = self.model(chunk.tokens_B_T, recompute=recompute)
-        return losses.target_logprobs(logits_B_T_V, targets_B_T)
-
-    def _chunk_gradients(
-        self, chunk: Chunk, spec: losses.LossSpec, config: dict[str, float]
-    ) -> tuple[Tensor, Tensor, dict[str, float], Sequence[Tensor | None]]:
-        """(logprobs_B_T, loss, metric sums, a gradient per parameter) of one chunk."""
-        if self.chunked_head:  # the head's backward only where the loss reads
-            return logprob_head.loss_gradients(
-                self.model, self._head_rows(chunk), chunk.inputs["loss_mask"] > 0,
-                lambda logprobs_B_T: spec.fn(logprobs_B_T, chunk.inputs, config),
-                self._params, self._autocast)
-        logprobs_B_T = self._logprobs(chunk)
-        loss, sums = spec.fn(logprobs_B_T, chunk.inputs, config)
-        grads = torch.autograd.grad(loss, self._params, allow_unused=True)
-        return logprobs_B_T.detach(), loss.detach(), sums, grads
-
     def _run(
         self,
         prepared: list[PreparedDatum],
@@ -350,32 +283,11 @@ class TrainingClient:
     ) -> ForwardBackwardOutput:
         if self.recompute_activations:  # once per process; a no-op without glibc
             malloc_tuning.fix_mmap_threshold()
-        params = self._params
-        device = params[0].device if params else torch.device("cpu")
-        staged: list[Tensor | None] = [None] * len(params)
-        loss_total = 0.0
-        metric_sums: dict[str, float] = {}
-        logprobs_out: list[list[float]] = [[] for _ in prepared]
-        chunks = self._chunks(prepared, device)
-        for chunk in chunks:
-            if backward:
-                with torch.enable_grad():
-                    logprobs_B_T, loss, sums, chunk_grads = self._chunk_gradients(
-                        chunk, spec, config)
-                for k, g in enumerate(chunk_grads):
-                    prev = staged[k]
-                    if g is not None:
-                        staged[k] = g if prev is None else prev + g
-            else:
-                with torch.no_grad():
-                    logprobs_B_T = self._logprobs(chunk)
-                    loss, sums = spec.fn(logprobs_B_T, chunk.inputs, config)
-            loss_total += float(loss.detach())
-            for key, value in sums.items():
-                metric_sums[key] = metric_sums.get(key, 0.0) + value
-            rows = logprobs_B_T.detach().double().cpu()
-            for b, j in enumerate(chunk.indices):
-                logprobs_out[j] = rows[b, : prepared[j].length].tolist()
+        options = PassOptions(self.max_tokens_per_forward, self.share_prefixes,
+                              self.chunked_head, self.recompute_activations,
+                              autocast_for(self.model, self.compute_dtype))
+        result = run_pass(self.model, self._params, prepared, spec, config, backward, options)
+        staged, loss_total = result.grads, result.loss
         bad_grad = nonfinite_tensor((str(k), g) for k, g in enumerate(staged) if g is not None)
         if not math.isfinite(loss_total) or bad_grad is not None:
             raise ValueError(
@@ -383,10 +295,10 @@ class TrainingClient:
                 "exp(logp - sampler logprob) may have overflowed); gradients left unchanged"
             )
         # Commit: only now do accumulated gradients change.
-        for param, staged_grad in zip(params, staged):
+        for param, staged_grad in zip(self._params, staged):
             if staged_grad is not None:
                 param.grad = staged_grad if param.grad is None else param.grad.add_(staged_grad)
-        computed = sum(chunk.computed_tokens for chunk in chunks)
+        computed = result.computed_tokens
         usage = Usage(
             train_computed_tokens=computed,
             train_shared_tokens=sum(p.length for p in prepared) - computed,
@@ -402,11 +314,11 @@ class TrainingClient:
             "train_computed_tokens": float(usage.train_computed_tokens),
             "train_shared_tokens": float(usage.train_shared_tokens),
             "train_loss_tokens": float(usage.train_loss_tokens),
-            **{key: value / n_loss for key, value in metric_sums.items()},
+            **{key: value / n_loss for key, value in result.metric_sums.items()},
         }
         return ForwardBackwardOutput(
-            loss_fn_outputs=[{"logprobs": lp} for lp in logprobs_out], metrics=metrics, usage=usage
-        )
+            loss_fn_outputs=[{"logprobs": lp} for lp in result.logprobs], metrics=metrics,
+            usage=usage)
 
     def _run_custom(
         self, data: Sequence[Datum], prepared: list[PreparedDatum], loss_fn: CustomLossFn
