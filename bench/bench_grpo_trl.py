@@ -31,7 +31,10 @@ of each side is a warm-up and is dropped. Per-process CPU seconds are reported t
 Our training client shares token prefixes (the default; each group's prompt and the
 system prompt computed once per update); `--no-share-prefixes` runs the plain path.
 Printed for ours: train tokens computed per step and without sharing, and the update
-(step - generation - publish).
+(step - generation - publish). Last, the matmul floor of our step (`step_floor.py`:
+its linears alone at its shapes, timed right after each of our steps, outside both
+timers): how far each part is from it, and how close to it our step would have to
+come for TRL / ours to reach 3x.
 
 TRL is not a prefixgym dependency: `.venv/bin/pip install trl` first. Run by hand:
 
@@ -55,6 +58,7 @@ from typing import Any
 
 import common  # sets OMP_WAIT_POLICY=PASSIVE before torch starts its threads
 import torch
+from step_floor import grpo_step_floor
 
 from prefixgym.envs.base import AgentEnv, Outcome
 from prefixgym.envs.guess_number import GuessNumber
@@ -114,6 +118,8 @@ class Record:
     load: list[float] = field(default_factory=list)
     train_computed: list[int] = field(default_factory=list)
     train_unshared: list[int] = field(default_factory=list)
+    floor_gen_s: list[float] = field(default_factory=list)  # step_floor.py, after each step
+    floor_update_s: list[float] = field(default_factory=list)
 
 
 class Ours:
@@ -159,6 +165,12 @@ class Ours:
         self.record.load.append(os.getloadavg()[0])
         self.record.train_computed.append(usage.train_computed_tokens)
         self.record.train_unshared.append(usage.train_tokens)
+        rows = b * g  # the floor of this step's work, measured now (outside both timers)
+        floor = grpo_step_floor(self.training.model, rows, usage.sampled_tokens - rows,
+                                usage.prefill_computed_tokens, usage.train_computed_tokens,
+                                counts=sorted({1, torch.get_num_threads()}), repeats=1)
+        self.record.floor_gen_s.append(floor.generation_s)
+        self.record.floor_update_s.append(floor.update_s)
         self.datums.append(metrics["datums/count"])
 
 
@@ -319,6 +331,23 @@ def main() -> None:
           f"(range {min(ratios):.2f}-{max(ratios):.2f}); CPU-s: median "
           f"{statistics.median(cpu_ratios):.2f}x")
     print(f"load average at end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print_floor(o, t)
+
+
+def print_floor(o: Record, trl: Record) -> None:
+    """Our step against the time of its matmuls alone (`step_floor.py`), each step's floor
+    measured right after it: medians over the timed steps of the per-step ratios."""
+    med = statistics.median
+    floors = [g + u for g, u in zip(o.floor_gen_s, o.floor_update_s)]
+    update = [w - g - u for w, g, u in zip(o.wall_s, o.gen_s, o.publish_s)]
+    ratio = {name: med([x / f for x, f in zip(xs[1:], fs[1:])]) for name, xs, fs in (
+        ("generation", o.gen_s, o.floor_gen_s), ("update", update, o.floor_update_s),
+        ("step", o.wall_s, floors), ("trl", trl.wall_s, floors))}
+    print(f"matmul floor of our step (its linears at its shapes, after each step): generation "
+          f"{summary(o.floor_gen_s[1:])}, update {summary(o.floor_update_s[1:])} s")
+    print(f"ours / floor: generation {ratio['generation']:.2f}x, update {ratio['update']:.2f}x, "
+          f"step {ratio['step']:.2f}x; TRL / our floor {ratio['trl']:.2f}x, so TRL / ours = 3x "
+          f"needs our step within {ratio['trl'] / 3:.2f}x of its floor")
 
 
 if __name__ == "__main__":
