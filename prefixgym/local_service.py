@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from prefixgym.engine.hf_checkpoint import read_hf_config
 from prefixgym.engine.model import PRESETS, ModelConfig, Transformer
-from prefixgym.engine.requests import DEFAULT_MAX_KV_BYTES
+from prefixgym.engine.requests import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_RUNNING
 from prefixgym.engine.service import EngineService
 from prefixgym.prompting.tokenizer import end_of_turn_ids, resolve_tokenizer
 
@@ -50,7 +50,7 @@ class LocalService(EngineService):
         dtype: str | torch.dtype = "float32",
         tokenizer: PreTrainedTokenizerBase | str | Path | None = None,
         num_threads: int | None = None,
-        max_running: int = 256,
+        max_running: int = DEFAULT_MAX_RUNNING,
         thread_tuning: bool = True,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
         deterministic: bool = False,

@@ -41,7 +41,14 @@ import torch
 from prefixgym.engine.kv_pool import KVPool
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.prefix_cache import PrefixCache
-from prefixgym.engine.requests import Request, RequestLimits, RoundItem, blocks_needed, new_request
+from prefixgym.engine.requests import (
+    DEFAULT_MAX_RUNNING,
+    Request,
+    RequestLimits,
+    RoundItem,
+    blocks_needed,
+    new_request,
+)
 from prefixgym.engine.runner import ModelRunner
 from prefixgym.engine.scheduler import Scheduler
 from prefixgym.engine.threads import ThreadTuner
@@ -58,7 +65,7 @@ class Engine:
         decode: Callable[[list[int]], str] | None = None,
         ledger: UsageLedger | None = None,
         seed: int = 0,
-        max_running: int = 256,
+        max_running: int = DEFAULT_MAX_RUNNING,
         max_prefill_tokens: int = 2048,
         thread_tuning: bool = True,
         limits: RequestLimits | None = None,

@@ -29,6 +29,8 @@ from prefixgym.types import SampledSequence, SampleResponse, SamplingParams, Top
 _REQUEST_IDS = itertools.count()
 
 DEFAULT_MAX_KV_BYTES = 4 * 2**30
+DEFAULT_MAX_RUNNING = 256
+"""Sequences decoding at once, by default (the engine's `max_running`)."""
 
 
 class RoundItem(NamedTuple):
@@ -46,7 +48,7 @@ class RoundItem(NamedTuple):
 class RequestLimits:
     """What one request may ask of the engine."""
 
-    max_samples: int = 256
+    max_samples: int = DEFAULT_MAX_RUNNING
     """Samples of one request at most: the engine's max running sequences, so a request
     never runs past that bound (the scheduler admits a request's samples together)."""
     max_kv_bytes: int = DEFAULT_MAX_KV_BYTES

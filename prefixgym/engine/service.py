@@ -39,7 +39,7 @@ from prefixgym.engine.lora import (
 )
 from prefixgym.engine.model import ModelConfig, Transformer, init_weights, load_model
 from prefixgym.engine.prefix_cache import PrefixCache
-from prefixgym.engine.requests import DEFAULT_MAX_KV_BYTES, RequestLimits
+from prefixgym.engine.requests import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_RUNNING, RequestLimits
 from prefixgym.engine.sampling import SamplingClient
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.types import Usage
@@ -82,7 +82,7 @@ class EngineService:
         end_of_turn_ids: Iterable[int] = (),
         decode: Callable[[list[int]], str] | None = None,
         num_threads: int | None = None,
-        max_running: int = 256,
+        max_running: int = DEFAULT_MAX_RUNNING,
         thread_tuning: bool = True,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
         deterministic: bool = False,
