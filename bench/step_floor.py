@@ -13,8 +13,12 @@ The floor is the time of exactly those matmuls (every `nn.Linear` of the model a
 output head, as `decode_floor.FloorProbe` lists them) at those shapes: decode steps of
 `rows` rows timed over passes and scaled to the decoded rows, the prefill and the
 update as one (M, ...) matmul each. Everything else a step does -- attention, norms,
-RoPE, activations, the loss, sampling, the optimizer, Python -- is left out, so no step
-reaches 1.0x; the ratio says how far a step is from what its matmuls alone cost.
+RoPE, activations, the loss, sampling, the optimizer, the embedding's gradient (an
+index-add, not a matmul), Python -- is left out, so no step reaches 1.0x; the ratio says
+how far a step is from what its matmuls alone cost. The head's backward is counted over
+every computed position, though the chunked head runs it on loss rows only: where
+prompts dominate, the update floor is too high (in `bench_grpo_trl.py` all but ~40 of
+~2,090 computed positions are in the loss).
 Timed at `counts` threads, the least time counting (`least_seconds_per_pass`), and the
 least of a few repeats: a lower floor makes "how close to it a step must come" more
 lenient, so the bound errs on the generous side.
