@@ -46,7 +46,9 @@ Autocast = Callable[[], contextlib.AbstractContextManager[None]]
 
 @dataclass(frozen=True)
 class PassOptions:
-    """How a pass computes; each option gives the same results up to float rounding."""
+    """How a pass computes: the chunk budget, prefix sharing, the chunked head and
+    recomputation give the same results up to float rounding; `autocast` sets the
+    compute dtype (`autocast_for`)."""
 
     max_tokens: int  # positions per chunk (context rows weighted, see context_weight)
     share_prefixes: bool
