@@ -121,6 +121,11 @@ class Record:
     floor_gen_s: list[float] = field(default_factory=list)  # step_floor.py, after each step
     floor_update_s: list[float] = field(default_factory=list)
 
+    @property
+    def update_s(self) -> list[float]:
+        """Per step: step - generation - publish (our update; TRL records no publish)."""
+        return [w - g - u for w, g, u in zip(self.wall_s, self.gen_s, self.publish_s)]
+
 
 class Ours:
     """prefixgym's GRPO step on the B prompts of step k (seeds SEED_BASE + k*B + i)."""
@@ -322,7 +327,7 @@ def main() -> None:
     cpu_ratios = [x / y for x, y in zip(t.cpu_s[1:], o.cpu_s[1:])]
     print(f"\nprefixgym step s  median (min-max): {summary(ow)}  generation {summary(o.gen_s[1:])}"
           f"  publish {summary(o.publish_s[1:])}")
-    update = [w - g - u for w, g, u in zip(ow, o.gen_s[1:], o.publish_s[1:])]
+    update = o.update_s[1:]
     print(f"prefixgym update s (step - generation - publish): {summary(update)}; train tokens "
           f"computed per step {statistics.median(o.train_computed[1:]):,.0f} (without sharing "
           f"{statistics.median(o.train_unshared[1:]):,.0f}); share_prefixes={a.share_prefixes}")
@@ -339,9 +344,8 @@ def print_floor(o: Record, trl: Record) -> None:
     measured right after it: medians over the timed steps of the per-step ratios."""
     med = statistics.median
     floors = [g + u for g, u in zip(o.floor_gen_s, o.floor_update_s)]
-    update = [w - g - u for w, g, u in zip(o.wall_s, o.gen_s, o.publish_s)]
     ratio = {name: med([x / f for x, f in zip(xs[1:], fs[1:])]) for name, xs, fs in (
-        ("generation", o.gen_s, o.floor_gen_s), ("update", update, o.floor_update_s),
+        ("generation", o.gen_s, o.floor_gen_s), ("update", o.update_s, o.floor_update_s),
         ("step", o.wall_s, floors), ("trl", trl.wall_s, floors))}
     print(f"matmul floor of our step (its linears at its shapes, after each step): generation "
           f"{summary(o.floor_gen_s[1:])}, update {summary(o.floor_update_s[1:])} s")
