@@ -68,6 +68,8 @@ def make_env(spec: str, kwargs: EnvKwargs | None = None) -> AnyEnv:
     source, _, name = spec.rpartition(":")
     try:
         if not source:
+            if spec not in gym.registry:
+                raise ValueError(_unknown_id(spec))
             return gym.make(spec, **kwargs)
         module = _import(source, spec)
         target = getattr(module, name, None)
@@ -120,6 +122,19 @@ def _import(source: str, spec: str) -> ModuleType:
                 "installed packages); for a file, write path/to/file.py:Class"
             ) from None
         raise  # the module exists but imports something missing: its own error
+
+
+def _unknown_id(spec: str) -> str:
+    """What to say of an id no env is registered under: the built-in ids (the one the
+    spec spells otherwise first, e.g. 'guess_number' for GuessNumber), and the forms."""
+    def simple(name: str) -> str:
+        return "".join(c for c in name.rpartition("/")[2].split("-v")[0].lower() if c.isalnum())
+
+    near = [i for i in BUILTIN_ENVS if simple(i) == simple(spec)]
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    return (f"no env id {spec!r} is registered; {hint}the built-in envs are "
+            f"{', '.join(BUILTIN_ENVS)}; an env can also be module:ID, module:Class or "
+            "path/to/file.py:Class")
 
 
 def _located(error: Exception) -> str:

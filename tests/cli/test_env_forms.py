@@ -159,6 +159,9 @@ def test_settings_come_from_a_config_file_and_flags_win(
     ("formtest_envs:NotAnEnv", "is not a gymnasium.Env subclass"),
     ("formtest_envs:Nothing", "has no class 'Nothing'"),
     ("CartPole-v1", "is not a prefixgym AgentEnv"),
+    ("guess_number", "no env id 'guess_number' is registered; did you mean "
+                     "'prefixgym/GuessNumber-v0'?"),
+    ("Nothing-v3", "registered; the built-in envs are prefixgym/GuessNumber-v0, "),
 ])
 def test_a_bad_env_is_one_line_and_exit_2_in_every_command(
     workdir: Path, spec: str, message: str, capsys: pytest.CaptureFixture[str]
