@@ -24,7 +24,11 @@ row's average context, prompt + N/2 keys, in the engine's dtype -- over the read
 bandwidth of a `torch.dot` over a buffer of that size). Both are timed on N-1 passes
 in a row at each thread count the engine may pick, least wins. It excludes attention
 scores, norms, RoPE, KV writes, sampling and Python overhead, so ours/floor and
-HF/floor are above 1; below 1 means the floor is wrong.
+HF/floor are above 1; below 1 means the floor is wrong. The **eager bound** adds
+those ops back, each once per layer in its cheapest torch CPU kernel at the step's
+shapes, timed the same way (`decode_floor.py`, part 3): eager/floor is the least
+ratio any step built from torch's eager kernels can have, so a goal below it is out
+of their reach at that row count.
 
     .venv/bin/python bench/bench_decode.py                 # tiny, fp32, N=64, 3 repeats
     .venv/bin/python bench/bench_decode.py --quick         # N=32, 1 repeat
@@ -150,8 +154,8 @@ def throughput_line(result: BatchResult, dtype: str, hf_threads: list[int]) -> s
 def floor_table(results: list[BatchResult], hf_names: list[str], hf_threads: list[int]) -> str:
     """Per batch size: the floor's two bounds, the floor, ours and HF's steps and their ratios."""
     med = statistics.median
-    head = ("  rows | matmul ms (thr) | read MB / GB/s (thr) = ms | floor ms (bound) | ours ms "
-            "| ours/floor")
+    head = ("  rows | matmul ms (thr) | read MB / GB/s (thr) = ms | floor ms (bound) "
+            "| ops ms (thr) | eager bound ms | eager/floor | ours ms | ours/floor")
     head += "".join(f" | HF[{name}] ms (thr) | HF/floor" for name in hf_names)
     lines = [head]
     for r in results:
@@ -161,6 +165,9 @@ def floor_table(results: list[BatchResult], hf_names: list[str], hf_threads: lis
                 f"| {fl[0].read_bytes / 1e6:.1f} / {med([f.bandwidth_Bps for f in fl]) / 1e9:.1f} "
                 f"({fl[0].bandwidth_threads}) = {med([f.memory_s for f in fl]) * 1e3:.3f} "
                 f"| {med([f.seconds for f in fl]) * 1e3:.3f} ({bound}) "
+                f"| {med([f.ops_s for f in fl]) * 1e3:.3f} ({fl[0].ops_threads}) "
+                f"| {med([f.eager_s for f in fl]) * 1e3:.3f} "
+                f"| {common.spread([f.eager_s / f.seconds for f in fl], '{:.2f}')} "
                 f"| {med(r.ours) * 1e3:.3f} "
                 f"| {common.spread([o / f.seconds for o, f in zip(r.ours, fl)], '{:.2f}')}")
         for name in hf_names:
@@ -193,7 +200,8 @@ def run(preset: str, dtype: str, args: argparse.Namespace) -> None:
         results.append(measure_batch(svc, hfs, probe, batch, args, hf_threads))
         print(throughput_line(results[-1], dtype, hf_threads), flush=True)
     print(f"engine thread choices: {svc.engine.threads.best()}")
-    print(f"[{preset} {dtype}] decode step floor = max(matmul, bytes read / bandwidth), "
+    print(f"[{preset} {dtype}] decode step floor = max(matmul, bytes read / bandwidth); eager "
+          f"bound = max(matmul + the other ops' cheapest eager kernels, read); "
           f"{args.prompt_len + N // 2} keys per row on average; ms per step, median of "
           f"{args.repeats}; ratios per repeat; (thr) = thread count of the least time")
     print(floor_table(results, hf_dtypes, hf_threads), flush=True)

@@ -1,4 +1,5 @@
-"""The floor of one decode step: the least time its matmuls and its memory reads can take.
+"""The floor of one decode step: the least time its matmuls and its memory reads can take;
+and the eager bound: the floor's matmuls plus the other ops every decode step must run.
 
 A decode step of R rows runs every linear of the model once on an (R, d_in) input and
 attends, per row, to that row's context. Its floor is the larger of two times, both
@@ -30,6 +31,25 @@ norms, activations, the KV writes, the sampler, and all Python and scheduling
 overhead. So a step at 1.0x its floor is impossible in practice and a ratio under
 1.0 means the floor (or the timing) is wrong.
 
+3. **ops** (the eager bound's other part): those excluded ops, each once per step as
+   torch's CPU kernels run them, at the step's shapes, in the step's dtype, in
+   forward order, on random data, timed like the matmuls; each in its cheapest form,
+   so that no eager torch step can run less: per layer two `F.rms_norm`s, RoPE as one
+   complex multiply of q and k (the rotate-half form takes five kernels), attention
+   of one query per row over `keys` contiguous keys without a mask (every row as
+   long as the others; SDPA, or two matmuls with a softmax between, whichever pass is
+   faster) and SiLU(gate) * up; then the embedding lookup of R tokens, the final
+   norm, and two reductions over each row's logits: `max` (the greedy token, the
+   cheapest choice) and the sum of `exp` (the logprob's normaliser; `logsumexp` and
+   `argmax` took 1.4x as long). No views, no Python between them. Left out as
+   avoidable: the residual adds (`addmm` can add the residual inside the output
+   projections' matmuls) and the K/V writes (the projection, or RoPE's multiply, can
+   write into the cache through `out=`).
+
+The eager bound is max(matmul + ops, memory). Where it is already over a goal's
+multiple of the floor, no step built from torch's eager CPU kernels reaches that goal,
+whatever the engine around them does.
+
 This module knows nothing of the engine or of HF; it reads a model's weights and
 shape and times torch kernels.
 """
@@ -59,6 +79,8 @@ class DecodeFloor:
     read_bytes: int
     bandwidth_Bps: float
     bandwidth_threads: int
+    ops_s: float = 0.0
+    ops_threads: int = 0
 
     @property
     def memory_s(self) -> float:
@@ -71,6 +93,11 @@ class DecodeFloor:
     @property
     def bound(self) -> str:
         return "matmul" if self.matmul_s >= self.memory_s else "memory"
+
+    @property
+    def eager_s(self) -> float:
+        """The eager bound: the matmuls and the other ops in sequence, or the reads."""
+        return max(self.matmul_s + self.ops_s, self.memory_s)
 
 
 def least_seconds_per_pass(fn: Callable[[], object], passes: int, counts: list[int],
@@ -109,6 +136,7 @@ class FloorProbe:
             linears.append((model.tok_embeddings.weight.detach().to(dtype), None))
         self.linears = linears
         self.dtype = dtype
+        self.config = model.config
         self.counts, self.skip_fewer_above_s = list(thread_counts), skip_fewer_above_s
         cfg = model.config
         # 2) bytes: weights other than the embedding table, and per row what varies
@@ -127,9 +155,23 @@ class FloorProbe:
         return (self.fixed_elements + rows * per_row) * self.element_size
 
     def measure(self, rows: int, keys: int, passes: int) -> DecodeFloor:
-        """Time the step's matmuls and its reads at (`rows`, `keys`), `passes` of each."""
+        """Time the step's matmuls, its reads and its other ops at (`rows`, `keys`),
+        `passes` of each."""
         if rows < 1 or keys < 1 or passes < 1:
             raise ValueError(f"rows, keys and passes must be positive, got {rows}, {keys}, {passes}")
+        matmul_s, matmul_threads = self.matmul_seconds(rows, passes)
+        nbytes = self.read_bytes(rows, keys)
+        half = max(1, nbytes // 8)  # fp32 elements per half
+        buffer = torch.ones(2 * half)
+        first, second = buffer[:half], buffer[half:]
+        read_s, read_threads = least_seconds_per_pass(lambda: torch.dot(first, second), passes,
+                                                      self.counts, self.skip_fewer_above_s)
+        ops_s, ops_threads = self.ops_seconds(rows, keys, passes)
+        return DecodeFloor(matmul_s, matmul_threads, nbytes, buffer.nbytes / read_s, read_threads,
+                           ops_s, ops_threads)
+
+    def matmul_seconds(self, rows: int, passes: int) -> tuple[float, int]:
+        """(seconds per pass, thread count) of the step's linears at `rows` rows."""
         gen = torch.Generator().manual_seed(rows)
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(self.dtype)
                   for w, _ in self.linears}  # (R, d_in) per input width
@@ -138,12 +180,45 @@ class FloorProbe:
             for weight_out_in, bias in self.linears:
                 F.linear(inputs[weight_out_in.shape[1]], weight_out_in, bias)  # (R, d_out)
 
-        matmul_s, matmul_threads = least_seconds_per_pass(matmuls, passes, self.counts,
-                                                          self.skip_fewer_above_s)
-        nbytes = self.read_bytes(rows, keys)
-        half = max(1, nbytes // 8)  # fp32 elements per half
-        buffer = torch.ones(2 * half)
-        first, second = buffer[:half], buffer[half:]
-        read_s, read_threads = least_seconds_per_pass(lambda: torch.dot(first, second), passes,
-                                                      self.counts, self.skip_fewer_above_s)
-        return DecodeFloor(matmul_s, matmul_threads, nbytes, buffer.nbytes / read_s, read_threads)
+        return least_seconds_per_pass(matmuls, passes, self.counts, self.skip_fewer_above_s)
+
+    def ops_seconds(self, rows: int, keys: int, passes: int) -> tuple[float, int]:
+        """(seconds per pass, thread count) of the step's other ops (module docstring, 3)."""
+        cfg, dt, R = self.config, self.dtype, rows
+        H, Hkv, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
+        gen = torch.Generator().manual_seed(rows)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(dt)
+
+        h, norm_w, table = rand(R, 1, C), rand(C), rand(cfg.vocab_size, C)
+        qk = torch.view_as_complex(torch.randn(R, H + Hkv, 1, D // 2, 2, generator=gen))
+        freqs = torch.view_as_complex(torch.randn(R, 1, 1, D // 2, 2, generator=gen))
+        q = rand(R, H, 1, D)
+        k_all, v_all = rand(R, Hkv, keys, D), rand(R, Hkv, keys, D)
+        q_grouped = q.view(R, Hkv, H // Hkv, D)  # a kv head's queries as rows of one matmul
+        gate, up = rand(R, 1, cfg.hidden_dim), rand(R, 1, cfg.hidden_dim)
+        logits, tokens = torch.randn(R, cfg.vocab_size, generator=gen), torch.zeros(R, dtype=torch.long)
+
+        def sdpa() -> None:
+            F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=Hkv != H)
+
+        def grouped_matmuls() -> None:  # faster than SDPA at many rows here
+            scores = torch.matmul(q_grouped, k_all.transpose(-1, -2))
+            torch.matmul(scores.softmax(dim=-1), v_all)
+
+        def ops(attention: Callable[[], None]) -> None:
+            F.embedding(tokens, table)
+            for _ in range(cfg.n_layers):
+                F.rms_norm(h, (C,), norm_w, cfg.norm_eps)
+                torch.view_as_real(qk * freqs)
+                attention()
+                F.rms_norm(h, (C,), norm_w, cfg.norm_eps)
+                torch.mul(F.silu(gate), up)
+            F.rms_norm(h, (C,), norm_w, cfg.norm_eps)
+            torch.max(logits, dim=-1)  # the greedy token
+            logits.exp().sum(dim=-1)  # the logprobs' normaliser, unstabilised (cheapest)
+
+        return min(least_seconds_per_pass(lambda: ops(attention), passes, self.counts,
+                                          self.skip_fewer_above_s)
+                   for attention in (sdpa, grouped_matmuls))

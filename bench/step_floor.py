@@ -56,10 +56,10 @@ def grpo_step_floor(model: Transformer, rows: int, decoded_rows: int, prefill_ro
     rows, prefilled `prefill_rows` positions and trained on `train_rows` positions; each
     part the least of `repeats` measurements (the machine's load only adds time)."""
     probe = FloorProbe(model, torch.float32, counts, skip_fewer_above_s=float("inf"))
-    per_step = min(probe.measure(rows, keys=1, passes=passes).matmul_s for _ in range(repeats))
+    per_step = min(probe.matmul_seconds(rows, passes)[0] for _ in range(repeats))
     generation = per_step * decoded_rows / rows
     if prefill_rows:
-        generation += min(probe.measure(prefill_rows, keys=1, passes=1).matmul_s
+        generation += min(probe.matmul_seconds(prefill_rows, passes=1)[0]
                           for _ in range(repeats))
     gen = torch.Generator().manual_seed(train_rows)
     widths = {w.shape[0] for w, _ in probe.linears} | {w.shape[1] for w, _ in probe.linears}
