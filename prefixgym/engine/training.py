@@ -51,6 +51,12 @@ from prefixgym.engine.checkpoint_io import (
     restore_rng_state,
     save_checkpoint,
 )
+from prefixgym.engine.custom_loss import (
+    CustomLossFn,
+    linear_datums,
+    loss_gradients,
+    merged_output,
+)
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.optimizer import AdamWUpdate, named
 from prefixgym.engine.train_batch import PreparedDatum, prepare_datum
@@ -64,7 +70,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
-Tensor = torch.Tensor
 
 
 class TrainingClient:
@@ -323,40 +328,15 @@ class TrainingClient:
     def _run_custom(
         self, data: Sequence[Datum], prepared: list[PreparedDatum], loss_fn: CustomLossFn
     ) -> ForwardBackwardOutput:
+        """The steps of `custom_loss.py`: logprobs, the user's gradients, the linear loss."""
         spec = losses.get_loss("cross_entropy")
-        # 1) the logprobs, without gradients
-        first = self._run(prepared, spec, {}, False, record_usage=False)
-        leaves = [torch.tensor(out["logprobs"], dtype=torch.float32, requires_grad=True)
-                  for out in first.loss_fn_outputs]
-        # 2) the user's loss, and its gradient with respect to every logprob
-        loss, user_metrics = loss_fn(list(data), leaves)
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise ValueError("forward_backward_custom: loss_fn must return (a scalar tensor, "
-                             f"a dict of floats) first, got {type(loss).__name__}")
-        grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
-        # 3) the linear loss -sum w * logp with w = -g has the same parameter gradient;
-        # its loss positions (where the head runs backward) are where g is not zero
-        linear = []
-        for p, g in zip(prepared, grads, strict=True):
-            g_T = torch.zeros(p.length, dtype=torch.float64) if g is None else g.double()
-            inputs = {**p.inputs, "weights": -g_T, "loss_mask": (g_T != 0).double()}
-            linear.append(PreparedDatum(p.tokens_T, inputs, p.num_loss_tokens))
-        out = self._run(linear, spec, {}, True, record_usage=False)
-        usage = out.usage.model_copy(update={
-            "train_computed_tokens": first.usage.train_computed_tokens
-            + out.usage.train_computed_tokens,
-            "train_shared_tokens": first.usage.train_shared_tokens
-            + out.usage.train_shared_tokens})
-        self.ledger.add(usage)  # both forwards ran: both count as computed
-        value = float(loss.detach().sum())
-        metrics = {**out.metrics, "loss:sum": value, "loss": value,
-                   **{k: float(v) for k, v in dict(user_metrics or {}).items()}}
-        del metrics["nll/mean"]  # of the linear loss, meaningless here
-        metrics["loss/mean_per_loss_token"] = value / max(out.usage.train_loss_tokens, 1)
-        metrics["train_computed_tokens"] = float(usage.train_computed_tokens)
-        metrics["train_shared_tokens"] = float(usage.train_shared_tokens)
-        return ForwardBackwardOutput(loss_fn_outputs=first.loss_fn_outputs, metrics=metrics,
-                                     usage=usage)
+        first = self._run(prepared, spec, {}, False, record_usage=False)  # 1)
+        value, user_metrics, grads = loss_gradients(data, first, loss_fn)  # 2)
+        linear = self._run(linear_datums(prepared, grads), spec, {}, True,  # 3)
+                           record_usage=False)
+        out = merged_output(first, linear, value, user_metrics)
+        self.ledger.add(out.usage)
+        return out
 
     def _save_state(self, path: str) -> None:
         state = {
@@ -377,10 +357,6 @@ class TrainingClient:
         restore_rng_state(state["rng"])
         self._generator.set_state(state["generator"])
         return self._update.step
-
-
-CustomLossFn = Callable[[list[Datum], list[Tensor]], tuple[Tensor, Mapping[str, float]]]
-"""`forward_backward_custom`'s loss: (data, per-datum logprobs) -> (scalar loss, metrics)."""
 
 
 def _data_arg(data: Sequence[Datum] | None, datums: Sequence[Datum] | None) -> Sequence[Datum]:
