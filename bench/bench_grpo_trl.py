@@ -34,7 +34,9 @@ Printed for ours: train tokens computed per step and without sharing, and the up
 (step - generation - publish). Last, the matmul floor of our step (`step_floor.py`:
 its linears alone at its shapes, timed right after each of our steps, outside both
 timers): how far each part is from it, and how close to it our step would have to
-come for TRL / ours to reach 3x.
+come for TRL / ours to reach 3x; then its eager bound (the floor plus the step's other
+ops, each in its cheapest torch kernel; the update's without attention): where TRL's
+step is 3x that bound or more, torch's eager kernels do not stand in the way of 3x.
 
 TRL is not a prefixgym dependency: `.venv/bin/pip install trl` first. Run by hand:
 
@@ -120,6 +122,8 @@ class Record:
     train_unshared: list[int] = field(default_factory=list)
     floor_gen_s: list[float] = field(default_factory=list)  # step_floor.py, after each step
     floor_update_s: list[float] = field(default_factory=list)
+    eager_gen_s: list[float] = field(default_factory=list)  # floor + the other ops (eager bound)
+    eager_update_s: list[float] = field(default_factory=list)
 
     @property
     def update_s(self) -> list[float]:
@@ -171,11 +175,16 @@ class Ours:
         self.record.train_computed.append(usage.train_computed_tokens)
         self.record.train_unshared.append(usage.train_tokens)
         rows = b * g  # the floor of this step's work, measured now (outside both timers)
+        prompt = (usage.prefill_computed_tokens + usage.prefill_cached_tokens) / b
         floor = grpo_step_floor(self.training.model, rows, usage.sampled_tokens - rows,
                                 usage.prefill_computed_tokens, usage.train_computed_tokens,
-                                counts=sorted({1, torch.get_num_threads()}), repeats=1)
+                                counts=sorted({1, torch.get_num_threads()}), repeats=1,
+                                keys=round(prompt + self.mean_len[-1] / 2),
+                                loss_rows=usage.train_loss_tokens)
         self.record.floor_gen_s.append(floor.generation_s)
         self.record.floor_update_s.append(floor.update_s)
+        self.record.eager_gen_s.append(floor.eager_generation_s)
+        self.record.eager_update_s.append(floor.eager_update_s)
         self.datums.append(metrics["datums/count"])
 
 
@@ -352,6 +361,16 @@ def print_floor(o: Record, trl: Record) -> None:
     print(f"ours / floor: generation {ratio['generation']:.2f}x, update {ratio['update']:.2f}x, "
           f"step {ratio['step']:.2f}x; TRL / our floor {ratio['trl']:.2f}x, so TRL / ours = 3x "
           f"needs our step within {ratio['trl'] / 3:.2f}x of its floor")
+    bounds = [g + u for g, u in zip(o.eager_gen_s, o.eager_update_s)]
+    eager = {name: med([x / f for x, f in zip(xs[1:], fs[1:])]) for name, xs, fs in (
+        ("generation", o.gen_s, o.eager_gen_s), ("update", o.update_s, o.eager_update_s),
+        ("step", o.wall_s, bounds), ("trl", trl.wall_s, bounds))}
+    print(f"eager bound of our step (the floor plus the other ops in their cheapest torch "
+          f"kernels; the update's without attention): generation {summary(o.eager_gen_s[1:])}, "
+          f"update {summary(o.eager_update_s[1:])} s; ours / bound: generation "
+          f"{eager['generation']:.2f}x, update {eager['update']:.2f}x, step {eager['step']:.2f}x; "
+          f"TRL / our bound {eager['trl']:.2f}x ({'above' if eager['trl'] >= 3 else 'below'} "
+          f"3x: torch's eager kernels {'do not rule' if eager['trl'] >= 3 else 'rule'} out 3x)")
 
 
 if __name__ == "__main__":

@@ -101,15 +101,16 @@ class DecodeFloor:
 
 
 def least_seconds_per_pass(fn: Callable[[], object], passes: int, counts: list[int],
-                           skip_fewer_above_s: float) -> tuple[float, int]:
+                           skip_fewer_above_s: float, grad: bool = False) -> tuple[float, int]:
     """(least mean seconds per call of `fn` over `passes` calls, the thread count that gave it).
 
     Counts run largest first; once a call takes over `skip_fewer_above_s`, fewer threads
-    are not tried (the engine tuner's rule: they cannot win there).
+    are not tried (the engine tuner's rule: they cannot win there). `fn` runs in
+    inference mode unless `grad` (autograd then records its ops).
     """
     best = (float("inf"), 0)
     for count in sorted(counts, reverse=True):
-        with common.num_threads(count), torch.inference_mode():
+        with common.num_threads(count), torch.inference_mode(not grad):
             fn()  # warm-up: kernel selection, allocator, caches
             start = time.perf_counter()
             for _ in range(passes):

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from decode_floor import FloorProbe, least_seconds_per_pass
 
 from prefixgym.engine.model import Transformer
@@ -43,18 +44,33 @@ __all__ = ["StepFloor", "grpo_step_floor"]
 class StepFloor:
     generation_s: float
     update_s: float
+    generation_ops_s: float = 0.0
+    """The eager bound's other part of the generation (`decode_floor.py`, part 3)."""
+    update_ops_s: float = 0.0
+    """The eager bound's other part of the update (`update_ops_seconds`)."""
 
     @property
     def seconds(self) -> float:
         return self.generation_s + self.update_s
 
+    @property
+    def eager_generation_s(self) -> float:
+        return self.generation_s + self.generation_ops_s
+
+    @property
+    def eager_update_s(self) -> float:
+        return self.update_s + self.update_ops_s
+
 
 def grpo_step_floor(model: Transformer, rows: int, decoded_rows: int, prefill_rows: int,
                     train_rows: int, counts: list[int], passes: int = 8,
-                    repeats: int = 3) -> StepFloor:
+                    repeats: int = 3, keys: int | None = None, loss_rows: int = 0) -> StepFloor:
     """The matmul floor of a step that decoded `decoded_rows` tokens in steps of `rows`
     rows, prefilled `prefill_rows` positions and trained on `train_rows` positions; each
-    part the least of `repeats` measurements (the machine's load only adds time)."""
+    part the least of `repeats` measurements (the machine's load only adds time). With
+    `keys` (the decode steps' average context), also the eager bound's other ops: the
+    decode steps' (`FloorProbe.ops_seconds`) and the update's over `loss_rows` loss
+    positions (`update_ops_seconds`)."""
     probe = FloorProbe(model, torch.float32, counts, skip_fewer_above_s=float("inf"))
     per_step = min(probe.matmul_seconds(rows, passes)[0] for _ in range(repeats))
     generation = per_step * decoded_rows / rows
@@ -74,4 +90,57 @@ def grpo_step_floor(model: Transformer, rows: int, decoded_rows: int, prefill_ro
 
     update_s = min(least_seconds_per_pass(update, 1, counts, float("inf"))[0]
                    for _ in range(repeats))
-    return StepFloor(generation, update_s)
+    if keys is None:
+        return StepFloor(generation, update_s)
+    decode_ops = min(probe.ops_seconds(rows, keys, passes)[0] for _ in range(repeats))
+    update_ops = min(update_ops_seconds(model, train_rows, loss_rows, counts)
+                     for _ in range(repeats))
+    return StepFloor(generation, update_s, decode_ops * decoded_rows / rows, update_ops)
+
+
+def update_ops_seconds(model: Transformer, train_rows: int, loss_rows: int,
+                       counts: list[int]) -> float:
+    """Seconds of the update's work other than its matmuls, each op in its cheapest torch
+    CPU kernel, forward and backward, at `train_rows` computed positions: per layer two
+    `F.rms_norm`s, RoPE as one complex multiply, SiLU(gate) * up; the final norm;
+    `logsumexp` over the vocabulary on `loss_rows` rows (the loss's normaliser); then one
+    fused AdamW step over a copy of the model's parameters. Left out, so that it stays
+    a lower bound: attention (its cost depends on the trie), residual adds, the
+    embedding's gradient, the loss's own arithmetic, Python."""
+    cfg, M = model.config, train_rows
+    H, Hkv, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
+    gen = torch.Generator().manual_seed(M)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).requires_grad_()
+
+    layers = [(leaf(M, C), leaf(C), leaf(M, C), leaf(C),
+               torch.view_as_complex(leaf(M, H + Hkv, D // 2, 2)), leaf(M, cfg.hidden_dim),
+               leaf(M, cfg.hidden_dim)) for _ in range(cfg.n_layers)]
+    final, final_w, logits = leaf(M, C), leaf(C), leaf(max(loss_rows, 1), cfg.vocab_size)
+    freqs = torch.view_as_complex(torch.randn(M, 1, D // 2, 2, generator=gen))
+    leaves = [t for layer in layers for t in layer] + [final, final_w, logits]
+
+    def forward() -> list[torch.Tensor]:
+        outs = []
+        for x1, w1, x2, w2, qk, gate, up in layers:
+            outs += [F.rms_norm(x1, (C,), w1, cfg.norm_eps), torch.view_as_real(qk * freqs),
+                     F.rms_norm(x2, (C,), w2, cfg.norm_eps), F.silu(gate) * up]
+        return outs + [F.rms_norm(final, (C,), final_w, cfg.norm_eps),
+                       torch.logsumexp(logits, -1)]
+
+    with torch.no_grad():
+        out_grads = [torch.ones_like(o) for o in forward()]
+
+    def forward_backward() -> None:
+        torch.autograd.backward(forward(), out_grads)
+        for t in leaves:
+            t.grad = None
+
+    params = [p.detach().clone() for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    adamw = torch.optim.AdamW(params, lr=1e-6, fused=True)
+    fb_s = least_seconds_per_pass(forward_backward, 1, counts, float("inf"), grad=True)[0]
+    adam_s = least_seconds_per_pass(adamw.step, 1, counts, float("inf"))[0]
+    return fb_s + adam_s
