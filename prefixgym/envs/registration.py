@@ -68,9 +68,11 @@ def make_env(spec: str, kwargs: EnvKwargs | None = None) -> AnyEnv:
     source, _, name = spec.rpartition(":")
     try:
         if not source:
-            if spec not in gym.registry:
-                raise ValueError(_unknown_id(spec))
-            return gym.make(spec, **kwargs)
+            try:
+                return gym.make(spec, **kwargs)
+            except (gym.error.NameNotFound, gym.error.NamespaceNotFound,
+                    gym.error.VersionNotFound):
+                raise ValueError(_unknown_id(spec)) from None
         module = _import(source, spec)
         target = getattr(module, name, None)
         if isinstance(target, type):

@@ -174,6 +174,14 @@ def test_a_bad_env_is_one_line_and_exit_2_in_every_command(
     assert not (workdir / "run").exists()
 
 
+def test_an_id_without_its_version_is_still_resolved_by_gymnasium() -> None:
+    """Only ids Gymnasium cannot find get the list of built-ins; an unversioned id is
+    Gymnasium's to resolve (to its latest version, with its own warning)."""
+    with pytest.warns(UserWarning, match="latest"):
+        env = make_env("prefixgym/GuessNumber")
+    assert env.spec is not None and env.spec.id == "prefixgym/GuessNumber-v0"
+
+
 def test_installed_packages_register_envs_through_entry_points(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
