@@ -37,8 +37,8 @@ overhead. So a step at 1.0x its floor is impossible in practice and a ratio unde
    so that no eager torch step can run less: per layer two `F.rms_norm`s, RoPE as one
    complex multiply of q and k (the rotate-half form takes five kernels), attention
    of one query per row over `keys` contiguous keys without a mask (every row as
-   long as the others; SDPA, or two matmuls with a softmax between, whichever pass is
-   faster) and SiLU(gate) * up; then the embedding lookup of R tokens, the final
+   long as the others; in fp32, as the engine attends; SDPA, or two matmuls with a
+   softmax between, whichever pass is faster) and SiLU(gate) * up; then the embedding lookup of R tokens, the final
    norm, and two reductions over each row's logits: `max` (the greedy token, the
    cheapest choice) and the sum of `exp` (the logprob's normaliser; `logsumexp` and
    `argmax` took 1.4x as long). No views, no Python between them. Left out as
@@ -195,8 +195,10 @@ class FloorProbe:
         h, norm_w, table = rand(R, 1, C), rand(C), rand(cfg.vocab_size, C)
         qk = torch.view_as_complex(torch.randn(R, H + Hkv, 1, D // 2, 2, generator=gen))
         freqs = torch.view_as_complex(torch.randn(R, 1, 1, D // 2, 2, generator=gen))
-        q = rand(R, H, 1, D)
-        k_all, v_all = rand(R, Hkv, keys, D), rand(R, Hkv, keys, D)
+        # attention in fp32 whatever the model's dtype: the engine keeps K/V in fp32, and
+        # on CPU fp32 SDPA is faster than bf16 for one-query steps (layers.py)
+        q = torch.randn(R, H, 1, D, generator=gen)
+        k_all, v_all = (torch.randn(R, Hkv, keys, D, generator=gen) for _ in range(2))
         q_grouped = q.view(R, Hkv, H // Hkv, D)  # a kv head's queries as rows of one matmul
         gate, up = rand(R, 1, cfg.hidden_dim), rand(R, 1, cfg.hidden_dim)
         logits, tokens = torch.randn(R, cfg.vocab_size, generator=gen), torch.zeros(R, dtype=torch.long)
