@@ -351,26 +351,28 @@ def main() -> None:
 def print_floor(o: Record, trl: Record) -> None:
     """Our step against the time of its matmuls alone (`step_floor.py`), each step's floor
     measured right after it: medians over the timed steps of the per-step ratios."""
-    med = statistics.median
-    floors = [g + u for g, u in zip(o.floor_gen_s, o.floor_update_s)]
-    ratio = {name: med([x / f for x, f in zip(xs[1:], fs[1:])]) for name, xs, fs in (
-        ("generation", o.gen_s, o.floor_gen_s), ("update", o.update_s, o.floor_update_s),
-        ("step", o.wall_s, floors), ("trl", trl.wall_s, floors))}
+    ratio = _ratios(o, trl, o.floor_gen_s, o.floor_update_s)
     print(f"matmul floor of our step (its linears at its shapes, after each step): generation "
           f"{summary(o.floor_gen_s[1:])}, update {summary(o.floor_update_s[1:])} s")
     print(f"ours / floor: generation {ratio['generation']:.2f}x, update {ratio['update']:.2f}x, "
           f"step {ratio['step']:.2f}x; TRL / our floor {ratio['trl']:.2f}x, so TRL / ours = 3x "
           f"needs our step within {ratio['trl'] / 3:.2f}x of its floor")
-    bounds = [g + u for g, u in zip(o.eager_gen_s, o.eager_update_s)]
-    eager = {name: med([x / f for x, f in zip(xs[1:], fs[1:])]) for name, xs, fs in (
-        ("generation", o.gen_s, o.eager_gen_s), ("update", o.update_s, o.eager_update_s),
-        ("step", o.wall_s, bounds), ("trl", trl.wall_s, bounds))}
+    eager = _ratios(o, trl, o.eager_gen_s, o.eager_update_s)
     print(f"eager bound of our step (the floor plus the other ops in their cheapest torch "
           f"kernels; the update's without attention): generation {summary(o.eager_gen_s[1:])}, "
           f"update {summary(o.eager_update_s[1:])} s; ours / bound: generation "
           f"{eager['generation']:.2f}x, update {eager['update']:.2f}x, step {eager['step']:.2f}x; "
           f"TRL / our bound {eager['trl']:.2f}x ({'above' if eager['trl'] >= 3 else 'below'} "
           f"3x: torch's eager kernels {'do not rule' if eager['trl'] >= 3 else 'rule'} out 3x)")
+
+
+def _ratios(o: Record, trl: Record, gen_s: list[float], update_s: list[float]) -> dict[str, float]:
+    """Medians over the timed steps of our generation, update and step, and TRL's step,
+    each over its bound of the same step (`gen_s`, `update_s`, their sum)."""
+    step_s = [g + u for g, u in zip(gen_s, update_s)]
+    return {name: statistics.median([x / f for x, f in zip(xs[1:], fs[1:])])
+            for name, xs, fs in (("generation", o.gen_s, gen_s), ("update", o.update_s, update_s),
+                                 ("step", o.wall_s, step_s), ("trl", trl.wall_s, step_s))}
 
 
 if __name__ == "__main__":
