@@ -172,9 +172,13 @@ class DecodeView:
         pos_B = torch.tensor(positions, device=dev)
         self.positions_R_T = pos_B.unsqueeze(1)
         self.last_index_R = None
-        allowed = torch.arange(self.num_keys, device=dev) <= pos_B.unsqueeze(1)
-        self.mask = torch.zeros((B, 1, 1, self.num_keys), dtype=pool.dtype, device=dev)
-        self.mask.masked_fill_(allowed.logical_not()[:, None, None], float("-inf"))
+        # rows at one position see every key: no mask (the same result, bit for bit,
+        # as an all-zero one, and a cheaper attention step)
+        self.mask: torch.Tensor | None = None
+        if min(positions) < self.num_keys - 1:
+            allowed = torch.arange(self.num_keys, device=dev) <= pos_B.unsqueeze(1)
+            self.mask = torch.zeros((B, 1, 1, self.num_keys), dtype=pool.dtype, device=dev)
+            self.mask.masked_fill_(allowed.logical_not()[:, None, None], float("-inf"))
         blocks = torch.tensor([t[p // bs] for t, p in zip(tables, positions)], device=dev)
         slot_B = blocks * bs + pos_B % bs
         heads = torch.arange(Hkv, device=dev)
@@ -184,7 +188,7 @@ class DecodeView:
 
     def update(
         self, layer_idx: int, k_B_Hkv_1_D: torch.Tensor, v_B_Hkv_1_D: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         B, Hkv, _, D = k_B_Hkv_1_D.shape
         ws_k, ws_v = self.ws.k[layer_idx], self.ws.v[layer_idx]  # (B, Hkv, capacity, D)
         for new, pool_layer, ws_layer in ((k_B_Hkv_1_D, self.pool.k[layer_idx], ws_k),

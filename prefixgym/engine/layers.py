@@ -38,7 +38,8 @@ class KVView(Protocol):
     let every query row see at least one key (e.g. a padding query its own key):
     a fully masked row yields NaN, which would then be stored as a key/value.
     The mask may be None when it is plain causal (T == Tk, query t sees keys <= t),
-    which lets the attention kernel skip the masked half. The returned keys/values may
+    which lets the attention kernel skip the masked half, or, for one query per row
+    (T == 1), when every row sees every key returned. The returned keys/values may
     be float32 for a bf16/fp16 model; attention then runs in float32.
     """
 
@@ -99,8 +100,9 @@ class Attention(nn.Module):
         else:
             k_all, v_all, mask = kv.update(self.layer_idx, k, v)
             q_attn = q if k_all.dtype == q.dtype else q.to(k_all.dtype)  # fp32 KV: attend in fp32
+            causal = mask is None and T > 1  # (one query and no mask: every key)
             y = F.scaled_dot_product_attention(
-                q_attn, k_all, v_all, attn_mask=mask, is_causal=mask is None, enable_gqa=Hkv != H
+                q_attn, k_all, v_all, attn_mask=mask, is_causal=causal, enable_gqa=Hkv != H
             ).to(q.dtype)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 

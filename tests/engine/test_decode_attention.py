@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixgym.engine.kv_pool import KVPool
+from prefixgym.engine.kv_pool import DecodeView, DecodeWorkspace, KVPool
 from prefixgym.engine.model import load_model
 
 BS = 4
@@ -102,3 +102,31 @@ def test_prefill_after_a_cached_prefix_and_copied_partial_block() -> None:
         logits = model(padded, view.positions_R_T, kv=view)
     torch.testing.assert_close(logits[0, :6], full[0, 6:], atol=1e-5, rtol=0)
     torch.testing.assert_close(logits[1], full[1], atol=1e-5, rtol=0)
+
+
+class _Row:  # a decode workspace row: any object a weak reference can point to
+    pass
+
+
+def test_decode_rows_at_one_position_attend_without_a_mask_bit_for_bit() -> None:
+    """Rows at one position see every key: the decode view hands no mask, and the logits
+    equal, bit for bit, those of the same step under an all-zero mask."""
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 4096, (3, 9), generator=gen)
+    model = load_model("tiny", seed=1).clone_for_inference()
+    pool = _pool(model, torch.float32)
+    tables, rows = _tables(3, 9), [_Row() for _ in range(3)]
+    with torch.inference_mode():
+        prefill = pool.view(tables, [0, 0, 0], [8, 8, 8], 8)
+        model(tokens[:, :8], prefill.positions_R_T, kv=prefill, last_only=True)
+        workspace = DecodeWorkspace(pool, rows, tables, 9)
+        view = DecodeView(pool, workspace, tables, [8, 8, 8])
+        assert view.mask is None
+        unmasked = model(tokens[:, 8:], view.positions_R_T, kv=view, last_only=True)
+        view.mask = torch.zeros(3, 1, 1, 9)
+        masked = model(tokens[:, 8:], view.positions_R_T, kv=view, last_only=True)
+        full = model(tokens)[:, 8]
+        uneven = DecodeView(pool, workspace, tables, [8, 7, 8]).mask
+    assert torch.equal(unmasked, masked)
+    torch.testing.assert_close(unmasked[:, 0], full, atol=1e-5, rtol=0)
+    assert uneven is not None and torch.isinf(uneven[1, 0, 0, 8]) and uneven[0].eq(0).all()
