@@ -28,7 +28,10 @@ HF/floor are above 1; below 1 means the floor is wrong. The **eager bound** adds
 those ops back, each once per layer in its cheapest torch CPU kernel at the step's
 shapes, timed the same way (`decode_floor.py`, part 3): eager/floor is the least
 ratio any step built from torch's eager kernels can have, so a goal below it is out
-of their reach at that row count.
+of their reach at that row count. The **seq** columns (part 4) run those kernels
+interleaved in the step's order, once as Python calls and once traced (no Python
+between them): what the cheapest eager step costs with the caches as a real step
+leaves them, with and without Python's dispatch.
 
     .venv/bin/python bench/bench_decode.py                 # tiny, fp32, N=64, 3 repeats
     .venv/bin/python bench/bench_decode.py --quick         # N=32, 1 repeat
@@ -130,7 +133,7 @@ def measure_batch(svc: LocalService, hfs: dict, probe: FloorProbe, batch: int,
     result = BatchResult(batch, theirs={(name, t): [] for name in hfs for t in hf_threads})
     keys = args.prompt_len + N // 2  # the decode steps attend to prompt+1 .. prompt+N-1 keys
     for _ in range(args.repeats):
-        result.floors.append(probe.measure(batch, keys, passes=N - 1))
+        result.floors.append(probe.measure(batch, keys, passes=N - 1, sequence=True))
         result.ours.append((engine_time(svc, rows, N) - engine_time(svc, rows, 1)) / (N - 1))
         for (name, threads), values in result.theirs.items():
             hf = hfs[name]
@@ -155,7 +158,8 @@ def floor_table(results: list[BatchResult], hf_names: list[str], hf_threads: lis
     """Per batch size: the floor's two bounds, the floor, ours and HF's steps and their ratios."""
     med = statistics.median
     head = ("  rows | matmul ms (thr) | read MB / GB/s (thr) = ms | floor ms (bound) "
-            "| ops ms (thr) | eager bound ms | eager/floor | ours ms | ours/floor")
+            "| ops ms (thr) | eager bound ms | eager/floor | seq ms py / traced "
+            "| seq/floor py / traced | ours ms | ours/floor")
     head += "".join(f" | HF[{name}] ms (thr) | HF/floor" for name in hf_names)
     lines = [head]
     for r in results:
@@ -168,6 +172,10 @@ def floor_table(results: list[BatchResult], hf_names: list[str], hf_threads: lis
                 f"| {med([f.ops_s for f in fl]) * 1e3:.3f} ({fl[0].ops_threads}) "
                 f"| {med([f.eager_s for f in fl]) * 1e3:.3f} "
                 f"| {common.spread([f.eager_s / f.seconds for f in fl], '{:.2f}')} "
+                f"| {med([f.sequence_s for f in fl]) * 1e3:.3f} / "
+                f"{med([f.traced_s for f in fl]) * 1e3:.3f} "
+                f"| {common.spread([f.sequence_s / f.seconds for f in fl], '{:.2f}')} / "
+                f"{common.spread([f.traced_s / f.seconds for f in fl], '{:.2f}')} "
                 f"| {med(r.ours) * 1e3:.3f} "
                 f"| {common.spread([o / f.seconds for o, f in zip(r.ours, fl)], '{:.2f}')}")
         for name in hf_names:

@@ -50,6 +50,20 @@ The eager bound is max(matmul + ops, memory). Where it is already over a goal's
 multiple of the floor, no step built from torch's eager CPU kernels reaches that goal,
 whatever the engine around them does.
 
+4. **sequence** (`sequence_seconds`, not part of the bound): part 1's matmuls and part
+   3's ops interleaved in forward order, as one step runs them: each layer with its
+   own weights and its own K/V (so each kernel finds the caches as the one before
+   left them), attention by SDPA as the engine's, the residual adds inside the output
+   projections' matmuls (`addmm`). Timed twice: called from Python, one call per
+   kernel and no other work; and traced (`torch.jit.trace`, the token ids as its
+   input so that nothing is folded into a constant): the same kernels with no Python
+   between them. Part 3 times each kind of op in a loop of its own, where its data
+   and code stay warm; inside a step the same op costs more. So sequence / floor is
+   what the cheapest step written as eager Python calls can reach, and traced / floor
+   what the same kernels reach once Python is out of the loop (a captured step
+   without fusion). Neither is a strict bound (other kernels could beat them): part
+   3 stays the bound.
+
 This module knows nothing of the engine or of HF; it reads a model's weights and
 shape and times torch kernels.
 """
@@ -57,6 +71,7 @@ shape and times torch kernels.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,6 +96,8 @@ class DecodeFloor:
     bandwidth_threads: int
     ops_s: float = 0.0
     ops_threads: int = 0
+    sequence_s: float = 0.0  # part 4, from Python
+    traced_s: float = 0.0  # part 4, traced
 
     @property
     def memory_s(self) -> float:
@@ -155,9 +172,9 @@ class FloorProbe:
         per_row = self.embedding_row_elements + keys * self.kv_elements_per_key
         return (self.fixed_elements + rows * per_row) * self.element_size
 
-    def measure(self, rows: int, keys: int, passes: int) -> DecodeFloor:
+    def measure(self, rows: int, keys: int, passes: int, sequence: bool = False) -> DecodeFloor:
         """Time the step's matmuls, its reads and its other ops at (`rows`, `keys`),
-        `passes` of each."""
+        `passes` of each; with `sequence`, also part 4."""
         if rows < 1 or keys < 1 or passes < 1:
             raise ValueError(f"rows, keys and passes must be positive, got {rows}, {keys}, {passes}")
         matmul_s, matmul_threads = self.matmul_seconds(rows, passes)
@@ -168,8 +185,9 @@ class FloorProbe:
         read_s, read_threads = least_seconds_per_pass(lambda: torch.dot(first, second), passes,
                                                       self.counts, self.skip_fewer_above_s)
         ops_s, ops_threads = self.ops_seconds(rows, keys, passes)
+        sequence_s, traced_s = self.sequence_seconds(rows, keys, passes) if sequence else (0.0, 0.0)
         return DecodeFloor(matmul_s, matmul_threads, nbytes, buffer.nbytes / read_s, read_threads,
-                           ops_s, ops_threads)
+                           ops_s, ops_threads, sequence_s, traced_s)
 
     def matmul_seconds(self, rows: int, passes: int) -> tuple[float, int]:
         """(seconds per pass, thread count) of the step's linears at `rows` rows."""
@@ -225,3 +243,46 @@ class FloorProbe:
         return min(least_seconds_per_pass(lambda: ops(attention), passes, self.counts,
                                           self.skip_fewer_above_s)
                    for attention in (sdpa, grouped_matmuls))
+
+    def sequence_seconds(self, rows: int, keys: int, passes: int) -> tuple[float, float]:
+        """(seconds per pass from Python, seconds per pass traced) of part 4's sequence,
+        each the least over the thread counts. Attention is SDPA's, as the engine's."""
+        cfg, dt, R = self.config, self.dtype, rows
+        H, Hkv, D, C, L = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim, cfg.n_layers
+        gen = torch.Generator().manual_seed(rows)
+        weights = [w for w, _ in self.linears]  # per layer qkv, wo, gate_up, down; the head
+        table = torch.randn(cfg.vocab_size, C, generator=gen).to(dt)
+        tokens = torch.zeros(R, dtype=torch.long)
+        norm_w = [torch.randn(C, generator=gen).to(dt) for _ in range(2 * L + 1)]
+        freqs = torch.view_as_complex(torch.randn(R, H + Hkv, D // 2, 2, generator=gen))
+        kv = [(torch.randn(R, Hkv, keys, D, generator=gen), torch.randn(R, Hkv, keys, D, generator=gen))
+              for _ in range(L)]  # fp32, as the engine attends (see `ops_seconds`)
+
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=Hkv != H)
+
+        def step(ids_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x = F.embedding(ids_R, table)  # (R, C)
+            for layer in range(L):
+                wqkv, wo, wgu, wd = weights[4 * layer : 4 * layer + 4]
+                n = F.rms_norm(x, (C,), norm_w[2 * layer], cfg.norm_eps)
+                qkv = F.linear(n, wqkv).view(R, H + 2 * Hkv, D // 2, 2)
+                qk = torch.view_as_real(torch.view_as_complex(qkv[:, : H + Hkv]) * freqs)
+                y = attention(qk[:, :H].reshape(R, H, D).float(), *kv[layer])
+                x = torch.addmm(x, y.reshape(R, H * D).to(dt), wo.t())
+                n = F.rms_norm(x, (C,), norm_w[2 * layer + 1], cfg.norm_eps)
+                gate, up = F.linear(n, wgu).chunk(2, dim=-1)
+                x = torch.addmm(x, torch.mul(F.silu(gate), up), wd.t())
+            logits = F.linear(F.rms_norm(x, (C,), norm_w[-1], cfg.norm_eps), weights[-1]).float()
+            return torch.max(logits, dim=-1).values, logits.exp().sum(dim=-1)
+
+        # the tokens are the trace's input, so that nothing after them is a constant
+        # TorchScript could fold away
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # TorchScript's deprecation notice
+            traced = torch.jit.trace(step, (tokens,), check_trace=False)
+        python_s = least_seconds_per_pass(lambda: step(tokens), passes, self.counts,
+                                          self.skip_fewer_above_s)[0]
+        traced_s = least_seconds_per_pass(lambda: traced(tokens), passes, self.counts,
+                                          self.skip_fewer_above_s)[0]
+        return python_s, traced_s
