@@ -36,7 +36,9 @@ its linears alone at its shapes, timed right after each of our steps, outside bo
 timers): how far each part is from it, and how close to it our step would have to
 come for TRL / ours to reach 3x; then its eager bound (the floor plus the step's other
 ops, each in its cheapest torch kernel; the update's without attention): where TRL's
-step is 3x that bound or more, torch's eager kernels do not stand in the way of 3x.
+step is 3x that bound or more, torch's eager kernels do not stand in the way of 3x;
+last, the same with the decode steps' kernels run in sequence from Python
+(`decode_floor.py`, part 4), what an eager Python generation of these kernels costs.
 
 TRL is not a prefixgym dependency: `.venv/bin/pip install trl` first. Run by hand:
 
@@ -124,6 +126,7 @@ class Record:
     floor_update_s: list[float] = field(default_factory=list)
     eager_gen_s: list[float] = field(default_factory=list)  # floor + the other ops (eager bound)
     eager_update_s: list[float] = field(default_factory=list)
+    sequence_gen_s: list[float] = field(default_factory=list)  # decode kernels in sequence
 
     @property
     def update_s(self) -> list[float]:
@@ -185,6 +188,7 @@ class Ours:
         self.record.floor_update_s.append(floor.update_s)
         self.record.eager_gen_s.append(floor.eager_generation_s)
         self.record.eager_update_s.append(floor.eager_update_s)
+        self.record.sequence_gen_s.append(floor.sequence_generation_s)
         self.datums.append(metrics["datums/count"])
 
 
@@ -364,6 +368,11 @@ def print_floor(o: Record, trl: Record) -> None:
           f"{eager['generation']:.2f}x, update {eager['update']:.2f}x, step {eager['step']:.2f}x; "
           f"TRL / our bound {eager['trl']:.2f}x ({'above' if eager['trl'] >= 3 else 'below'} "
           f"3x: torch's eager kernels {'do not rule' if eager['trl'] >= 3 else 'rule'} out 3x)")
+    seq = _ratios(o, trl, o.sequence_gen_s, o.eager_update_s)
+    print(f"with the decode steps' kernels in sequence from Python (decode_floor.py, part 4; "
+          f"not a bound) in place of their eager bound: generation {summary(o.sequence_gen_s[1:])}"
+          f" s; ours / it: generation {seq['generation']:.2f}x, step {seq['step']:.2f}x; TRL / "
+          f"it {seq['trl']:.2f}x, so 3x needs our step within {seq['trl'] / 3:.2f}x of it")
 
 
 def _ratios(o: Record, trl: Record, gen_s: list[float], update_s: list[float]) -> dict[str, float]:

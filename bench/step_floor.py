@@ -48,6 +48,9 @@ class StepFloor:
     """The eager bound's other part of the generation (`decode_floor.py`, part 3)."""
     update_ops_s: float = 0.0
     """The eager bound's other part of the update (`update_ops_seconds`)."""
+    sequence_generation_s: float = 0.0
+    """The generation with its decode steps as `decode_floor.py`'s part 4 runs them
+    (the kernels in sequence, from Python) and its prefill as matmuls: not a bound."""
 
     @property
     def seconds(self) -> float:
@@ -70,7 +73,8 @@ def grpo_step_floor(model: Transformer, rows: int, decoded_rows: int, prefill_ro
     part the least of `repeats` measurements (the machine's load only adds time). With
     `keys` (the decode steps' average context), also the eager bound's other ops: the
     decode steps' (`FloorProbe.ops_seconds`) and the update's over `loss_rows` loss
-    positions (`update_ops_seconds`)."""
+    positions (`update_ops_seconds`); and the decode steps' kernels in sequence
+    (`FloorProbe.sequence_seconds`, from Python)."""
     probe = FloorProbe(model, torch.float32, counts, skip_fewer_above_s=float("inf"))
     per_step = min(probe.matmul_seconds(rows, passes)[0] for _ in range(repeats))
     generation = per_step * decoded_rows / rows
@@ -95,7 +99,9 @@ def grpo_step_floor(model: Transformer, rows: int, decoded_rows: int, prefill_ro
     decode_ops = min(probe.ops_seconds(rows, keys, passes)[0] for _ in range(repeats))
     update_ops = min(update_ops_seconds(model, train_rows, loss_rows, counts)
                      for _ in range(repeats))
-    return StepFloor(generation, update_s, decode_ops * decoded_rows / rows, update_ops)
+    sequence = min(probe.sequence_seconds(rows, keys, passes)[0] for _ in range(repeats))
+    return StepFloor(generation, update_s, decode_ops * decoded_rows / rows, update_ops,
+                     generation + (sequence - per_step) * decoded_rows / rows)
 
 
 def update_ops_seconds(model: Transformer, train_rows: int, loss_rows: int,
