@@ -35,7 +35,7 @@ overhead. So a step at 1.0x its floor is impossible in practice and a ratio unde
    torch's CPU kernels run them, at the step's shapes, in the step's dtype, in
    forward order, on random data, timed like the matmuls; each in its cheapest form,
    so that no eager torch step can run less: per layer two `F.rms_norm`s, RoPE as one
-   complex multiply of q and k (the rotate-half form takes five kernels), attention
+   complex multiply of q and k (the engine's rotate-half form takes three kernels), attention
    of one query per row over `keys` contiguous keys without a mask (every row as
    long as the others; in fp32, as the engine attends; SDPA, or two matmuls with a
    softmax between, whichever pass is faster) and SiLU(gate) * up; then the embedding lookup of R tokens, the final

@@ -62,7 +62,8 @@ class Transformer(nn.Module):
         self.build_rope_tables()
 
     def build_rope_tables(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute the cos/sin tables, (max_seq_len, head_dim), as HF does in fp32.
+        """(Re)compute the cos/sin tables, (max_seq_len, head_dim), as HF does in fp32
+        (the sin table's first half negated, see `layers._apply_rope`).
 
         Not part of the state dict; call again after materialising a meta-device model.
         """
@@ -77,8 +78,10 @@ class Transformer(nn.Module):
         dtype = self.tok_embeddings.weight.dtype
         if not dtype.is_floating_point or self.tok_embeddings.weight.is_meta:
             dtype = torch.float32
+        sign = torch.cat((-torch.ones_like(inv_freq), torch.ones_like(inv_freq)))  # (D,)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        # sin negated on the first half: rotate-half as one roll (`layers._apply_rope`)
+        self.register_buffer("rope_sin", (angles.sin() * sign).to(dtype), persistent=False)
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -300,3 +300,31 @@ def test_head_dim_override_changes_projection_shapes() -> None:
     model = make_model(head_dim_override=16)  # 4 heads x 16 = 64 != dim 32
     assert model.layers[0].attn.wqkv.weight.shape == ((4 + 2 * 2) * 16, 32)
     assert model(torch.randint(0, 97, (1, 4))).shape == (1, 4, 97)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_hf_rotate_half_bit_for_bit_forward_and_backward(dtype: torch.dtype) -> None:
+    """Our RoPE (a roll against a sin table negated on its first half) gives exactly
+    transformers' rotate-half values and gradients, from the tables HF builds itself."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from prefixgym.engine.layers import _apply_rope
+
+    model = load_model("tiny", dtype=dtype)
+    cfg = model.config
+    hf_config = LlamaConfig(hidden_size=cfg.dim, num_attention_heads=cfg.n_heads,
+                            rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_seq_len)
+    positions = torch.tensor([[0, 1, 5, 17, 300, cfg.max_seq_len - 1]])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, cfg.n_heads, 6, cfg.head_dim, generator=gen).to(dtype).requires_grad_()
+    hf_cos, hf_sin = LlamaRotaryEmbedding(hf_config)(x, positions)  # (1, 6, D) each
+    theirs = apply_rotary_pos_emb(x, x, hf_cos, hf_sin)[0]
+    ours = _apply_rope(x, model.rope_cos[positions].unsqueeze(1),
+                       model.rope_sin[positions].unsqueeze(1))
+    assert torch.equal(model.rope_cos[positions], hf_cos)
+    assert torch.equal(ours, theirs)
+    grad_out = torch.randn(theirs.shape, generator=gen).to(dtype)
+    (ours_grad,) = torch.autograd.grad(ours, x, grad_out)
+    (theirs_grad,) = torch.autograd.grad(theirs, x, grad_out)
+    assert torch.equal(ours_grad, theirs_grad)
