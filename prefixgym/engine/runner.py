@@ -76,8 +76,7 @@ class ModelRunner:
                                      [p.top_p for p in params], device=dev)
         uniforms = [0.0 if p.temperature == 0 else s.rng.random()
                     for s, p in zip(batch.seqs, params)]
-        tokens_S, logprobs_S = sample_tokens(last_S_V, row_params, uniforms)
-        scored.tokens, scored.logprobs = tokens_S.tolist(), logprobs_S.tolist()
+        scored.tokens, scored.logprobs = sample_tokens(last_S_V, row_params, uniforms)
         return scored
 
     def _workspace(self, batch: Batch) -> DecodeWorkspace:

@@ -14,6 +14,7 @@ This module knows nothing of requests, slots, caches or tokenizers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +50,8 @@ class RowParams:
 
 def sample_tokens(
     logits_B_V: torch.Tensor, params: RowParams, uniforms: list[float]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens_B int64, logprobs_B float32) for one decode step.
+) -> tuple[list[int], list[float]]:
+    """(token per row, its logprob) for one decode step.
 
     `uniforms[b]` in [0, 1) is row b's random draw (ignored for greedy rows). Raises
     ValueError when a row's logits are not finite (weights gone NaN/inf): such a row
@@ -62,11 +63,11 @@ def sample_tokens(
     else:
         tokens_B = _sample_filtered(logits_B_V, params, uniforms)
     picked_B = logits_B_V.gather(1, tokens_B.unsqueeze(1)).squeeze(1)
-    logprobs_B = picked_B - torch.logsumexp(logits_B_V, dim=-1)
-    if not bool(torch.isfinite(logprobs_B).all()):
+    logprobs = (picked_B - torch.logsumexp(logits_B_V, dim=-1)).tolist()
+    if not all(map(math.isfinite, logprobs)):  # in Python: cheaper than two kernels here
         raise ValueError("the model's logits are not finite (NaN or inf weights, or an "
                          "overflow): nothing was sampled")
-    return tokens_B, logprobs_B
+    return tokens_B.tolist(), logprobs
 
 
 def _sample_filtered(
