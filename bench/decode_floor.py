@@ -35,10 +35,11 @@ overhead. So a step at 1.0x its floor is impossible in practice and a ratio unde
    torch's CPU kernels run them, at the step's shapes, in the step's dtype, in
    forward order, on random data, timed like the matmuls; each in its cheapest form,
    so that no eager torch step can run less: per layer two `F.rms_norm`s, RoPE as one
-   complex multiply of q and k (the engine's rotate-half form takes three kernels), attention
-   of one query per row over `keys` contiguous keys without a mask (every row as
-   long as the others; in fp32, as the engine attends; SDPA, or two matmuls with a
-   softmax between, whichever pass is faster) and SiLU(gate) * up; then the embedding lookup of R tokens, the final
+   complex multiply of q and k (the engine's rotate-half form takes three kernels),
+   attention of one query per row over `keys` contiguous keys without a mask (every
+   row as long as the others; in fp32, as the engine attends; SDPA, or two matmuls
+   with a softmax between, whichever pass is faster) and SiLU(gate) * up; then the
+   embedding lookup of R tokens, the final
    norm, and two reductions over each row's logits: `max` (the greedy token, the
    cheapest choice) and the sum of `exp` (the logprob's normaliser; `logsumexp` and
    `argmax` took 1.4x as long). No views, no Python between them. Left out as
@@ -244,9 +245,11 @@ class FloorProbe:
                                           self.skip_fewer_above_s)
                    for attention in (sdpa, grouped_matmuls))
 
-    def sequence_seconds(self, rows: int, keys: int, passes: int) -> tuple[float, float]:
+    def sequence_seconds(self, rows: int, keys: int, passes: int,
+                         traced: bool = True) -> tuple[float, float]:
         """(seconds per pass from Python, seconds per pass traced) of part 4's sequence,
-        each the least over the thread counts. Attention is SDPA's, as the engine's."""
+        each the least over the thread counts; without `traced` the second is 0.0 and
+        neither traced nor timed. Attention is SDPA's, as the engine's."""
         cfg, dt, R = self.config, self.dtype, rows
         H, Hkv, D, C, L = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim, cfg.n_layers
         gen = torch.Generator().manual_seed(rows)
@@ -276,13 +279,15 @@ class FloorProbe:
             logits = F.linear(F.rms_norm(x, (C,), norm_w[-1], cfg.norm_eps), weights[-1]).float()
             return torch.max(logits, dim=-1).values, logits.exp().sum(dim=-1)
 
+        python_s = least_seconds_per_pass(lambda: step(tokens), passes, self.counts,
+                                          self.skip_fewer_above_s)[0]
+        if not traced:
+            return python_s, 0.0
         # the tokens are the trace's input, so that nothing after them is a constant
         # TorchScript could fold away
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # TorchScript's deprecation notice
-            traced = torch.jit.trace(step, (tokens,), check_trace=False)
-        python_s = least_seconds_per_pass(lambda: step(tokens), passes, self.counts,
-                                          self.skip_fewer_above_s)[0]
-        traced_s = least_seconds_per_pass(lambda: traced(tokens), passes, self.counts,
+            step_trace = torch.jit.trace(step, (tokens,), check_trace=False)
+        traced_s = least_seconds_per_pass(lambda: step_trace(tokens), passes, self.counts,
                                           self.skip_fewer_above_s)[0]
         return python_s, traced_s

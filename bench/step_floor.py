@@ -99,7 +99,8 @@ def grpo_step_floor(model: Transformer, rows: int, decoded_rows: int, prefill_ro
     decode_ops = min(probe.ops_seconds(rows, keys, passes)[0] for _ in range(repeats))
     update_ops = min(update_ops_seconds(model, train_rows, loss_rows, counts)
                      for _ in range(repeats))
-    sequence = min(probe.sequence_seconds(rows, keys, passes)[0] for _ in range(repeats))
+    sequence = min(probe.sequence_seconds(rows, keys, passes, traced=False)[0]
+                   for _ in range(repeats))
     return StepFloor(generation, update_s, decode_ops * decoded_rows / rows, update_ops,
                      generation + (sequence - per_step) * decoded_rows / rows)
 
