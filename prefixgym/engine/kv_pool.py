@@ -175,7 +175,7 @@ class DecodeView:
         # rows at one position see every key: no mask (the same result, bit for bit,
         # as an all-zero one, and a cheaper attention step)
         self.mask: torch.Tensor | None = None
-        if min(positions) < self.num_keys - 1:
+        if min(positions) != max(positions):
             allowed = torch.arange(self.num_keys, device=dev) <= pos_B.unsqueeze(1)
             self.mask = torch.zeros((B, 1, 1, self.num_keys), dtype=pool.dtype, device=dev)
             self.mask.masked_fill_(allowed.logical_not()[:, None, None], float("-inf"))
