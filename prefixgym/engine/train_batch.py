@@ -1,12 +1,13 @@
 """Turn a forward_backward request's datums into padded (B, T) tensor chunks.
 
-1) `prepare_datum` checks one `Datum` against the model and a loss's needs (model_input
-   tokens and target ids inside the vocabulary, no longer than max_seq_len, known and
-   required `loss_fn_inputs` keys), re-runs the datum's own checks
-   (`types.check_loss_fn_inputs`: one finite value per position), and returns it as
-   1-D CPU tensors, with weights defaulting to 1 and its loss positions
-   (`types.loss_positions`) as the input "loss_mask". A problem raises ValueError naming
-   the datum index and key.
+1) `prepare_request` checks a whole request before any compute: the loss name and
+   config, then each datum by `prepare_datum`, which checks one `Datum` against the
+   model and the loss's needs (model_input tokens and target ids inside the
+   vocabulary, no longer than max_seq_len, known and required `loss_fn_inputs` keys),
+   re-runs the datum's own checks (`types.check_loss_fn_inputs`: one finite value per
+   position), and returns it as 1-D CPU tensors, with weights defaulting to 1 and its
+   loss positions (`types.loss_positions`) as the input "loss_mask". A problem raises
+   ValueError naming the datum index and key.
 2) `make_chunks` groups consecutive datums so that B x T_max <= max_tokens (the plain
    path); `make_shared_chunks` takes the groups of a prefix-trie plan
    (`prefix_trie.plan_chunks`). Both right-pad each group with `pad_chunk`: zeros, so
@@ -29,6 +30,7 @@ from prefixgym.types import Datum, check_loss_fn_inputs, loss_positions
 
 __all__ = [
     "Chunk", "PreparedDatum", "make_chunks", "make_shared_chunks", "pad_chunk", "prepare_datum",
+    "prepare_request",
 ]
 
 Tensor = torch.Tensor
@@ -70,6 +72,26 @@ def _token_ids(where: str, values: object, vocab_size: int) -> Tensor:
             f"(integers in [0, {vocab_size}))"
         )
     return ids.long()
+
+
+def prepare_request(
+    datums: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None,
+    vocab_size: int, max_seq_len: int, any_keys: bool = False,
+) -> tuple[list[PreparedDatum], losses.LossSpec, dict[str, float]]:
+    """Step 1 for a whole request: the loss and its config, then every datum
+    (`prepare_datum`); ValueError names the first problem. Returns the prepared
+    datums, the loss's spec and its config with defaults filled in."""
+    spec = losses.get_loss(loss_fn)
+    config = losses.validate_config(loss_fn, loss_fn_config)
+    if isinstance(datums, (str, bytes)) or not isinstance(datums, Sequence):
+        raise ValueError(  # noqa: TRY004 - bad input is a ValueError throughout prefixgym
+            f"datums must be a list of Datum, got {type(datums).__name__}"
+        )
+    if len(datums) == 0:
+        raise ValueError("datums is empty; forward_backward needs at least one Datum")
+    prepared = [prepare_datum(i, d, spec, loss_fn, vocab_size, max_seq_len, any_keys)
+                for i, d in enumerate(datums)]
+    return prepared, spec, config
 
 
 def prepare_datum(

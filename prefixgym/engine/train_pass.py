@@ -18,6 +18,8 @@ validated (`train_batch.prepare_datum`):
 3) Sum the chunks: loss, metric sums, gradients (per parameter, None where no chunk
    reached it), each datum's logprobs and the positions computed (a shared prefix
    once per chunk, padding not at all).
+4) `PassResult.output` turns the sums into the call's answer: logprobs, usage and
+   metrics (the loss metrics as means per loss position).
 
 Nothing is written to the parameters: the caller decides whether the result is
 committed (`TrainingClient` adds the gradients only when all of them are finite).
@@ -37,6 +39,7 @@ from prefixgym.engine import logprob_head, losses
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.shared_forward import context_weight, plan_logprobs, plan_rows
 from prefixgym.engine.train_batch import Chunk, PreparedDatum, make_chunks, make_shared_chunks
+from prefixgym.types import ForwardBackwardOutput, Usage
 
 __all__ = ["PassOptions", "PassResult", "autocast_for", "run_pass"]
 
@@ -64,6 +67,29 @@ class PassResult:
     metric_sums: dict[str, float]
     grads: list[Tensor | None]  # per parameter; empty without backward
     computed_tokens: int
+
+    def output(self, prepared: Sequence[PreparedDatum]) -> ForwardBackwardOutput:
+        """The call's answer: per-datum logprobs, its usage (positions computed, those
+        sharing spared, loss positions) and metrics (the loss sum, its mean per loss
+        position, the usage, and each loss metric as a mean per loss position)."""
+        usage = Usage(
+            train_computed_tokens=self.computed_tokens,
+            train_shared_tokens=sum(p.length for p in prepared) - self.computed_tokens,
+            train_loss_tokens=sum(p.num_loss_tokens for p in prepared),
+        )
+        n_loss = max(usage.train_loss_tokens, 1)
+        metrics = {
+            "loss:sum": self.loss,
+            "loss": self.loss,  # the old name of loss:sum
+            "loss/mean_per_loss_token": self.loss / n_loss,
+            "train_computed_tokens": float(usage.train_computed_tokens),
+            "train_shared_tokens": float(usage.train_shared_tokens),
+            "train_loss_tokens": float(usage.train_loss_tokens),
+            **{key: value / n_loss for key, value in self.metric_sums.items()},
+        }
+        return ForwardBackwardOutput(
+            loss_fn_outputs=[{"logprobs": lp} for lp in self.logprobs], metrics=metrics,
+            usage=usage)
 
 
 def autocast_for(model: Transformer, compute_dtype: torch.dtype) -> Autocast:

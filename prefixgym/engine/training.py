@@ -59,11 +59,11 @@ from prefixgym.engine.custom_loss import (
 )
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.optimizer import AdamWUpdate, named
-from prefixgym.engine.train_batch import PreparedDatum, prepare_datum
+from prefixgym.engine.train_batch import PreparedDatum, prepare_request
 from prefixgym.engine.train_pass import PassOptions, autocast_for, run_pass
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.futures import APIFuture
-from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput, Usage
+from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 
 if TYPE_CHECKING:
     from prefixgym.engine.sampling import SamplingClient
@@ -263,20 +263,9 @@ class TrainingClient:
         self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None,
         any_keys: bool = False,
     ) -> tuple[list[PreparedDatum], losses.LossSpec, dict[str, float]]:
-        spec = losses.get_loss(loss_fn)
-        config = losses.validate_config(loss_fn, loss_fn_config)
-        if isinstance(datums, (str, bytes)) or not isinstance(datums, Sequence):
-            raise ValueError(  # noqa: TRY004 - bad input is a ValueError throughout prefixgym
-                f"datums must be a list of Datum, got {type(datums).__name__}"
-            )
-        if len(datums) == 0:
-            raise ValueError("datums is empty; forward_backward needs at least one Datum")
         cfg = self.model.config
-        prepared = [
-            prepare_datum(i, d, spec, loss_fn, cfg.vocab_size, cfg.max_seq_len, any_keys)
-            for i, d in enumerate(datums)
-        ]
-        return prepared, spec, config
+        return prepare_request(datums, loss_fn, loss_fn_config, cfg.vocab_size, cfg.max_seq_len,
+                               any_keys)
 
     def _run(
         self,
@@ -303,27 +292,10 @@ class TrainingClient:
         for param, staged_grad in zip(self._params, staged):
             if staged_grad is not None:
                 param.grad = staged_grad if param.grad is None else param.grad.add_(staged_grad)
-        computed = result.computed_tokens
-        usage = Usage(
-            train_computed_tokens=computed,
-            train_shared_tokens=sum(p.length for p in prepared) - computed,
-            train_loss_tokens=sum(p.num_loss_tokens for p in prepared),
-        )
+        out = result.output(prepared)
         if record_usage:
-            self.ledger.add(usage)
-        n_loss = max(usage.train_loss_tokens, 1)
-        metrics = {
-            "loss:sum": loss_total,
-            "loss": loss_total,  # the old name of loss:sum
-            "loss/mean_per_loss_token": loss_total / n_loss,
-            "train_computed_tokens": float(usage.train_computed_tokens),
-            "train_shared_tokens": float(usage.train_shared_tokens),
-            "train_loss_tokens": float(usage.train_loss_tokens),
-            **{key: value / n_loss for key, value in result.metric_sums.items()},
-        }
-        return ForwardBackwardOutput(
-            loss_fn_outputs=[{"logprobs": lp} for lp in result.logprobs], metrics=metrics,
-            usage=usage)
+            self.ledger.add(out.usage)
+        return out
 
     def _run_custom(
         self, data: Sequence[Datum], prepared: list[PreparedDatum], loss_fn: CustomLossFn
