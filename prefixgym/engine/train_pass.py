@@ -1,7 +1,7 @@
 """One pass of a training call's datums through the model: logprobs, loss, gradients.
 
 `run_pass` is the compute of `forward_backward` and `forward`, once the call is
-validated (`train_batch.prepare_datum`):
+validated (`train_batch.prepare_request`):
 
 1) Group the datums into chunks within the `max_tokens` budget. With
    `share_prefixes` a chunk is a prefix trie (`prefix_trie.py`): the token prefixes

@@ -1,7 +1,7 @@
 """TrainingClient: forward_backward, optim_step, save/load of the train phase.
 
 1) Validate the whole request before any compute (loss name and config, then every
-   datum via `train_batch.prepare_datum`): a bad request raises ValueError naming the
+   datum, by `train_batch.prepare_request`): a bad request raises ValueError naming the
    datum and key, and changes nothing.
 2) Compute: `train_pass.run_pass` chunks the datums within the
    `max_tokens_per_forward` budget (with `share_prefixes`, the default, each chunk a
