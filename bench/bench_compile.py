@@ -49,10 +49,9 @@ from bench_matmul_peak import measure_matmul_peak
 from bench_shared_prefix import VOCAB, _datum, _ids
 from torch.profiler import ProfilerActivity, profile
 
-from prefixgym.engine import losses
 from prefixgym.engine.layers import Block, KVView
 from prefixgym.engine.model import Transformer, load_model
-from prefixgym.engine.train_batch import prepare_datum
+from prefixgym.engine.train_batch import prepare_request
 from prefixgym.engine.train_pass import PassOptions, autocast_for, run_pass
 from prefixgym.engine.training import TrainingClient
 from prefixgym.local_service import LocalService
@@ -151,18 +150,17 @@ def print_ratio(what: str, seconds: dict[str, list[float]]) -> None:
 
 def profile_eager_pass(model: Transformer, datums: list[Datum]) -> None:
     """The eager forward+backward under torch.profiler: its matmuls against the peak."""
-    spec = losses.get_loss("importance_sampling")
     cfg = model.config
-    prepared = [prepare_datum(i, d, spec, "importance_sampling", cfg.vocab_size,
-                              cfg.max_seq_len) for i, d in enumerate(datums)]
+    prepared, spec, config = prepare_request(datums, "importance_sampling", None,
+                                             cfg.vocab_size, cfg.max_seq_len)
     options = PassOptions(8192, True, True, False, autocast_for(model, torch.float32))
     params = list(model.parameters())
     start = time.perf_counter()
-    run_pass(model, params, prepared, spec, {}, True, options)
+    run_pass(model, params, prepared, spec, config, True, options)
     unprofiled = time.perf_counter() - start
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        run_pass(model, params, prepared, spec, {}, True, options)
+        run_pass(model, params, prepared, spec, config, True, options)
     wall = time.perf_counter() - start
     mm_s, flops, attention_s = 0.0, 0.0, 0.0
     for event in prof.key_averages(group_by_input_shape=True):
