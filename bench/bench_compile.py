@@ -20,12 +20,12 @@ and 12 tokens of their own; G = 8 replies of 32 tokens), in one run:
 
 "Compiled blocks": each decoder block's pure-tensor parts (norm, qkv projection and
 RoPE; output projection, residual, norm, SwiGLU, residual) as two `torch.compile`d
-functions with dynamic shapes. The keys/values hand-off (`KVView.update`, a Python
-object) and SDPA stay eager: compiling whole blocks traces into the KV views, which
-recompiles per layer and wave shape until dynamo's recompile limit sends it back to
-eager. Compiled kernels round differently: the largest |logprob diff| of the first
-update's outputs is printed. Inductor on CPU needs a C++ compiler; without one the
-script says so and exits.
+functions with dynamic shapes, calling the engine's own norm and RoPE (`layers.py`).
+The keys/values hand-off (`KVView.update`, a Python object) and SDPA stay eager:
+compiling whole blocks traces into the KV views, which recompiles per layer and wave
+shape until dynamo's recompile limit sends it back to eager. Compiled kernels round
+differently: the largest |logprob diff| of the first update's outputs is printed.
+Inductor on CPU needs a C++ compiler; without one the script says so and exits.
 
     .venv/bin/python bench/bench_compile.py                       # both parts
     .venv/bin/python bench/bench_compile.py --part update --rounds 6
@@ -49,7 +49,7 @@ from bench_matmul_peak import measure_matmul_peak
 from bench_shared_prefix import VOCAB, _datum, _ids
 from torch.profiler import ProfilerActivity, profile
 
-from prefixgym.engine.layers import Block, KVView
+from prefixgym.engine.layers import Block, KVView, _apply_rope, _rms_norm
 from prefixgym.engine.model import Transformer, load_model
 from prefixgym.engine.train_batch import prepare_request
 from prefixgym.engine.train_pass import PassOptions, autocast_for, run_pass
@@ -63,18 +63,16 @@ Tensor = torch.Tensor
 
 def _pre_attention(h: Tensor, norm_w: Tensor, eps: float, wqkv: Tensor, cos: Tensor,
                    sin: Tensor, H: int, Hkv: int, D: int) -> tuple[Tensor, Tensor, Tensor]:
-    B, T, C = h.shape
-    qkv = F.linear(F.rms_norm(h, (C,), norm_w, eps), wqkv).view(B, T, H + 2 * Hkv, D)
-    qkv = qkv.transpose(1, 2)
-    qk = qkv[:, : H + Hkv]
-    qk = qk * cos + qk.roll(D // 2, -1) * sin
+    B, T, _ = h.shape
+    qkv = F.linear(_rms_norm(h, norm_w, eps), wqkv).view(B, T, H + 2 * Hkv, D).transpose(1, 2)
+    qk = _apply_rope(qkv[:, : H + Hkv], cos, sin)
     return qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
 
 
 def _post_attention(h: Tensor, y: Tensor, wo: Tensor, norm_w: Tensor, eps: float,
                     w_gate_up: Tensor, w_down: Tensor) -> Tensor:
     h = h + F.linear(y, wo)
-    gate, up = F.linear(F.rms_norm(h, (h.shape[-1],), norm_w, eps), w_gate_up).chunk(2, dim=-1)
+    gate, up = F.linear(_rms_norm(h, norm_w, eps), w_gate_up).chunk(2, dim=-1)
     return h + F.linear(F.silu(gate) * up, w_down)
 
 
