@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 
 from prefixgym.cli.errors import error_line
-from prefixgym.engine.device import has_fast_bf16
+from prefixgym.engine.device import describe_cpu, has_fast_bf16
 from prefixgym.engine.training import TrainingClient as LocalTrainingClient
 from prefixgym.envs.registration import make_agent_env
 from prefixgym.files import ensure_writable_dir
@@ -102,6 +102,9 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
                       service.usage, ranks=ranks)
     if config.sampler_url:  # rollouts and evaluation on remote servers (docs/scaling.md)
         clients = remote_clients(config, service, training, ranks)
+    # the training worker runs on this thread's count (engine/training.py)
+    clients.numerics = {"compute_dtype": str(compute_dtype(config)).removeprefix("torch."),
+                        "threads": torch.get_num_threads(), "cpu": describe_cpu()}
     return Run(config, clients, make), service
 
 

@@ -9,9 +9,13 @@ and the CPU; nothing of models.
 
 from __future__ import annotations
 
+import os
 import platform
+from pathlib import Path
 
 import torch
+
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def has_fast_bf16() -> bool:
@@ -22,3 +26,25 @@ def has_fast_bf16() -> bool:
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def describe_cpu() -> str:
+    """One line: the CPU's model name and its bf16 instructions (what `compute_dtype auto`
+    decides on), e.g. "Intel(R) Xeon(R) Processor, 2 cores, with avx512_bf16 amx_bf16"."""
+    name, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name in ("", platform.machine()):
+                name = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags |= set(value.split())
+    bf16 = [f for f in _BF16_FLAGS if f in flags]
+    if not bf16 and platform.machine().lower() in ("x86_64", "amd64"):
+        bf16_text = "without native bf16 (" + ("AVX-512" if "avx512f" in flags else "AVX2") + ")"
+    elif bf16:
+        bf16_text = "with " + " ".join(bf16)
+    else:
+        bf16_text = "bf16 " + ("native" if has_fast_bf16() else "emulated")
+    return f"{name}, {os.cpu_count()} cores, {bf16_text}"

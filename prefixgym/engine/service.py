@@ -68,7 +68,7 @@ class EngineService:
     `max_kv_bytes` the running KV one request may need (`engine/requests.py`).
     `deterministic` runs each `sample_many` round alone, so that a caller submitting
     its work in fixed rounds gets the same logprobs, bit for bit, every run
-    (`engine/engine.py`).
+    (`engine/engine.py`); with a bf16/fp16 model on CPU it also turns thread tuning off.
     """
 
     def __init__(
@@ -120,6 +120,10 @@ class EngineService:
         self.ledger = UsageLedger()
         limits = RequestLimits(max_samples=max_running, max_kv_bytes=max_kv_bytes,
                                kv_element_size=kv_element_size)
+        # bf16/fp16 matmuls on a CPU run in oneDNN, whose rounding changes with the thread
+        # count (docs/architecture.md "Determinism"): a deterministic engine keeps one count
+        if deterministic and self.device.type == "cpu" and torch_dtype != torch.float32:
+            thread_tuning = False
         self.engine = Engine(pool, cache, decode=decode, ledger=self.ledger, seed=seed,
                              max_running=max_running, thread_tuning=thread_tuning,
                              limits=limits, deterministic=deterministic)

@@ -24,10 +24,11 @@ would inherit them, which is why the training client's worker sets its creator's
 count when it starts (tests/engine/test_threads.py checks both). The count is
 restored after each step. `LocalService(thread_tuning=False)` turns tuning off.
 
-The choices change speed only, not results: MKL, which picks its matmul kernels by
-thread count, runs in its strict reproducible mode (`MKL_CBWR`, set by `import
-prefixgym`), so a step gives the same bits on any count (docs/architecture.md,
-"Determinism").
+For an fp32 model the choices change speed only, not results: MKL, which picks its
+matmul kernels by thread count, runs in its strict reproducible mode (`MKL_CBWR`, set
+by `import prefixgym`), so a step gives the same bits on any count (docs/architecture.md,
+"Determinism"). A bf16/fp16 model's matmuls run in oneDNN, which rounds by thread
+count: a deterministic engine of one does not tune (`EngineService`).
 
 This module knows nothing of models or requests: it maps keys to thread counts.
 """

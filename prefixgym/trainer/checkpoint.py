@@ -5,6 +5,7 @@ Layout under OUT/checkpoints/:
   step-000009/train/            the training client's save_state (weights, optimizer, RNG)
   step-000009/loop.json         next step, evaluations so far, cumulative usage
   step-000009/config.json      the run's full resolved config (when the run gave it)
+  step-000009/numerics.json    how its steps were computed: dtype, threads, CPU (idem)
   step-000009/checkpoint.json   the run's identity and a checksum of every file above
   warm_start/...                the same, after the warm start (the KL reference)
   latest                        the name of the newest complete step checkpoint
@@ -46,6 +47,7 @@ from prefixgym.trainer.config import with_added_fields
 from prefixgym.types import JSONObject, Usage
 
 WARM_START = "warm_start"
+NUMERICS = "numerics.json"
 LATEST = "latest"
 MANIFEST = "checkpoint.json"
 FORMAT_VERSION = 1
@@ -93,6 +95,7 @@ def save_checkpoint(
     out: Path, training: TrainingClient, state: LoopState, identity: JSONObject,
     name: str | None = None,
     config: JSONObject | None = None,
+    numerics: JSONObject | None = None,
 ) -> Path:
     root = out / "checkpoints"
     name = name or f"step-{state.next_step - 1:06d}"
@@ -102,6 +105,8 @@ def save_checkpoint(
         (tmp / "loop.json").write_text(state.to_json())
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if numerics is not None:
+            (tmp / NUMERICS).write_text(json.dumps(numerics, sort_keys=True) + "\n")
         checksums = {str(p.relative_to(tmp)): file_checksum(p)
                      for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"format": FORMAT_VERSION, "run": identity, "checksums": checksums}
@@ -232,6 +237,22 @@ def find_checkpoint(out: Path, identity: JSONObject | None, force: bool = False)
         raise ForeignCheckpointError(
             f"{path} belongs to another run ({differences(identity, theirs)})")
     return found
+
+
+def numerics_changes(path: Path, now: JSONObject | None) -> list[str]:
+    """How this process computes otherwise than the steps saved in checkpoint `path`, in
+    ways that round differently: the compute dtype (`auto` decides by CPU), the CPU, or,
+    outside float32 (where MKL's strict mode makes the thread count change no bits), the
+    thread count. Empty when nothing differs or either side is unknown."""
+    saved_file = path / NUMERICS
+    if now is None or not saved_file.is_file():
+        return []
+    saved = json.loads(saved_file.read_text())
+    keys = ["compute_dtype", "cpu"]
+    if now.get("compute_dtype") != "float32":
+        keys.append("threads")
+    return [f"{key} {saved.get(key)} -> {now.get(key)}" for key in keys
+            if saved.get(key) != now.get(key)]
 
 
 def load_checkpoint(path: Path, training: TrainingClient) -> LoopState:

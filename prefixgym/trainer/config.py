@@ -38,7 +38,8 @@ RESUMABLE_CHANGES = (
 """Fields a resumed run may set differently from the run it continues. `steps` extends
 (or shortens) a run; with the cosine schedule the remaining steps then follow the new
 length. `sampler_url` moves sampling to another server, whose weights are its own.
-`num_threads` changes no bits (MKL's strict mode, docs/architecture.md "Determinism");
+`num_threads` changes no fp32 bits (MKL's strict mode, docs/architecture.md
+"Determinism"; bf16 rounds by thread count, and a resume that changes it says so);
 `share_prefixes` changes how the same sums are computed, not what;
 `recompute_activations` changes only what is kept for backward (bit-for-bit the same).
 `eval_on_start` only matters to a new run (a resumed one has evaluated already).

@@ -171,14 +171,17 @@ def improvement_lines(evals: Sequence[JSONObject]) -> list[str]:
 
 def write_report(
     out: Path, title: str, config: JSONObject, total: Usage, sft_usage: Usage,
-    evals: Sequence[JSONObject], wall_s: float,
+    evals: Sequence[JSONObject], wall_s: float, numerics: JSONObject | None = None,
 ) -> Path:
     eval_usage = Usage.total(usage_of(e) for e in evals)
     grpo_usage = total - sft_usage - eval_usage
+    computed = ("" if numerics is None else
+                f"Trained in {numerics['compute_dtype']} on {numerics['threads']} threads "
+                f"({numerics['cpu']}). ")
     parts = [
         f"# {title}",
         "",
-        f"Wall time: {wall_s:.0f} s. Config: `{json.dumps(config, sort_keys=True)}`",
+        f"Wall time: {wall_s:.0f} s. {computed}Config: `{json.dumps(config, sort_keys=True)}`",
         "",
         f"## Evaluation ({eval_kind(evals)}, held-out seeds)",
         "",

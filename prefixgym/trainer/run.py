@@ -42,6 +42,7 @@ from prefixgym.trainer.checkpoint import (
     find_checkpoint,
     load_checkpoint,
     mark_latest,
+    numerics_changes,
     prune_checkpoints,
     remove_leftovers,
     save_checkpoint,
@@ -97,6 +98,9 @@ class Clients:
     sampler_metrics: Callable[[], dict[str, float]] | None = None
     """Per-sampler counters to log with each step (several remote samplers)."""
     ranks: Ranks = field(default_factory=Ranks)
+    numerics: JSONObject | None = None
+    """How the trainer computes (compute_dtype, threads, cpu), saved with each checkpoint:
+    a resume that computes otherwise says its steps will not repeat the saved run's bits."""
 
 
 @dataclass
@@ -137,7 +141,7 @@ class Run:
         """Rank 0 writes; the other ranks meet it at the barrier its write holds."""
         if self.main:
             path = save_checkpoint(self.out, self.training, state, self.identity, name=name,
-                                   config=asdict(self.config))
+                                   config=asdict(self.config), numerics=self.clients.numerics)
             if name is None:  # a step checkpoint: the older ones beyond keep_checkpoints go
                 prune_checkpoints(path.parent, self.config.keep_checkpoints, path)
         elif self.ranks.barrier is not None:
@@ -188,6 +192,12 @@ class Run:
                 self.log.truncate_after(state.next_step - 1)
                 print(f"resuming from {found.path} at GRPO step {state.next_step}",
                       file=sys.stderr)
+                changes = numerics_changes(found.path, self.clients.numerics)
+                if changes:
+                    print(f"note: this process computes otherwise than the saved steps "
+                          f"({'; '.join(changes)}): the steps from here will not repeat the "
+                          "uninterrupted run bit for bit (docs/architecture.md, "
+                          '"Determinism")', file=sys.stderr)
             return state, ref
         if c.resume and self.main:
             print(f"no intact checkpoint of this run in {self.out / 'checkpoints'}: starting a "
@@ -310,6 +320,6 @@ class Run:
         wall = prior_wall + time.perf_counter() - t_start
         if self.main:
             write_report(self.out, f"prefixgym train: {c.env}", asdict(c), state.usage,
-                         state.sft_usage, state.evals, wall)
+                         state.sft_usage, state.evals, wall, self.clients.numerics)
             write_plots(self.out, self.log.read())
         return RunResult(self.out, state.evals, state.usage)

@@ -1,7 +1,9 @@
 """DistributedTrainingClient: two gloo ranks under torchrun train like one process.
 
 Run as a script (`python -m torch.distributed.run ... test_distributed.py OUT`) this
-file is the per-rank worker; under pytest it launches that worker and compares.
+file is the per-rank worker; under pytest it launches that worker and compares. The
+ranks and the process they are compared with train in the test dtype (tests/numerics.py,
+read from PREFIXGYM_TEST_DTYPE, which the workers inherit).
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from prefixgym.engine.distributed import DistributedTrainingClient, init_distributed
-from prefixgym.engine.model import load_model
-from prefixgym.engine.prefix_trie import shard_by_prefix
-from prefixgym.engine.training import TrainingClient
-from prefixgym.types import AdamParams, Datum, ModelInput
+sys.path.insert(0, str(Path(__file__).parent.parent))  # tests/, for the workers too
+from numerics import from_environment, max_abs_logit  # noqa: E402
+
+from prefixgym.engine.distributed import DistributedTrainingClient, init_distributed  # noqa: E402
+from prefixgym.engine.model import load_model  # noqa: E402
+from prefixgym.engine.prefix_trie import shard_by_prefix  # noqa: E402
+from prefixgym.engine.training import TrainingClient  # noqa: E402
+from prefixgym.types import AdamParams, Datum, ModelInput  # noqa: E402
+
+NUMERICS = from_environment()
 
 ADAM = AdamParams(learning_rate=1e-3)  # default eps=1e-8
 LENGTHS = (12, 7, 20, 9, 15, 11)  # six datums; the first four start with one 6-token prefix
@@ -49,7 +56,7 @@ def worker(out: Path) -> None:
     rank, world = init_distributed("gloo")
     # rank 1 starts from other weights: the client must broadcast rank 0's
     model = load_model("tiny", seed=0 if rank == 0 else 123)
-    trainer = DistributedTrainingClient(TrainingClient(model))
+    trainer = DistributedTrainingClient(TrainingClient(model, compute_dtype=NUMERICS.dtype))
     result = trainer.forward_backward(make_datums(), "cross_entropy").result()
     torch.save({n: p.grad.clone() for n, p in model.named_parameters()},
                out / f"grads_rank{rank}.pt")
@@ -78,16 +85,16 @@ def test_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     model = load_model("tiny", seed=0)
-    single = TrainingClient(model)
+    single = TrainingClient(model, compute_dtype=NUMERICS.dtype)
     expected = single.forward_backward(make_datums(), "cross_entropy").result()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     single.close()
     # One process accumulating the same two shards: its gradient is g0 + g1, the sum the
     # all-reduce forms, to the bit. (The whole batch in one call sums in another order:
-    # equal to fp32 rounding, which Adam's first step, about lr * sign(g), can blow up
-    # to a full learning rate on a gradient near zero.)
+    # equal to fp32 rounding, or bf16's, which Adam's first step, about lr * sign(g), can
+    # blow up to a full learning rate on a gradient near zero.)
     model = load_model("tiny", seed=0)
-    single = TrainingClient(model)
+    single = TrainingClient(model, compute_dtype=NUMERICS.dtype)
     datums = make_datums()
     computed = 0
     for shard in shards():
@@ -98,19 +105,24 @@ def test_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
 
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world"] == 2
-    assert result["loss"] == pytest.approx(expected.metrics["loss"], rel=1e-5)
+    # against the whole batch in one call: fp32 up to summation order, bf16 within its bound
+    rel = NUMERICS.rel(1e-5, len(model.layers))
+    logit_scale = max(max_abs_logit(load_model("tiny", seed=0), d.model_input.tokens)
+                      for d in datums)
+    atol = NUMERICS.logprob_atol(1e-5, len(model.layers), logit_scale, sides=2)
+    assert result["loss"] == pytest.approx(expected.metrics["loss"], rel=rel)
     assert result["train_loss_tokens"] == expected.usage.train_loss_tokens
     # rank 0's ledger counts both ranks; a prefix shared within a rank is computed once
     assert result["ledger_computed"] == computed < sum(LENGTHS)
     assert result["ledger_shared"] == sum(LENGTHS) - computed
     for got, want in zip(result["logprobs"], expected.loss_fn_outputs):
-        assert got == pytest.approx(want["logprobs"], abs=1e-5)  # in the caller's order
+        assert got == pytest.approx(want["logprobs"], abs=atol)  # in the caller's order
     reference = model.state_dict()
     for rank in (0, 1):
         summed = torch.load(tmp_path / f"grads_rank{rank}.pt")
         for name, value in grads.items():
             scale = float(value.abs().max())
-            torch.testing.assert_close(summed[name], value, rtol=0, atol=1e-5 * scale, msg=name)
+            torch.testing.assert_close(summed[name], value, rtol=0, atol=rel * scale, msg=name)
         weights = torch.load(tmp_path / f"weights_rank{rank}.pt")
         for name, value in reference.items():
             torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-5, msg=name)

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from numerics import max_abs_logit
 
 from prefixgym.engine.model import ModelConfig
 from prefixgym.engine.token_sampler import RowParams, sample_tokens
@@ -58,7 +59,7 @@ def service() -> Iterator[LocalService]:
         yield svc
 
 
-def test_sampled_logprobs_match_the_trainers_forward(service: LocalService) -> None:
+def test_sampled_logprobs_match_the_trainers_forward(service: LocalService, numerics) -> None:
     sampler = service.create_sampling_client(stop_at_end_of_turn=False)
     prompt = list(range(20, 60))
     seq = sampler.sample(ModelInput.from_ints(prompt),
@@ -67,9 +68,11 @@ def test_sampled_logprobs_match_the_trainers_forward(service: LocalService) -> N
     tokens = prompt + seq.tokens
     datum = Datum(model_input=ModelInput.from_ints(tokens[:-1]),
                   loss_fn_inputs={"target_tokens": tokens[1:]})
-    out = service.create_training_client().forward([datum], loss_fn="cross_entropy").result()
+    trainer = service.create_training_client(compute_dtype=numerics.dtype)
+    out = trainer.forward([datum], loss_fn="cross_entropy").result()
     trained = out.loss_fn_outputs[0]["logprobs"][len(prompt) - 1 :]
-    assert trained == pytest.approx(seq.logprobs, abs=1e-4)
+    atol = numerics.logprob_atol(1e-4, SMALL.n_layers, max_abs_logit(service.train_model, tokens))
+    assert trained == pytest.approx(seq.logprobs, abs=atol)
 
 
 def test_usage_is_recorded_for_every_response(service: LocalService) -> None:

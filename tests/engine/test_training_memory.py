@@ -1,7 +1,8 @@
 """The training client's memory options give the plain path's results: the chunked
 logprob head (`chunked_head`, `logprob_head.py`) and per-block activation recompute
 (`recompute_activations`), for every loss, with and without shared prefixes, under
-bf16 autocast, with LoRA adapters (the head's too); and what backward keeps shrinks."""
+bf16 autocast, with LoRA adapters (the head's too); and what backward keeps shrinks.
+The chunked head's and LoRA's comparisons run in the test dtype (tests/numerics.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from numerics import from_environment
 
 from prefixgym.engine import logprob_head
 from prefixgym.engine.losses import LOSSES
@@ -22,6 +24,8 @@ from prefixgym.types import Datum, ForwardBackwardOutput, ModelInput
 CONFIG = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
                      max_seq_len=48)
 REL = 5e-6  # fp32: matmuls and gradient sums split by chunk
+NUMERICS = from_environment()
+REL_TEST_DTYPE = NUMERICS.rel(REL, CONFIG.n_layers)  # bf16: tests/numerics.py
 Grads = dict[str, torch.Tensor]
 
 
@@ -68,10 +72,12 @@ def train(make: Callable[[], TrainingClient], data: list[Datum], loss_fn: str,
 
 
 def full_client(**kwargs: object) -> Callable[[], TrainingClient]:
+    """A trainer of CONFIG, in the test dtype unless `compute_dtype` says otherwise."""
     def make() -> TrainingClient:
         model = Transformer(CONFIG)
         init_weights(model, 0)
-        return TrainingClient(model, **kwargs)  # type: ignore[arg-type]
+        return TrainingClient(model, **{"compute_dtype": NUMERICS.dtype,  # type: ignore[arg-type]
+                                        **kwargs})
     return make
 
 
@@ -103,7 +109,7 @@ def test_chunked_head_gives_the_plain_head_results_for_every_loss(loss_fn: str,
     plain = train(full_client(chunked_head=False, share_prefixes=share), group(), loss_fn)
     with small_chunks():
         chunked = train(full_client(chunked_head=True, share_prefixes=share), group(), loss_fn)
-    assert_same(chunked, plain, REL)
+    assert_same(chunked, plain, REL_TEST_DTYPE)
 
 
 @pytest.mark.parametrize("chunked_head", [False, True])
@@ -134,8 +140,8 @@ def test_lora_with_and_without_the_head_adapter(train_unembed: bool) -> None:
     adapter (chunks recomputed in backward): the plain path's adapter gradients."""
     def lora_run(**kwargs: object) -> tuple[ForwardBackwardOutput, Grads]:
         with EngineService(CONFIG, thread_tuning=False) as svc:
-            client = svc.create_lora_training_client(rank=4, train_unembed=train_unembed,
-                                                     **kwargs)  # type: ignore[arg-type]
+            client = svc.create_lora_training_client(  # type: ignore[arg-type]
+                rank=4, train_unembed=train_unembed, compute_dtype=NUMERICS.dtype, **kwargs)
             with torch.no_grad():  # B starts at zero: make every adapter matter
                 gen = torch.Generator().manual_seed(7)
                 for p in client._params:
@@ -148,7 +154,7 @@ def test_lora_with_and_without_the_head_adapter(train_unembed: bool) -> None:
         recomputed = lora_run(recompute_activations=True)
     assert all("lora_" in n for n in plain[1])  # only the adapters train
     assert any(n.startswith("head_adapter.") for n in plain[1]) == train_unembed
-    assert_same(chunked, plain, REL)
+    assert_same(chunked, plain, REL_TEST_DTYPE)
     assert_same(recomputed, chunked, 0.0)
 
 
@@ -228,11 +234,13 @@ def test_chunked_head_keeps_no_positions_by_vocab_tensor(share: bool) -> None:
 
     data = group()
     positions = sum(d.model_input.length for d in data) if not share else 12 + 5 + 9 + 3 + 7
-    plain = logits_sized(saved_tensors(full_client(chunked_head=False, share_prefixes=share),
-                                       data))
+    fp32 = torch.float32  # under autocast, bf16 copies of the head's weight would count
+    plain = logits_sized(saved_tensors(full_client(chunked_head=False, share_prefixes=share,
+                                                   compute_dtype=fp32), data))
     assert sum(math.prod(s) for s in plain) >= positions * V, plain  # every position's
     with small_chunks():
-        kept = logits_sized(saved_tensors(full_client(share_prefixes=share), data))
+        kept = logits_sized(saved_tensors(full_client(share_prefixes=share, compute_dtype=fp32),
+                                          data))
     assert kept == []
 
 
@@ -240,7 +248,8 @@ def test_recompute_keeps_a_fraction_of_the_activations() -> None:
     """Backward keeps the blocks' inputs (and what the head and embedding keep), not
     each block's norms, projections and MLP activations."""
     def kept_bytes(**kwargs: object) -> int:
-        kept = saved_tensors(full_client(share_prefixes=False, **kwargs), group())
+        kept = saved_tensors(full_client(share_prefixes=False, compute_dtype=torch.float32,
+                                         **kwargs), group())
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in kept if not _is_weight(t)}
         return sum(storages.values())

@@ -3,9 +3,11 @@ read old KV."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import pytest
+from numerics import max_abs_logit
 
 from prefixgym.engine.model import ModelConfig
 from prefixgym.local_service import LocalService
@@ -42,16 +44,28 @@ def _sample(sampler, seed: int = 0):
     return sampler.sample(ModelInput.from_ints(PROMPT), num_samples=2, sampling_params=params)
 
 
-def test_sampler_and_trainer_logprobs_agree_before_and_after_a_step(service: LocalService) -> None:
-    trainer = service.create_training_client()
+def test_sampler_and_trainer_logprobs_agree_before_and_after_a_step(service: LocalService,
+                                                                    numerics) -> None:
+    """On-policy, the trainer's logprobs are the sampler's up to the trainer's rounding
+    (fp32: summation order; bf16: tests/numerics.py), and the importance weights are
+    exactly exp(trainer - sampler) of those numbers: the loss of advantage 1 is minus
+    their sum, computed from the fp32 logprobs, not from anything rounded to bf16."""
+    trainer = service.create_training_client(compute_dtype=numerics.dtype)
     sampler = service.create_sampling_client(stop_at_end_of_turn=False)
     for _ in range(2):  # initial weights, then the weights after one update
         response = _sample(sampler).result()
         datums = [_datum(PROMPT, s.tokens, s.logprobs) for s in response.sequences]
         out = trainer.forward_backward(datums, "importance_sampling").result()
+        scale = max(max_abs_logit(service.train_model, PROMPT + s.tokens)
+                    for s in response.sequences)
+        atol = numerics.logprob_atol(1e-4, CONFIG.n_layers, scale)
+        ratios = []
         for seq, lp in zip(response.sequences, out.loss_fn_outputs):
-            assert lp["logprobs"][len(PROMPT) - 1 :] == pytest.approx(seq.logprobs, abs=1e-4)
-        assert out.metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+            trained = lp["logprobs"][len(PROMPT) - 1 :]
+            assert trained == pytest.approx(seq.logprobs, abs=atol)
+            ratios += [math.exp(t - s) for t, s in zip(trained, seq.logprobs)]
+        assert out.metrics["loss:sum"] == pytest.approx(-sum(ratios), rel=1e-5)
+        assert out.metrics["ratio/mean"] == pytest.approx(1.0, abs=math.expm1(atol))
         trainer.optim_step(AdamParams(learning_rate=1e-2)).result()
         sampler = trainer.save_weights_and_get_sampling_client()
     assert service.weights_version == 2

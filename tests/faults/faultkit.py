@@ -8,11 +8,15 @@ import hashlib
 import json
 from pathlib import Path
 
+from numerics import from_environment
+
 # 10 metrics lines: eval, 2 sft, eval, 4 grpo, 2 evals; checkpoints warm_start,
-# step-000001, step-000003
+# step-000001, step-000003. In the test dtype: runs in this process and runs started
+# as processes are compared, and in a process `auto` would be this CPU's choice.
 TINY = ["--steps", "4", "--checkpoint-every", "2", "--eval-every", "2", "--sft-steps", "2",
         "--sft-episodes-per-step", "2", "--groups-per-step", "1", "--group-size", "2",
-        "--eval-episodes", "2", "--max-tokens", "4", "--no-progress"]
+        "--eval-episodes", "2", "--max-tokens", "4", "--no-progress",
+        "--compute-dtype", from_environment().name]
 TINY_LINES = 10
 
 

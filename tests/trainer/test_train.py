@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from numerics import DTYPES
 
 from prefixgym.cli import main as cli_main
 from prefixgym.cli.train import train
@@ -72,7 +73,7 @@ def test_accounting_identities():
         sum(traj.total_reward for g in groups for traj in g.trajectories) / 6)
 
 
-def test_cli_run_writes_metrics_report_plots_and_checkpoints(tmp_path):
+def test_cli_run_writes_metrics_report_plots_and_checkpoints(tmp_path, numerics):
     out = tmp_path / "run"
     args = ["train", "--out", str(out), "--steps", "2"]
     for k, v in SMALL.items():
@@ -92,6 +93,8 @@ def test_cli_run_writes_metrics_report_plots_and_checkpoints(tmp_path):
     assert all("eval/reward/mean" in e for e in evals)
     report = (out / "report.md").read_text()
     assert "prefill, served from the prefix cache" in report and "train, in the loss" in report
+    # what `auto` chose (here the test dtype: tests/conftest.py) and on how many threads
+    assert f"Trained in {numerics.name} on {torch.get_num_threads()} threads (" in report
     assert (out / "training.png").stat().st_size > 0 and (out / "tokens.png").stat().st_size > 0
     assert (out / "checkpoints" / "latest").read_text() == "step-000001"
     # the full resolved config, in the report and in every checkpoint
@@ -106,19 +109,24 @@ class Killed(Exception):
     pass
 
 
+@pytest.mark.parametrize("numerics", DTYPES, ids=str)
 @pytest.mark.parametrize("async_mode", [False, True])
 def test_same_run_same_metrics_and_resume_continues_exactly(tmp_path, monkeypatch, async_mode,
-                                                            thread_count_restored):
+                                                            numerics, thread_count_restored):
     """Deterministic mode (the default): the engine's batches are fixed by the rollout
     schedule, so two runs of one config log the same numbers, bit for bit (steps 0-1 of
     "a" and "c"), and a run killed after a checkpoint and resumed logs what the
-    uninterrupted run did (steps 2-3). "a" runs on 2 threads, "c" on 1 where torch uses
-    MKL: the thread count changes no bits either (MKL's strict mode, docs/architecture.md
-    "Determinism"; not measured with other BLAS libraries)."""
+    uninterrupted run did (steps 2-3), in either compute dtype. In fp32 where torch uses
+    MKL, "a" runs on 2 threads and "c" on 1: the thread count changes no bits (MKL's
+    strict mode). bf16 matmuls run in oneDNN, which splits reductions by thread count
+    (docs/architecture.md "Determinism"): there the claim is the same count, 2 and 2."""
+    any_count = numerics.name == "float32" and MKL
+
     def run(out, resume=False):
         config = TrainConfig(**{**SMALL, "eval_episodes": 2}, steps=4, checkpoint_every=2,
                              out=str(tmp_path / out), resume=resume, async_mode=async_mode,
-                             num_threads=1 if out == "c" and MKL else 2)
+                             compute_dtype=numerics.name,
+                             num_threads=1 if out == "c" and any_count else 2)
         train(config)
 
     # (the plots are test_cli_run_writes_metrics_report_plots_and_checkpoints's to check)
@@ -141,6 +149,22 @@ def test_same_run_same_metrics_and_resume_continues_exactly(tmp_path, monkeypatc
     assert [r["step"] for r in c if r["phase"] == "grpo"] == [0, 1, 2, 3]
     assert sum(1 for r in a if r.get("tokens/train_computed")) >= 2, "steps must train"
     assert a == c
+
+
+@pytest.mark.parametrize("numerics", DTYPES, ids=str)
+def test_a_resume_on_another_thread_count_says_when_bits_will_differ(
+        tmp_path, monkeypatch, capsys, numerics, thread_count_restored):
+    """bf16 rounds by thread count, fp32 (MKL) does not: resumed on 1 thread after 2,
+    a bf16 run says its steps will not repeat the uninterrupted run's bits."""
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+    config = dict(SMALL, sft_steps=0, eval_episodes=1, checkpoint_every=1, out=str(tmp_path),
+                  compute_dtype=numerics.name)
+    train(TrainConfig(**config, steps=1, num_threads=2))
+    capsys.readouterr()
+    train(TrainConfig(**config, steps=2, num_threads=1, resume=True))
+    err = capsys.readouterr().err
+    assert "resuming from" in err
+    assert ("threads 2 -> 1" in err) == numerics.is_bf16
 
 
 def test_evaluating_the_random_init_is_opt_in_and_changes_nothing_else(tmp_path, monkeypatch):
