@@ -49,11 +49,11 @@ from bench_matmul_peak import measure_matmul_peak
 from bench_shared_prefix import VOCAB, _datum, _ids
 from torch.profiler import ProfilerActivity, profile
 
-from prefixgym.engine.layers import Block, KVView, _apply_rope, _rms_norm
 from prefixgym.engine.model import Transformer, load_model
-from prefixgym.engine.train_batch import prepare_request
-from prefixgym.engine.train_pass import PassOptions, autocast_for, run_pass
-from prefixgym.engine.training import TrainingClient
+from prefixgym.engine.model.layers import Block, KVView, _apply_rope, _rms_norm
+from prefixgym.engine.trainer.train_batch import prepare_request
+from prefixgym.engine.trainer.train_pass import PassOptions, autocast_for, run_pass
+from prefixgym.engine.trainer.training import TrainingClient
 from prefixgym.local_service import LocalService
 from prefixgym.types import AdamParams, Datum, ModelInput, SamplingParams
 

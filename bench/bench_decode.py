@@ -12,7 +12,7 @@ float32 and bfloat16), all on the same (bf16-rounded) weights; `--dtypes float32
 bfloat16` gives both in one run (one table each), as `--presets tiny small` does.
 
 The engine picks its own thread count per step (up to `--threads`, see
-`prefixgym/engine/threads.py`). To be fair to HF, which does not, HF runs at every
+`prefixgym/engine/sampler/threads.py`). To be fair to HF, which does not, HF runs at every
 count in `--hf-threads` (default: 1 and `--threads`) and each ratio is against HF's
 best count for that dtype and batch; the per-count figures are printed too.
 

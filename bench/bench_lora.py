@@ -69,26 +69,29 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     import prefixgym as pg
     from prefixgym.engine.model import load_model
     from prefixgym.engine.service import EngineService
-    from prefixgym.engine.training import TrainingClient
+    from prefixgym.engine.trainer.options import TrainerOptions
+    from prefixgym.engine.trainer.training import TrainingClient
 
     common.setup_threads(args.threads)
+    # the same memory options in both modes
+    options = TrainerOptions(max_tokens_per_forward=args.max_tokens_per_forward,
+                             chunked_head=args.chunked_head,
+                             recompute_activations=args.recompute_activations)
     t0 = time.perf_counter()
     publish_s: list[float] = []
     if args.mode == "lora":
         svc = EngineService(str(args.dir), thread_tuning=False, max_running=args.decode_rows)
         model = svc.train_model
-        client = svc.create_lora_training_client(rank=args.rank, alpha=2.0 * args.rank)
+        client = svc.create_lora_training_client(rank=args.rank, alpha=2.0 * args.rank,
+                                                 options=options)
     else:  # the trainer alone: a service would also hold version 0's copy of the weights
         model = load_model(str(args.dir))
-        client = TrainingClient(model)
+        client = TrainingClient(model, options)
         for _ in range(2):  # what publish_weights does, timed before Adam's state exists
             t = time.perf_counter()
             snapshot = model.clone_for_inference()
             publish_s.append(time.perf_counter() - t)
             del snapshot
-    client.max_tokens_per_forward = args.max_tokens_per_forward
-    client.chunked_head = args.chunked_head  # the same memory options in both modes
-    client.recompute_activations = args.recompute_activations
     load_s = time.perf_counter() - t0
     trainable = sum(p.numel() for p in client._params)
     gen = torch.Generator().manual_seed(0)

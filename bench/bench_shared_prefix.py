@@ -7,7 +7,7 @@ Parts (`--part`, default all three):
           with its own 30-token first user message; two turns per episode: reply (50
           tokens), env message (20), reply (50). 1,150 tokens, 1,149 inputs per datum;
           weight 1 on the replies' tokens, loss importance_sampling, advantages / loss
-          tokens. Contenders: `TrainingClient(share_prefixes=True)` and `(False)` on two
+          tokens. Contenders: `TrainerOptions(share_prefixes=True)` and `(False)` on two
           copies of one model; each round is one update (forward_backward + optim_step)
           of each, interleaved ABBA; the first round is a warm-up. Printed: train tokens
           computed, update seconds (median, min), the ratios.
@@ -42,7 +42,8 @@ import common  # sets OMP_WAIT_POLICY=PASSIVE before torch starts its threads
 import torch
 
 from prefixgym.engine.model import load_model
-from prefixgym.engine.training import TrainingClient
+from prefixgym.engine.trainer.options import TrainerOptions
+from prefixgym.engine.trainer.training import TrainingClient
 from prefixgym.types import AdamParams, Datum, ModelInput
 
 VOCAB = 4096
@@ -102,7 +103,8 @@ def grpo_shaped_batch(seed: int = 0) -> list[Datum]:
 
 def part_long(args: argparse.Namespace) -> None:
     datums = long_batch(args.groups)
-    clients = {share: TrainingClient(load_model(args.preset, seed=0), share_prefixes=share)
+    clients = {share: TrainingClient(load_model(args.preset, seed=0),
+                                     TrainerOptions(share_prefixes=share))
                for share in (True, False)}
     seconds: dict[bool, list[float]] = {True: [], False: []}
     computed: dict[bool, int] = {}
@@ -131,7 +133,7 @@ def part_long(args: argparse.Namespace) -> None:
 def _peak_child(workload: str, share: bool, groups: int, preset: str) -> None:
     """Run in a fresh process: one forward_backward; print peak RSS growth in MiB."""
     datums = long_batch(groups) if workload == "long" else grpo_shaped_batch()
-    client = TrainingClient(load_model(preset, seed=0), share_prefixes=share)
+    client = TrainingClient(load_model(preset, seed=0), TrainerOptions(share_prefixes=share))
     with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) restarts from here
         f.write("5")
     before_kib = _status_kib("VmRSS")
@@ -163,7 +165,7 @@ def part_drift(args: argparse.Namespace) -> None:
     model = load_model(args.preset, seed=0)
     results = {}
     for dtype, share in ((torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)):
-        client = TrainingClient(model, compute_dtype=dtype, share_prefixes=share)
+        client = TrainingClient(model, TrainerOptions(compute_dtype=dtype, share_prefixes=share))
         out = client.forward_backward(datums, "importance_sampling").result()
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         model.zero_grad(set_to_none=True)

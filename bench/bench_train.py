@@ -5,7 +5,7 @@ tokens. Four contenders start from identical weights (the HF model is a copy of 
 built-in one, `common.hf_llama_from`):
 
     ours-fp32   TrainingClient(model)                              cross_entropy
-    ours-bf16   TrainingClient(model, compute_dtype=torch.bfloat16) (autocast, fp32 master)
+    ours-bf16   TrainingClient(model, TrainerOptions(compute_dtype=torch.bfloat16)) (autocast, fp32 master)
     hf-fp32     LlamaForCausalLM(labels=...) + torch.optim.AdamW
     hf-bf16     the same under torch.autocast("cpu", torch.bfloat16)
 
@@ -51,7 +51,8 @@ import torch
 from bench_matmul_peak import measure_matmul_peak
 
 from prefixgym.engine.model import PRESETS, ModelConfig, Transformer, count_parameters, load_model
-from prefixgym.engine.training import TrainingClient
+from prefixgym.engine.trainer.options import TrainerOptions
+from prefixgym.engine.trainer.training import TrainingClient
 from prefixgym.types import AdamParams, Datum, ModelInput
 
 LR = 1e-4
@@ -74,7 +75,7 @@ def datums_of(tokens_B_T1: torch.Tensor) -> list[Datum]:
 
 def ours_step(model: Transformer, dtype: torch.dtype, datums: list[Datum],
               **options: bool) -> Callable[[], None]:
-    client = TrainingClient(model, compute_dtype=dtype, **options)
+    client = TrainingClient(model, TrainerOptions(compute_dtype=dtype, **options))
     adam = AdamParams(learning_rate=LR)
 
     def step() -> None:
@@ -101,7 +102,7 @@ def hf_step(hf: Any, bf16: bool, tokens_B_T1: torch.Tensor) -> Callable[[], None
 
 
 def target_logprobs_ours(model: Transformer, dtype: torch.dtype, datums: list[Datum]) -> torch.Tensor:
-    out = TrainingClient(model, compute_dtype=dtype).forward(datums, "cross_entropy").result()
+    out = TrainingClient(model, TrainerOptions(compute_dtype=dtype)).forward(datums, "cross_entropy").result()
     return torch.tensor([o["logprobs"] for o in out.loss_fn_outputs], dtype=torch.float64)
 
 

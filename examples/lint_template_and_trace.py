@@ -26,7 +26,7 @@ from prefixgym.cli.lint import main as lint_main
 from prefixgym.prompting import Conversation
 from prefixgym.prompting.lint.report import render_text
 from prefixgym.prompting.lint.source import load_template
-from prefixgym.prompting.lint.template import probe_template
+from prefixgym.prompting.templates.append_only import probe_template
 from prefixgym.prompting.tokenizer import load_tokenizer
 
 HERE = Path(__file__).parent / "lint"

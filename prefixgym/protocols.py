@@ -1,11 +1,11 @@
 """The client protocols that rollouts and the trainer depend on.
 
 Two implementations stand behind `SamplingClient`: the built-in engine's
-(`prefixgym.engine.sampling`) and the OpenAI-compatible HTTP backend
+(`prefixgym.engine.sampler.sampling`) and the OpenAI-compatible HTTP backend
 (`prefixgym.serving.openai_client`, and `serving.pool` over several servers); the engine's
 is also a `RoundSamplingClient`, which takes a list of requests as one atomic round.
 Behind `TrainingClient`: the engine's
-(`prefixgym.engine.training`), its DDP wrapper (`engine.distributed`), and one that
+(`prefixgym.engine.trainer.training`), its DDP wrapper (`engine.distributed`), and one that
 pushes every update to remote samplers (`serving.weight_sync.RemoteWeightSync`).
 Rollouts, evaluation and GRPO are typed against these protocols and never import
 `engine/` internals; `UsageSink` is where an HTTP sampler reports what it used.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
@@ -24,6 +24,12 @@ JSONObject = dict[str, Any]
 any JSON type, hence `Any`."""
 LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo",
                      "stable_reinforce"]
+LOSS_FN_NAMES: tuple[LossFnName, ...] = get_args(LossFnName)
+"""Every built-in loss, as `forward_backward(loss_fn=...)` names it: the engine's losses
+(`engine/trainer/losses.py`) and `prefixgym train --loss` read this one list."""
+NonfiniteUpdate = Literal["skip", "error"]
+NONFINITE_UPDATES: tuple[NonfiniteUpdate, ...] = get_args(NonfiniteUpdate)
+"""What an update whose gradient norm is NaN or inf does: skip it (counted) or raise."""
 
 
 class _Wire(BaseModel):

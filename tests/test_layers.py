@@ -1,4 +1,5 @@
-"""The package's imports follow the layer table in docs/architecture.md, without cycles."""
+"""The package's imports follow the layer table in docs/architecture.md, without cycles
+between parts (the engine's wings included) or between any two files."""
 
 from __future__ import annotations
 
@@ -27,9 +28,17 @@ def allowed_arrows() -> dict[str, set[str]]:
     return arrows
 
 
+WINGED = {"engine"}
+"""Subpackages whose own modules and subpackages are parts of the table (the wings)."""
+
+
 def part_of(module: str) -> str:
-    """`prefixgym.engine.model` -> `engine`; `prefixgym.types` -> `types`; `prefixgym`."""
+    """`prefixgym.engine.sampler.scheduler` -> `engine.sampler`; `prefixgym.engine` ->
+    `engine`; `prefixgym.trainer.grpo` -> `trainer`; `prefixgym.types` -> `types`;
+    `prefixgym`."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] in WINGED:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else "prefixgym"
 
 
@@ -95,7 +104,8 @@ def test_the_table_names_every_part_of_the_package() -> None:
     assert set(arrows) - parts == set(), "the table names parts that do not exist"
     for part, rules in arrows.items():
         for rule in rules:
-            assert rule.split(".")[0] in arrows, f"{part} may import unknown {rule!r}"
+            assert part_of(f"prefixgym.{rule}") in arrows or rule.split(".")[0] in arrows, (
+                f"{part} may import unknown {rule!r}")
 
 
 def test_every_import_follows_the_table() -> None:
@@ -130,7 +140,60 @@ def test_no_cycle_between_parts() -> None:
         assert cycle is None, " -> ".join(cycle or [])
 
 
-@pytest.mark.parametrize("source", ["engine", "prompting", "envs", "rollouts", "trainer"])
+@pytest.mark.parametrize("source", ["engine.service", "prompting", "envs", "rollouts", "trainer"])
 def test_no_layer_imports_an_entry_point(source: str) -> None:
     assert "cli" not in allowed_arrows()[source]
     assert not [e for e in edges() if e == (source, "cli")]
+
+
+def test_the_sampler_and_trainer_wings_never_import_each_other() -> None:
+    """Only the service sees both: a new weights version reaches samplers through the
+    `publish` callable it hands the trainer."""
+    arrows = allowed_arrows()
+    for a, b in (("engine.sampler", "engine.trainer"), ("engine.trainer", "engine.sampler")):
+        assert not allows(arrows[a], f"prefixgym.{b}")
+        assert (a, b) not in edges()
+    for wing in ("engine.model", "engine.sampler", "engine.trainer"):
+        assert not allows(arrows[wing], "prefixgym.engine.service")
+
+
+def test_no_cycle_between_files() -> None:
+    """No two modules import each other, directly or around a loop (function-level and
+    TYPE_CHECKING imports included)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = module_name(path)
+        for target, _ in imports_of(path):
+            target = _existing_module(target)
+            if target != source and not source.startswith(target + "."):  # not its package
+                graph[source].add(target)
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node):], node]
+        if node in done:
+            return None
+        for nxt in sorted(graph[node]):
+            found = visit(nxt, [*path, node])
+            if found:
+                return found
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start, [])
+        assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_the_chat_format_does_not_import_the_linter() -> None:
+    """The runtime chat format needs the append-only verdict (`prompting.templates`), not
+    the linter's reports: nothing in prompting outside `prompting.lint` imports it."""
+    bad = []
+    for path in sorted((PACKAGE / "prompting").rglob("*.py")):
+        if "lint" in path.relative_to(PACKAGE / "prompting").parts:
+            continue
+        for target, line in imports_of(path):
+            if target.startswith("prefixgym.prompting.lint"):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert bad == []

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import json_object
+from prefixgym.prompting.findings import LintInputError, filter_findings, parse_codes
 from prefixgym.prompting.lint.config import LintConfig, load_config
-from prefixgym.prompting.lint.findings import LintInputError, filter_findings, parse_codes
 from prefixgym.prompting.lint.report import Report, render_json, render_text
 from prefixgym.types import JSONObject
 
@@ -98,7 +98,7 @@ def _decoder(
 def _run(args: argparse.Namespace, config: LintConfig) -> Report:
     if args.what == "template":
         from prefixgym.prompting.lint.source import load_template
-        from prefixgym.prompting.lint.template import probe_template
+        from prefixgym.prompting.templates.append_only import probe_template
 
         source = load_template(args.path, args.bos_token, args.eos_token)
         tokenizer = load_tokenizer_dir(args.tokenizer) if args.tokenizer else None

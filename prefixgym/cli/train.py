@@ -25,7 +25,9 @@ import torch
 
 from prefixgym.cli.errors import error_line
 from prefixgym.engine.device import describe_cpu, has_fast_bf16
-from prefixgym.engine.training import TrainingClient as LocalTrainingClient
+from prefixgym.engine.sampler.options import SamplerOptions
+from prefixgym.engine.trainer.options import TrainerOptions
+from prefixgym.engine.trainer.training import TrainingClient as LocalTrainingClient
 from prefixgym.envs.registration import make_agent_env
 from prefixgym.files import ensure_writable_dir
 from prefixgym.local_service import LocalService
@@ -45,6 +47,15 @@ def compute_dtype(config: TrainConfig) -> torch.dtype:
     if config.compute_dtype == "auto":
         return torch.bfloat16 if has_fast_bf16() else torch.float32
     return torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
+
+
+def trainer_options(config: TrainConfig) -> TrainerOptions:
+    """The engine trainer's options from the run's flags."""
+    return TrainerOptions(
+        compute_dtype=compute_dtype(config),
+        nonfinite_update="error" if config.nonfinite_update == "error" else "skip",
+        share_prefixes=config.share_prefixes,
+        recompute_activations=config.recompute_activations)
 
 
 def build_run(config: TrainConfig, service: LocalService | None = None,
@@ -75,35 +86,31 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
         return Run(config, tinker_clients(config, tinker_service), make), None
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None,
-        deterministic=config.deterministic,
+        sampler=SamplerOptions(deterministic=config.deterministic),
     )
     if Path(config.model).is_dir():
         check_chat_format(config.model, service)
     ranks = torchrun_ranks(service)
+    options = trainer_options(config)
     training: TrainingClient
     if config.lora_rank:
         targets = {t.strip() for t in config.lora_targets.split(",")}
         training = service.create_lora_training_client(
             rank=config.lora_rank, alpha=config.lora_alpha, train_attn="attn" in targets,
             train_mlp="mlp" in targets, train_unembed="unembed" in targets, seed=config.seed,
-            compute_dtype=compute_dtype(config), nonfinite_update=config.nonfinite_update,
-            share_prefixes=config.share_prefixes,
-            recompute_activations=config.recompute_activations)
+            options=options)
     else:
-        training = service.create_training_client(
-            compute_dtype=compute_dtype(config), nonfinite_update=config.nonfinite_update,
-            share_prefixes=config.share_prefixes,
-            recompute_activations=config.recompute_activations)
+        training = service.create_training_client(options)
     if ranks.world > 1:
-        from prefixgym.engine.distributed import DistributedTrainingClient
+        from prefixgym.engine.trainer.distributed import DistributedTrainingClient
 
         training = DistributedTrainingClient(training)  # type: ignore[arg-type]
     clients = Clients(training, service.create_sampling_client(), service.tokenizer,
                       service.usage, ranks=ranks)
     if config.sampler_url:  # rollouts and evaluation on remote servers (docs/scaling.md)
         clients = remote_clients(config, service, training, ranks)
-    # the training worker runs on this thread's count (engine/training.py)
-    clients.numerics = {"compute_dtype": str(compute_dtype(config)).removeprefix("torch."),
+    # the training worker runs on this thread's count (engine/trainer/training.py)
+    clients.numerics = {"compute_dtype": str(options.compute_dtype).removeprefix("torch."),
                         "threads": torch.get_num_threads(), "cpu": describe_cpu()}
     return Run(config, clients, make), service
 
@@ -146,7 +153,7 @@ def save_lora_adapter(config: TrainConfig, run: Run, out: Path) -> str | None:
     return unwrap(run.clients.training).save_weights_for_sampler(out / "adapter").result()
 
 
-def unwrap(training: object) -> LocalTrainingClient:
+def unwrap(training: object) -> LocalTrainingClient[Any]:
     """The engine's training client inside the remote-sync and DDP wrappers."""
     while not isinstance(training, LocalTrainingClient):
         training = getattr(training, "training", None) or training.client  # type: ignore[attr-defined]
@@ -165,7 +172,7 @@ def weights_writer(mode: str, training: TrainingClient) -> Callable[[Path], obje
     if mode == "lora":
         inner = unwrap(training)
         return lambda path: inner.save_weights_for_sampler(path).result()
-    from prefixgym.engine.hf_export import save_hf_checkpoint
+    from prefixgym.engine.model.hf_export import save_hf_checkpoint
 
     model = training.model  # type: ignore[attr-defined]
     return lambda path: save_hf_checkpoint(model, path)
@@ -199,7 +206,7 @@ def torchrun_ranks(service: LocalService) -> Ranks:
         return Ranks()
     import torch.distributed as dist
 
-    from prefixgym.engine.distributed import init_distributed
+    from prefixgym.engine.trainer.distributed import init_distributed
 
     rank, world = init_distributed("gloo")
 

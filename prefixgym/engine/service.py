@@ -18,18 +18,17 @@ environments, conversations or losses.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Self
+from typing import Any, Self, TypeVar
 
 import torch
 
-from prefixgym.engine import peft_format
 from prefixgym.engine.checkpoint_io import nonfinite_tensor
-from prefixgym.engine.engine import Engine
-from prefixgym.engine.kv_pool import KVPool
-from prefixgym.engine.lora import (
+from prefixgym.engine.model import ModelConfig, Transformer, init_weights, load_model, peft_format
+from prefixgym.engine.model.lora import (
     LoraSpec,
     adapter_module,
     add_lora,
@@ -37,15 +36,13 @@ from prefixgym.engine.lora import (
     frozen_view,
     lora_adapters,
 )
-from prefixgym.engine.model import ModelConfig, Transformer, init_weights, load_model
-from prefixgym.engine.prefix_cache import PrefixCache
-from prefixgym.engine.requests import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_RUNNING, RequestLimits
-from prefixgym.engine.sampling import SamplingClient
+from prefixgym.engine.sampler.engine import Engine
+from prefixgym.engine.sampler.options import SamplerOptions
+from prefixgym.engine.sampler.sampling import SamplingClient
+from prefixgym.engine.trainer.options import TrainerOptions
+from prefixgym.engine.trainer.training import TrainingClient
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.types import Usage
-
-if TYPE_CHECKING:
-    from prefixgym.engine.training import TrainingClient
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,40 +51,31 @@ class EngineService:
     """The local engine. `model`: a preset name, a local HF checkpoint directory, a
     `ModelConfig` (randomly initialised with `seed`) or a `Transformer` (used as is).
 
-    `end_of_turn_ids`: token ids every sampling client stops at by default (ids
-    outside the model's vocabulary are dropped). `decode`: ids -> text, needed only
-    for requests with stop strings. `prefix_cache=False` runs the same engine without cache reads or writes.
-    `cache_bytes`: the KV pool, preallocated on `device` (pages are touched as blocks are
-    first used): running sequences' KV and the cached blocks, in `block_size` blocks.
-    `device`: where the models, the KV pool and every engine and training tensor live
-    ("cpu", "cuda", "cuda:1", "mps", ... as torch knows them).
+    `sampler`: the sampler wing's `SamplerOptions` (the prefix cache and its KV pool,
+    request limits, thread tuning, determinism), or its fields as keywords
+    (`EngineService("tiny", prefix_cache=False)`), not both.
+    `dtype`: the weights' dtype. `device`: where the models, the KV pool and every engine
+    and training tensor live ("cpu", "cuda", "cuda:1", "mps", ... as torch knows them).
     `num_threads` sets torch's intra-op threads (process-wide) only when given.
-    `thread_tuning` lets the engine run each kind of step on the thread count (up to
-    torch's count at construction) that it measured fastest (`engine/threads.py`).
-    `max_running` bounds the sequences decoding at once, and so a request's samples;
-    `max_kv_bytes` the running KV one request may need (`engine/requests.py`).
-    `deterministic` runs each `sample_many` round alone, so that a caller submitting
-    its work in fixed rounds gets the same logprobs, bit for bit, every run
-    (`engine/engine.py`); with a bf16/fp16 model on CPU it also turns thread tuning off.
+    `end_of_turn_ids`: token ids every sampling client stops at by default (ids outside
+    the model's vocabulary are dropped). `decode`: ids -> text, needed only for requests
+    with stop strings.
     """
 
     def __init__(
         self,
         model: str | ModelConfig | Transformer = "tiny",
         seed: int = 0,
-        prefix_cache: bool = True,
-        block_size: int = 16,
-        cache_bytes: int = 2**30,
+        *,
         dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        num_threads: int | None = None,
         end_of_turn_ids: Iterable[int] = (),
         decode: Callable[[list[int]], str] | None = None,
-        num_threads: int | None = None,
-        max_running: int = DEFAULT_MAX_RUNNING,
-        thread_tuning: bool = True,
-        max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
-        deterministic: bool = False,
-        device: str | torch.device = "cpu",
+        sampler: SamplerOptions | None = None,
+        **sampler_fields: Any,
     ) -> None:
+        options = _options(SamplerOptions, sampler, sampler_fields)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
@@ -102,31 +90,9 @@ class EngineService:
         self.model_name = model if isinstance(model, str) else ""
         self._seed = seed
         cfg = self.train_model.config
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        # CPU attention is fastest in fp32 (exact for bf16 values: docs/benchmarks.md)
-        kv_dtype = torch.float32 if self.device.type == "cpu" else torch_dtype
-        kv_element_size = torch.empty((), dtype=kv_dtype).element_size()
-        block_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * block_size * cfg.head_dim * (
-            kv_element_size)
-        num_blocks = cache_bytes // block_bytes
-        if num_blocks < 2:
-            raise ValueError(f"cache_bytes={cache_bytes} holds {num_blocks} KV blocks of "
-                             f"{block_bytes} bytes; the engine needs at least 2")
-        pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size,
-                      kv_dtype, self.device)
-        self._prefix_cache = prefix_cache
-        cache = PrefixCache(num_blocks, block_size, block_bytes, indexing=prefix_cache)
         self.ledger = UsageLedger()
-        limits = RequestLimits(max_samples=max_running, max_kv_bytes=max_kv_bytes,
-                               kv_element_size=kv_element_size)
-        # bf16/fp16 matmuls on a CPU run in oneDNN, whose rounding changes with the thread
-        # count (docs/architecture.md "Determinism"): a deterministic engine keeps one count
-        if deterministic and self.device.type == "cpu" and torch_dtype != torch.float32:
-            thread_tuning = False
-        self.engine = Engine(pool, cache, decode=decode, ledger=self.ledger, seed=seed,
-                             max_running=max_running, thread_tuning=thread_tuning,
-                             limits=limits, deterministic=deterministic)
+        self.engine = Engine(cfg, options, self.device, torch_dtype, decode=decode,
+                             ledger=self.ledger, seed=seed)
         self._default_stop_ids = tuple(
             dict.fromkeys(int(i) for i in end_of_turn_ids if 0 <= int(i) < cfg.vocab_size))
         self._lock = threading.Lock()
@@ -136,7 +102,7 @@ class EngineService:
         # (LoRA leaves them untouched): the loaded weights are held once, not twice.
         self._inference_model = frozen_view(self.train_model)
         self._weights_shared = True
-        self._training_clients: list[TrainingClient] = []
+        self._training_clients: list[TrainingClient[SamplingClient]] = []
 
     @property
     def weights_version(self) -> int:
@@ -213,35 +179,24 @@ class EngineService:
             for name, tensor in adapter.named_parameters()))
 
     def create_training_client(
-        self, compute_dtype: torch.dtype = torch.float32, nonfinite_update: str = "skip",
-        share_prefixes: bool = True, chunked_head: bool = True,
-        recompute_activations: bool = False,
-    ) -> TrainingClient:
-        """A trainer on `train_model`; `compute_dtype=torch.bfloat16` runs its matmuls in
-        bf16 under autocast (fp32 master weights and optimizer state). An update with a
-        non-finite gradient norm is skipped, or with `nonfinite_update="error"` raises.
-        With `share_prefixes`, a token prefix shared by datums of one call is computed
-        once (same results); False computes every datum's every position (the reference).
-        `chunked_head` (never all positions' logits at once) and `recompute_activations`
-        (checkpoint every block: ~1/3 more compute, far fewer activations held) trade
-        compute for memory with the same results (docs/lora.md, "Memory")."""
-        from prefixgym.engine.training import TrainingClient
-
+        self, options: TrainerOptions | None = None, **option_fields: Any,
+    ) -> TrainingClient[SamplingClient]:
+        """A trainer of every weight of `train_model`, computing as `options` says (the
+        trainer wing's `TrainerOptions`: the compute dtype, prefix sharing, what backward
+        keeps, the non-finite policy), or its fields as keywords
+        (`create_training_client(share_prefixes=False)`), not both."""
         self._unshare_weights()
-        client = TrainingClient(self.train_model, publish=self.publish_weights, ledger=self.ledger,
-                                compute_dtype=compute_dtype, nonfinite_update=nonfinite_update,
-                                share_prefixes=share_prefixes, chunked_head=chunked_head,
-                                recompute_activations=recompute_activations)
+        client: TrainingClient[SamplingClient] = TrainingClient(
+            self.train_model, _options(TrainerOptions, options, option_fields),
+            publish=self.publish_weights, ledger=self.ledger)
         self._training_clients.append(client)
         return client
 
     def create_lora_training_client(
         self, rank: int = 32, alpha: float = 32.0, train_attn: bool = True,
         train_mlp: bool = True, train_unembed: bool = False, seed: int | None = None,
-        compute_dtype: torch.dtype = torch.float32, nonfinite_update: str = "skip",
-        share_prefixes: bool = True, chunked_head: bool = True,
-        recompute_activations: bool = False,
-    ) -> TrainingClient:
+        options: TrainerOptions | None = None, **option_fields: Any,
+    ) -> TrainingClient[SamplingClient]:
         """A trainer of LoRA adapters of `rank` on `train_model`, whose weights stay frozen
         and shared (not copied): on the attention projections (q, k, v, o) with
         `train_attn`, the MLP's (gate, up, down) with `train_mlp`, the output head with
@@ -249,24 +204,19 @@ class EngineService:
         default alpha=32 keeps a learning rate tuned at one rank about right at another.
         A is drawn from `seed` (default: the service's seed), B starts at zero.
         Publishing copies only the adapters; `save_weights_for_sampler(path)` writes
-        them in PEFT's format. Other arguments as `create_training_client`."""
-        from prefixgym.engine.training import TrainingClient
-
+        them in PEFT's format. `options` as `create_training_client`."""
         spec = LoraSpec(rank=rank, alpha=alpha, train_attn=train_attn, train_mlp=train_mlp,
                         train_unembed=train_unembed)
         lora = add_lora(self.train_model, spec, self._seed if seed is None else seed)
-        adapters = adapter_module(lora)
 
         def save_for_sampler(path: str) -> str:
             return peft_format.save_adapter(path, lora, spec, self.model_name)
 
-        client = TrainingClient(
-            lora, publish=lambda: self._publish_adapters(frozen_copy(lora)), ledger=self.ledger,
-            compute_dtype=compute_dtype, nonfinite_update=nonfinite_update,
-            share_prefixes=share_prefixes, chunked_head=chunked_head,
-            recompute_activations=recompute_activations,
+        client: TrainingClient[SamplingClient] = TrainingClient(
+            lora, _options(TrainerOptions, options, option_fields),
+            publish=lambda: self._publish_adapters(frozen_copy(lora)), ledger=self.ledger,
             params=[p for a in lora_adapters(lora).values() for p in a.parameters()],
-            state_module=adapters, save_for_sampler=save_for_sampler,
+            state_module=adapter_module(lora), save_for_sampler=save_for_sampler,
         )
         self._training_clients.append(client)
         return client
@@ -277,7 +227,7 @@ class EngineService:
     def cache_stats(self) -> dict[str, int]:
         """block_size, capacity_bytes (the KV pool), used_bytes and num_blocks (cached),
         running/free/reserved blocks, query/hit tokens, insertions, evictions."""
-        return {"enabled": int(self._prefix_cache), **self.engine.cache_stats()}
+        return {"enabled": int(self.engine.options.prefix_cache), **self.engine.cache_stats()}
 
     def engine_stats(self) -> dict[str, int]:
         """Engine counters: prefill calls/positions, decode steps, max batch size, ..."""
@@ -311,3 +261,21 @@ def _build_model(model: str | ModelConfig | Transformer, dtype: torch.dtype, see
         f"model must be a preset name, a checkpoint directory, a ModelConfig or a Transformer; "
         f"got {type(model).__name__}"
     )
+
+
+OptionsT = TypeVar("OptionsT", SamplerOptions, TrainerOptions)
+
+
+def _options(kind: type[OptionsT], given: OptionsT | None, fields: dict[str, Any]) -> OptionsT:
+    """`given`, or a `kind` built from `fields` (its field names as keywords)."""
+    if given is not None and fields:
+        raise TypeError(f"pass a {kind.__name__} or its fields ({', '.join(sorted(fields))}), "
+                        "not both")
+    if given is not None:
+        return given
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise TypeError(f"unknown {kind.__name__} field(s) {', '.join(unknown)}; its fields: "
+                        f"{', '.join(sorted(names))}")
+    return kind(**fields)

@@ -22,9 +22,9 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from prefixgym.prompting.lint.findings import RULES, Finding
-from prefixgym.prompting.lint.template import probe_template
+from prefixgym.prompting.findings import RULES, Finding
 from prefixgym.prompting.messages import Message, check_role, check_text
+from prefixgym.prompting.templates import probe_template
 from prefixgym.prompting.tools import ToolLike, as_tools
 from prefixgym.types import JSONObject
 

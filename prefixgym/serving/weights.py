@@ -39,8 +39,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
-from prefixgym.engine.hf_checkpoint import load_hf_checkpoint
-from prefixgym.engine.sampling import SamplingClient
+from prefixgym.engine.model.hf_checkpoint import load_hf_checkpoint
+from prefixgym.engine.sampler.sampling import SamplingClient
 from prefixgym.engine.service import EngineService
 from prefixgym.types import JSONObject
 

@@ -26,8 +26,8 @@ import torch
 from tinker import types as tt
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from prefixgym.engine.sampling import SamplingClient as EngineSamplingClient
-from prefixgym.engine.training import TrainingClient as EngineTrainingClient
+from prefixgym.engine.sampler.sampling import SamplingClient as EngineSamplingClient
+from prefixgym.engine.trainer.training import TrainingClient as EngineTrainingClient
 from prefixgym.futures import APIFuture
 from prefixgym.tinker import convert
 
@@ -133,7 +133,7 @@ class SamplingClient:
 class TrainingClient:
     """tinker's `TrainingClient` on an engine training client (full weights or LoRA)."""
 
-    def __init__(self, engine: EngineTrainingClient, service: LocalService, kind: TrainerKind,
+    def __init__(self, engine: EngineTrainingClient[EngineSamplingClient], service: LocalService, kind: TrainerKind,
                  checkpoint_dir: Path) -> None:
         self._engine = engine
         self._service = service

@@ -17,9 +17,10 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 
 from prefixgym.trainer.tracking import TRACKERS
-from prefixgym.types import JSONObject
+from prefixgym.types import LOSS_FN_NAMES, NONFINITE_UPDATES, JSONObject
 
-LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
+LOSSES = tuple(name for name in LOSS_FN_NAMES if name != "cross_entropy")
+"""The RL losses GRPO can train with (cross_entropy is the warm start's)."""
 RUN_CONFIG = "config.json"
 """The run's full resolved config, in its directory: written when it starts, read
 back by --resume and `prefixgym rollout --run`."""
@@ -29,7 +30,6 @@ DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4, "expert_noise": 0.5, "invalid_
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 BACKENDS = ("local", "tinker")
 LORA_TARGETS = ("attn", "mlp", "unembed")
-NONFINITE_UPDATES = ("skip", "error")
 RESUMABLE_CHANGES = (
     "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
     "num_threads", "progress", "sampler_url", "nonfinite_update", "share_prefixes",

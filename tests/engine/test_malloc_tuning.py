@@ -14,7 +14,8 @@ import pytest
 
 from prefixgym.engine import malloc_tuning
 from prefixgym.engine.model import ModelConfig, Transformer, init_weights
-from prefixgym.engine.training import TrainingClient
+from prefixgym.engine.trainer.options import TrainerOptions
+from prefixgym.engine.trainer.training import TrainingClient
 from prefixgym.types import Datum, ModelInput
 
 CONFIG = ModelConfig(vocab_size=97, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64,
@@ -101,7 +102,7 @@ def test_recompute_activations_fixes_it_at_the_first_forward_backward(fresh: Fak
     plain = TrainingClient(model)
     train_once(plain)
     assert fresh.calls == []  # the default path leaves glibc's setting alone
-    recompute = TrainingClient(model, recompute_activations=True)
+    recompute = TrainingClient(model, TrainerOptions(recompute_activations=True))
     assert fresh.calls == []  # not at construction
     train_once(recompute)
     train_once(recompute)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefixgym.engine.model import ModelConfig, Transformer
-from prefixgym.engine.training import TrainingClient
+from prefixgym.engine.trainer.training import TrainingClient
 from prefixgym.local_service import LocalService
 from prefixgym.types import AdamParams, Datum, ModelInput, SamplingParams
 

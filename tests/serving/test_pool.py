@@ -11,8 +11,8 @@ import gymnasium as gym
 import pytest
 
 import prefixgym.envs  # noqa: F401  (registers the env ids)
-from prefixgym.engine.hf_export import save_hf_checkpoint
 from prefixgym.engine.model import load_model
+from prefixgym.engine.model.hf_export import save_hf_checkpoint
 from prefixgym.local_service import LocalService
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts
 from prefixgym.serving.config import ServeConfig

@@ -31,8 +31,8 @@ import torch
 pytest.importorskip("uvicorn")
 
 from prefixgym.engine.model import load_model  # noqa: E402
-from prefixgym.engine.prefix_trie import shard_by_prefix  # noqa: E402
 from prefixgym.engine.service import EngineService  # noqa: E402
+from prefixgym.engine.trainer.prefix_trie import shard_by_prefix  # noqa: E402
 from prefixgym.envs.base import AgentEnv, Outcome  # noqa: E402
 from prefixgym.types import AdamParams, Datum  # noqa: E402
 

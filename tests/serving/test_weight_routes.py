@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("fastapi")
 from starlette.testclient import TestClient  # noqa: E402
 
-from prefixgym.engine.hf_export import save_hf_checkpoint  # noqa: E402
 from prefixgym.engine.model import load_model  # noqa: E402
+from prefixgym.engine.model.hf_export import save_hf_checkpoint  # noqa: E402
 from prefixgym.engine.service import EngineService  # noqa: E402
 from prefixgym.local_service import LocalService  # noqa: E402
 from prefixgym.serving.app import create_app  # noqa: E402

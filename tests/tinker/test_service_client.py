@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("tinker.types")
 from tinker import types  # noqa: E402
 
-from prefixgym.engine.model_config import PRESETS  # noqa: E402
+from prefixgym.engine.model.config import PRESETS  # noqa: E402
 from prefixgym.local_service import LocalService  # noqa: E402
 from prefixgym.tinker import ServiceClient  # noqa: E402
 

@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
+from prefixgym.prompting.findings import RULES, Finding, LintInputError, Rule
 from prefixgym.prompting.lint.cache_sim import SimulatedPrefixCache
-from prefixgym.prompting.lint.findings import RULES, Finding, LintInputError, Rule
 from prefixgym.prompting.lint.source import TemplateSource, load_template
-from prefixgym.prompting.lint.template import TemplateReport, probe_template
 from prefixgym.prompting.lint.trace import TraceReport, analyze_trace
 from prefixgym.prompting.lint.trace_file import TraceRequest, load_trace
+from prefixgym.prompting.templates.append_only import TemplateReport, probe_template
 
 __all__ = [
     "RULES",

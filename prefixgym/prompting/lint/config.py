@@ -15,7 +15,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefixgym.prompting.lint.findings import LintInputError, parse_codes
+from prefixgym.prompting.findings import LintInputError, parse_codes
 
 
 @dataclass

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prefixgym.prompting.conversation import Conversation
-from prefixgym.prompting.lint.divergence import common_prefix_len
-from prefixgym.prompting.lint.findings import Finding, LintInputError
+from prefixgym.prompting.divergence import common_prefix_len
+from prefixgym.prompting.findings import Finding, LintInputError
 from prefixgym.prompting.lint.trace import TraceReport, analyze_trace
 from prefixgym.prompting.lint.trace_file import TraceRequest
 from prefixgym.types import JSONObject

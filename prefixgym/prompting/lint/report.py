@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Protocol
 
-from prefixgym.prompting.lint.findings import RULES, Finding
+from prefixgym.prompting.findings import RULES, Finding
 from prefixgym.types import JSONObject
 
 _RED, _GREEN, _YELLOW, _BOLD, _DIM, _RESET = (

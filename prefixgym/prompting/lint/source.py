@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixgym.prompting.lint.findings import LintInputError
+from prefixgym.prompting.findings import LintInputError
 from prefixgym.types import JSONObject
 
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 
+from prefixgym.prompting.divergence import common_prefix_len, first_divergence, volatile_kind
+from prefixgym.prompting.findings import Finding
 from prefixgym.prompting.lint.cache_sim import SimulatedPrefixCache
-from prefixgym.prompting.lint.divergence import common_prefix_len, first_divergence, volatile_kind
-from prefixgym.prompting.lint.findings import Finding
 from prefixgym.prompting.lint.trace_file import TraceRequest
 from prefixgym.types import JSONObject
 

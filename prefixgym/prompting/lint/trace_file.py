@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefixgym.prompting.lint.findings import LintInputError
+from prefixgym.prompting.findings import LintInputError
 from prefixgym.types import JSONObject
 
 USAGE_COUNTS = ("prefill_computed_tokens", "prefill_cached_tokens", "sampled_tokens",

@@ -7,7 +7,7 @@ import lint_templates as T
 import pytest
 
 from prefixgym.prompting import Conversation, HFTemplateFormat, TemplateNotAppendOnlyError
-from prefixgym.prompting.lint.template import probe_template
+from prefixgym.prompting.templates.append_only import probe_template
 from prefixgym.prompting.tokenizer import load_tokenizer
 
 

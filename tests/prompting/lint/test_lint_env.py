@@ -8,8 +8,8 @@ import pytest
 from prefixgym.cli.lint import lint_env, main
 from prefixgym.envs.guess_number import GuessNumber
 from prefixgym.prompting import Conversation
+from prefixgym.prompting.findings import LintInputError
 from prefixgym.prompting.lint.env import lint_conversations
-from prefixgym.prompting.lint.findings import LintInputError
 from prefixgym.prompting.tokenizer import load_tokenizer
 
 

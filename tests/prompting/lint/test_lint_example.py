@@ -9,7 +9,7 @@ from pathlib import Path
 import lint_templates as T
 
 from prefixgym.prompting.lint.report import render_text
-from prefixgym.prompting.lint.template import probe_template
+from prefixgym.prompting.templates.append_only import probe_template
 
 ROOT = Path(__file__).resolve().parents[3]
 

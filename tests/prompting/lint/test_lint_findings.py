@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from prefixgym.prompting.lint.findings import RULES
+from prefixgym.prompting.findings import RULES
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "lint-rules.md"
 

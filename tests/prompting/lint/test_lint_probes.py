@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import lint_templates as T
 
-from prefixgym.prompting.lint.findings import Finding
-from prefixgym.prompting.lint.prober import end_of_turn_token
+from prefixgym.prompting.findings import Finding
 from prefixgym.prompting.lint.report import render_text
-from prefixgym.prompting.lint.template import TemplateReport, probe_template
+from prefixgym.prompting.templates.append_only import TemplateReport, probe_template
+from prefixgym.prompting.templates.prober import end_of_turn_token
 
 
 def report_of(template: str, eos: str = "<|im_end|>", bos: str = "") -> TemplateReport:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import lint_templates as T
 import pytest
 
-from prefixgym.prompting.lint.findings import LintInputError
-from prefixgym.prompting.lint.template import probe_template
+from prefixgym.prompting.findings import LintInputError
+from prefixgym.prompting.templates.append_only import probe_template
 
 
 def rules(template: str, eos: str = "<|im_end|>", bos: str = "") -> set[str]:

@@ -1,0 +1,223 @@
+"""The built-in LLaMA-style decoder: embeddings, RoPE tables, a stack of blocks, the head.
+
+One `Transformer` serves three callers: the trainer (a plain causal forward with
+gradients, or, for datums sharing token prefixes, one forward per wave of a prefix
+trie through a `KVView` that keeps keys/values in the autograd graph), the sampler's
+prefill and its decode steps (a forward that hands each layer's new keys/values to a
+`KVView` and attends to whatever the view returns).
+The numerics match Hugging Face Llama/Qwen2 (rotate-half RoPE, fp32 RMSNorm), so a
+local checkpoint of either loads 1:1 (see `hf_checkpoint.py`). The layers live in
+`layers.py`, the config and presets in `config.py`; `loading.py` builds a model from a
+preset name or a checkpoint directory.
+
+This module does not know where keys and values are stored, how requests are
+batched, what a token means, or how the weights were trained: cache layout belongs
+to the `KVView` owner (the scheduler), tokens to the tokenizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from prefixgym.engine.model.config import ModelConfig
+from prefixgym.engine.model.layers import Block, KVView, RMSNorm
+
+__all__ = ["Transformer", "count_parameters", "init_weights"]
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. `forward` returns float32 logits whatever the weight dtype."""
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output: nn.Linear | None = (
+            None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        )
+        self.head_adapter: nn.Module | None = None
+        """A LoRA adapter on the output head (`lora.py`): its output is added to the logits."""
+        self.build_rope_tables()
+
+    def build_rope_tables(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the cos/sin tables, (max_seq_len, head_dim), as HF does in fp32
+        (the sin table's first half negated, see `layers._apply_rope`).
+
+        Not part of the state dict; call again after materialising a meta-device model.
+        """
+        cfg = self.config
+        D = cfg.head_dim
+        inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D)
+        )
+        positions = torch.arange(cfg.max_seq_len, dtype=torch.float32, device=device)
+        freqs = torch.outer(positions, inv_freq)  # (S, D/2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (S, D)
+        dtype = self.tok_embeddings.weight.dtype
+        if not dtype.is_floating_point or self.tok_embeddings.weight.is_meta:
+            dtype = torch.float32
+        sign = torch.cat((-torch.ones_like(inv_freq), torch.ones_like(inv_freq)))  # (D,)
+        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
+        # sin negated on the first half: rotate-half as one roll (`layers._apply_rope`)
+        self.register_buffer("rope_sin", (angles.sin() * sign).to(dtype), persistent=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The (V, C) output head matrix (the embedding when tied)."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def forward(
+        self,
+        tokens_B_T: torch.Tensor,
+        positions_B_T: torch.Tensor | None = None,
+        kv: KVView | None = None,
+        last_only: bool = False,
+        last_index_B: torch.Tensor | None = None,
+        recompute: bool = False,
+        check_inputs: bool = True,
+    ) -> torch.Tensor:
+        """Logits (B, T, V) in float32, or (B, 1, V) with `last_only`: `head(hidden(...))`.
+
+        With `kv=None` this is causal attention over `tokens_B_T` alone (right padding
+        is harmless) and positions default to arange(T). With a `kv`, every layer
+        attends to what `kv.update` returns, under its mask. `last_index_B` picks, with
+        `last_only`, position `last_index_B[b]` of row b instead of T-1. `recompute` and
+        `check_inputs`: see `hidden`.
+        """
+        return self.head(self.hidden(tokens_B_T, positions_B_T, kv, last_only, last_index_B,
+                                     recompute, check_inputs))
+
+    def hidden(
+        self,
+        tokens_B_T: torch.Tensor,
+        positions_B_T: torch.Tensor | None = None,
+        kv: KVView | None = None,
+        last_only: bool = False,
+        last_index_B: torch.Tensor | None = None,
+        recompute: bool = False,
+        check_inputs: bool = True,
+    ) -> torch.Tensor:
+        """The final norm's output (B, T, C) (or (B, 1, C) with `last_only`): what `head`
+        turns into logits. Arguments as `forward`.
+
+        `recompute` (with gradients enabled) checkpoints every block: backward keeps only
+        each block's input and runs the block's forward again to get the rest, so the
+        activations held for backward shrink from every block's to one block's at a time,
+        for one more forward of the blocks. The gradients are the same (the recomputed
+        forward repeats the same ops on the same inputs); a `kv` must give the same
+        keys/values when a layer calls it again (`shared_forward.TrieKV` does).
+        `check_inputs=False` skips the range checks, which wait for the device (the
+        sampler's runner passes it: the engine validated every request at submit).
+        """
+        if tokens_B_T.dim() != 2:
+            raise ValueError(f"tokens_B_T must be 2-D (B, T), got shape {tuple(tokens_B_T.shape)}")
+        B, T = tokens_B_T.shape
+        cfg = self.config
+        if T == 0:
+            raise ValueError("tokens_B_T has no positions (T == 0)")
+        lo, hi = torch.aminmax(tokens_B_T) if check_inputs else (0, 0)
+        if int(lo) < 0 or int(hi) >= cfg.vocab_size:
+            raise ValueError(
+                f"token id out of range [0, {cfg.vocab_size}): min {int(lo)}, max {int(hi)}"
+            )
+        if positions_B_T is None:
+            if T > cfg.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds max_seq_len={cfg.max_seq_len}")
+            cos = self.rope_cos[:T]  # (T, D) broadcasts over (B, H)
+            sin = self.rope_sin[:T]
+        else:
+            if positions_B_T.shape != tokens_B_T.shape:
+                raise ValueError(
+                    f"positions_B_T shape {tuple(positions_B_T.shape)} != tokens_B_T shape "
+                    f"{tuple(tokens_B_T.shape)}"
+                )
+            plo, phi = torch.aminmax(positions_B_T) if check_inputs else (0, 0)
+            if int(plo) < 0 or int(phi) >= cfg.max_seq_len:
+                raise ValueError(
+                    f"position out of range [0, {cfg.max_seq_len}): min {int(plo)}, max {int(phi)}"
+                )
+            cos = self.rope_cos[positions_B_T].unsqueeze(1)  # (B, 1, T, D)
+            sin = self.rope_sin[positions_B_T].unsqueeze(1)
+
+        h = self.tok_embeddings(tokens_B_T)  # (B, T, C)
+        checkpointed = recompute and torch.is_grad_enabled()
+        for layer in self.layers:
+            if checkpointed:
+                h = checkpoint(layer, h, cos, sin, kv, use_reentrant=False,
+                               preserve_rng_state=False)  # no randomness in a block
+            else:
+                h = layer(h, cos, sin, kv)
+        if last_only:
+            if last_index_B is None:
+                h = h[:, -1:]  # (B, 1, C)
+            else:
+                h = h[torch.arange(B, device=h.device), last_index_B].unsqueeze(1)
+        return self.norm(h)
+
+    def head(self, h_N_C: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (..., V) of final-norm outputs (..., C): the output matrix, plus
+        the head's LoRA adapter when there is one."""
+        logits = F.linear(h_N_C, self.output_weight)
+        if self.head_adapter is not None:
+            logits = logits + self.head_adapter(h_N_C)
+        return logits.float()
+
+    def clone_for_inference(self, dtype: torch.dtype | None = None) -> Transformer:
+        """A frozen deep copy (eval mode, requires_grad False) for sampling."""
+        clone = copy.deepcopy(self)
+        if dtype is not None:
+            clone.to(dtype)
+            clone.build_rope_tables(clone.rope_cos.device)
+        clone.requires_grad_(False)
+        return clone.eval()
+
+    def copy(self) -> Transformer:
+        """Alias of `clone_for_inference()`."""
+        return self.clone_for_inference()
+
+    @torch.no_grad()
+    def load_weights_from(self, other: Transformer) -> None:
+        """Copy `other`'s weights into this model in place (shapes must match)."""
+        if other.config != self.config:
+            raise ValueError("load_weights_from: configs differ")
+        mine = dict(self.named_parameters())
+        for name, param in other.named_parameters():
+            mine[name].copy_(param)
+
+
+def count_parameters(model: nn.Module, non_embedding: bool = False) -> int:
+    """Number of distinct parameters (tied ones once); `non_embedding` leaves out the
+    token embedding and the output head."""
+    params = {id(p): p for p in model.parameters()}
+    if non_embedding and isinstance(model, Transformer):
+        params.pop(id(model.tok_embeddings.weight), None)
+        params.pop(id(model.output_weight), None)
+    return sum(p.numel() for p in params.values())
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int = 0) -> None:
+    """Normal(0, 0.02) init, residual output projections scaled by 1/sqrt(2 n_layers),
+    biases zero, norms one. Uses its own generator: the global RNG is untouched."""
+    gen = torch.Generator().manual_seed(seed)
+    std = 0.02
+    residual_std = std / math.sqrt(2 * model.config.n_layers)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            s = residual_std if name.endswith(("wo.weight", "w_down.weight")) else std
+            param.copy_(torch.randn(param.shape, generator=gen) * s)

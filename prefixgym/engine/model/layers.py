@@ -1,0 +1,135 @@
+"""The decoder's building blocks: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+`Block` is one pre-norm decoder layer; its `Attention` rotates queries and keys with
+the caller's cos/sin tables and either attends causally over the forward's own tokens
+or hands the new keys/values to a `KVView` and attends to whatever the view returns.
+A bf16/fp16 model whose keys/values the caller keeps in fp32 (the scheduler does)
+attends in fp32: on CPU, SDPA's fp32 kernel is as fast as its bf16 one at prefill and
+several times faster for one-query decode steps, and the scores stay exact.
+Numerics follow Hugging Face Llama/Qwen2 (rotate-half RoPE, fp32 RMSNorm).
+
+This module does not know where keys and values are stored (the `KVView` owner's
+business), how the RoPE tables are built or which positions they cover (the
+`Transformer`'s), nor anything of tokens, embeddings or the output head.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixgym.engine.model.config import ModelConfig
+
+__all__ = ["Attention", "Block", "KVView", "RMSNorm", "SwiGLU"]
+
+
+class KVView(Protocol):
+    """Where one forward's keys and values go, owned by the caller (the scheduler's KV
+    slots, or the training client's `shared_forward.TrieKV`).
+
+    `update` is called once per attention layer, in layer order, with the new keys
+    (already rotated by RoPE) and values of the tokens in this forward. It stores them
+    and returns every key/value the queries may look at plus a mask, broadcastable to
+    (B, 1, T, Tk): bool (True where query t of row b may attend key j) or additive
+    (0 there, -inf elsewhere) in the keys' dtype. The mask must
+    let every query row see at least one key (e.g. a padding query its own key):
+    a fully masked row yields NaN, which would then be stored as a key/value.
+    The mask may be None when it is plain causal (T == Tk, query t sees keys <= t),
+    which lets the attention kernel skip the masked half, or, for one query per row
+    (T == 1), when every row sees every key returned. The returned keys/values may
+    be float32 for a bf16/fp16 model; attention then runs in float32.
+    """
+
+    def update(
+        self, layer_idx: int, k_B_Hkv_T_D: torch.Tensor, v_B_Hkv_T_D: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store the new keys/values; return (k_B_Hkv_Tk_D, v_B_Hkv_Tk_D, mask or None)."""
+        ...
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF-exact RMSNorm: normalise in fp32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # fused fp32 norm: bit-identical to HF's x * rsqrt(mean(x^2) + eps) (checked), fewer ops
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.weight, self.eps)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF convention): x (B, H, T, D), cos/sin (B, 1, T, D), with `sin`
+    negated on its first half (`Transformer.rope_sin`): HF's x*cos + cat(-x2, x1)*sin in
+    three kernels instead of five, and the same bits, forward and backward (a sign flip
+    is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        qkv_out = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+        # q, k and v in one matmul; rows ordered [q | k | v] like HF's three projections.
+        self.wqkv = nn.Linear(config.dim, qkv_out, bias=config.qkv_bias)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.out_bias)
+
+    def forward(
+        self, x_B_T_C: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | None
+    ) -> torch.Tensor:
+        B, T, _ = x_B_T_C.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x_B_T_C).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H+2Hkv, T, D)
+        qk = _apply_rope(qkv[:, : H + Hkv], cos, sin)  # rotate q and k in one op
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
+        if kv is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
+        else:
+            k_all, v_all, mask = kv.update(self.layer_idx, k, v)
+            q_attn = q if k_all.dtype == q.dtype else q.to(k_all.dtype)  # fp32 KV: attend in fp32
+            causal = mask is None and T > 1  # (one query and no mask: every key)
+            y = F.scaled_dot_product_attention(
+                q_attn, k_all, v_all, attn_mask=mask, is_causal=causal, enable_gqa=Hkv != H
+            ).to(q.dtype)
+        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # gate and up in one matmul; rows ordered [gate | up].
+        self.w_gate_up = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)
+        self.w_down = nn.Linear(config.hidden_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = Attention(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | None
+    ) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cos, sin, kv)
+        return h + self.mlp(self.mlp_norm(h))

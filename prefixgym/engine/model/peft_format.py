@@ -1,0 +1,214 @@
+"""LoRA adapters in PEFT's format: adapter_config.json + adapter_model.safetensors.
+
+Names are Hugging Face Llama/Qwen2 module names as PEFT saves them for a causal LM
+(`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`), for presets too
+(they have the Llama architecture). Our fused projections are split into their parts
+(q/k/v, gate/up) on save and joined on load; a part or layer the file has no adapter
+for gets a zero one (PEFT's common `target_modules=["q_proj", "v_proj"]` loads).
+
+1) `save_adapter` writes the two files into a directory, atomically (the directory
+   appears whole or not at all).
+2) `read_adapter` checks a directory (config fields we cannot compute exactly are
+   refused: DoRA, trained biases, modules_to_save, per-module ranks or alphas; every
+   tensor name and shape is checked against the model) and returns the `LoraSpec`
+   and our adapters' (A, B) tensors, ready for `load_into`.
+
+This module knows PEFT's file layout and HF names; it builds no models (`lora.py`
+does) and does not sample or train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from prefixgym.engine.model.decoder import Transformer
+from prefixgym.engine.model.lora import HEAD, LoraSpec, lora_adapters
+from prefixgym.files import write_dir_atomically, write_text_atomically
+
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "load_into", "read_adapter", "save_adapter"]
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+Tensor = torch.Tensor
+
+_PARTS = {  # our layer -> its HF modules, in row order
+    "attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn.wo": ("self_attn.o_proj",),
+    "mlp.w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.w_down": ("mlp.down_proj",),
+}
+_OURS = {hf: (ours, p) for ours, hfs in _PARTS.items() for p, hf in enumerate(hfs)}
+_KEY = re.compile(
+    r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight$")
+_HEAD_KEY = re.compile(r"^base_model\.model\.lm_head\.lora_([AB])\.weight$")
+_BASE_COPIES = {  # base weights PEFT saves along when lm_head or the embedding is targeted
+    "base_model.model.lm_head.base_layer.weight", "base_model.model.lm_head.weight",
+    "base_model.model.model.embed_tokens.weight",
+    "base_model.model.model.embed_tokens.base_layer.weight",
+}
+
+
+def _hf_modules(key: str) -> tuple[str, ...]:
+    if key == HEAD:
+        return ("lm_head",)
+    _, i, layer = key.split(".", 2)
+    return tuple(f"model.layers.{i}.{name}" for name in _PARTS[layer])
+
+
+def save_adapter(directory: str | os.PathLike[str], model: Transformer, spec: LoraSpec,
+                 base_model: str = "") -> str:
+    """Write `model`'s adapters into `directory` (replaced whole); return its absolute path."""
+    tensors: dict[str, Tensor] = {}
+    targets: set[str] = set()
+    for key, adapter in lora_adapters(model).items():
+        r, row = adapter.rank, 0
+        for p, (name, width) in enumerate(zip(_hf_modules(key), adapter.parts, strict=True)):
+            a = adapter.lora_A.detach()[p * r : (p + 1) * r]
+            b = adapter.lora_B.detach()[row : row + width]
+            tensors[f"{PREFIX}{name}.lora_A.weight"] = a.float().cpu().contiguous()
+            tensors[f"{PREFIX}{name}.lora_B.weight"] = b.float().cpu().contiguous()
+            targets.add(name.rsplit(".", 1)[-1])
+            row += width
+    config: dict[str, Any] = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": 0.0,
+        "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": spec.rslora, "use_dora": False, "modules_to_save": None,
+        "init_lora_weights": True, "inference_mode": True, "rank_pattern": {},
+        "alpha_pattern": {}, "layers_to_transform": None,
+    }
+    target = Path(directory).absolute()
+
+    def fill(tmp: Path) -> None:
+        safetensors.torch.save_file(tensors, str(tmp / WEIGHTS_NAME),
+                                    metadata={"format": "pt"})
+        write_text_atomically(tmp / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
+
+    write_dir_atomically(target, fill)
+    return str(target)
+
+
+def _read_config(root: Path) -> dict[str, Any]:
+    path = root / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{root}: no {CONFIG_NAME} (not a PEFT adapter directory)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object")  # noqa: TRY004
+    refusals = {
+        "peft_type": (cfg.get("peft_type") != "LORA", "only LoRA adapters load"),
+        "use_dora": (bool(cfg.get("use_dora")), "DoRA is not supported"),
+        "bias": (cfg.get("bias", "none") != "none", "trained biases are not supported"),
+        "modules_to_save": (bool(cfg.get("modules_to_save")), "modules_to_save is not supported"),
+        "rank_pattern": (bool(cfg.get("rank_pattern")), "per-module ranks are not supported"),
+        "alpha_pattern": (bool(cfg.get("alpha_pattern")), "per-module alphas are not supported"),
+        "fan_in_fan_out": (bool(cfg.get("fan_in_fan_out")), "fan_in_fan_out is not supported"),
+    }
+    for field, (bad, why) in refusals.items():
+        if bad:
+            raise ValueError(f"{path}: {field}={cfg.get(field)!r}: {why}")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ValueError(f"{path}: r must be a positive int, got {r!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:
+        raise ValueError(f"{path}: lora_alpha must be a positive number, got {alpha!r}")
+    return cfg
+
+
+def _check_base_copy(weights: Path, name: str, tensor: Tensor, model: Transformer) -> None:
+    """A base weight saved along must be this model's own (we load adapters only)."""
+    ours = model.tok_embeddings.weight if "embed_tokens" in name else model.output_weight
+    if tuple(tensor.shape) != tuple(ours.shape) or not torch.equal(
+            tensor.to(ours.dtype), ours.detach().cpu()):
+        raise ValueError(f"{weights}: {name!r} differs from this model's weight; the adapter "
+                         "was saved with other base weights (only LoRA weights are loaded)")
+
+
+def read_adapter(directory: str | os.PathLike[str], model: Transformer
+                 ) -> tuple[LoraSpec, dict[str, tuple[Tensor, Tensor]]]:
+    """The spec and our key -> (A, B) tensors (float32) of a PEFT adapter for `model`."""
+    root = Path(directory)
+    config = model.config
+    cfg = _read_config(root)
+    weights = root / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"{root}: no {WEIGHTS_NAME} (only safetensors adapters load)")
+    r = int(cfg["r"])
+    # 1) every tensor: a known module of an existing layer, with the right shape
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    shapes = {"self_attn.q_proj": (config.dim, q), "self_attn.k_proj": (config.dim, kv),
+              "self_attn.v_proj": (config.dim, kv), "self_attn.o_proj": (q, config.dim),
+              "mlp.gate_proj": (config.dim, config.hidden_dim),
+              "mlp.up_proj": (config.dim, config.hidden_dim),
+              "mlp.down_proj": (config.hidden_dim, config.dim),
+              "lm_head": (config.dim, config.vocab_size)}
+    found: dict[tuple[str, int], dict[str, Tensor]] = {}
+    for name, tensor in safetensors.torch.load_file(str(weights)).items():
+        layer, head = _KEY.match(name), _HEAD_KEY.match(name)
+        if name in _BASE_COPIES:
+            _check_base_copy(weights, name, tensor, model)
+            continue
+        if layer is not None:
+            i, module, which = int(layer[1]), layer[2], layer[3]
+            if module not in _OURS or i >= config.n_layers:
+                raise ValueError(f"{weights}: tensor {name!r} is not a layer this model has")
+            ours, part = _OURS[module]
+            where: tuple[str, int] = (f"layers.{i}.{ours}", part)
+        elif head is not None:
+            module, which, where = "lm_head", head[1], (HEAD, 0)
+        else:
+            raise ValueError(f"{weights}: tensor {name!r} is not a LoRA weight of a "
+                             "Llama/Qwen2 attention, MLP or lm_head module")
+        fan_in, fan_out = shapes[module]
+        want = (r, fan_in) if which == "A" else (fan_out, r)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{weights}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {want} (r={r})")
+        found.setdefault(where, {})[which] = tensor.float()
+    if not found:
+        raise ValueError(f"{weights}: no LoRA tensors")
+    for (ours_key, part), pair in found.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{weights}: {ours_key} part {part} has lora_{''.join(pair)} only")
+    # 2) join the parts of each of our layers; a missing part is a zero adapter
+    keys = {ours_key for ours_key, _ in found}
+    spec = LoraSpec(rank=r, alpha=float(cfg.get("lora_alpha", 8)),
+                    train_attn=any(".attn." in k for k in keys),
+                    train_mlp=any(".mlp." in k for k in keys), train_unembed=HEAD in keys,
+                    rslora=bool(cfg.get("use_rslora", False)))
+    joined: dict[str, tuple[Tensor, Tensor]] = {}
+    for key in sorted(keys):
+        modules = ("lm_head",) if key == HEAD else _PARTS[key.split(".", 2)[2]]
+        a_parts, b_parts = [], []
+        for part, module in enumerate(modules):
+            fan_in, fan_out = shapes[module]
+            got = found.get((key, part))
+            a_parts.append(got["A"] if got else torch.zeros(r, fan_in))
+            b_parts.append(got["B"] if got else torch.zeros(fan_out, r))
+        joined[key] = (torch.cat(a_parts), torch.cat(b_parts))
+    return spec, joined
+
+
+@torch.no_grad()
+def load_into(model: Transformer, tensors: dict[str, tuple[Tensor, Tensor]]) -> None:
+    """Set every adapter of a LoRA model (built with `read_adapter`'s spec) from `tensors`;
+    adapters the file has no tensors for (a layer it skipped) become zero."""
+    for key, adapter in lora_adapters(model).items():
+        if key in tensors:
+            a, b = tensors[key]
+            adapter.lora_A.copy_(a)
+            adapter.lora_B.copy_(b)
+        else:
+            adapter.lora_A.zero_()
+            adapter.lora_B.zero_()

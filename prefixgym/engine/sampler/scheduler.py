@@ -1,0 +1,376 @@
+"""The scheduler: which requests run next, and what their results change.
+
+`schedule()` returns the next `Batch`: a prefill (requests leaving the waiting queue)
+whenever waiting requests fit, else one decode step over every running sequence of
+one weights version (versions take turns). `postprocess(batch, output)` applies what
+the model runner computed: tokens appended, stop checks, retirement, cache insertion,
+futures completed. Neither calls the other or the runner.
+
+Admission, in `schedule()`: requests leave the waiting queue in arrival order, as a
+wave, while they fit under `max_running` rows and the KV pool can promise every block
+they may need (`PrefixCache.can_reserve`); the first that does not fit waits, and so
+does everything behind it. Each takes its longest cached prefix (at most
+len(prompt)-1 tokens, since the last prompt token must be computed for its logits; a
+request that scores its prompt reads none, or, with `prompt_logprobs_last_n`, only
+the prefix before the positions it scores). A request whose first uncached block
+an earlier request of the wave will compute waits one wave and hits the cache instead.
+The wave is prefilled in chunks of similar uncached length (prompt-logprob and
+zero-token requests alone). A request's G samples share its prompt's full blocks;
+each gets its own copy of a part-filled last block.
+
+Errors travel: `fail(requests, error)` fails those requests' futures and frees what
+they hold; `handling` names the requests the step in progress touches (the batch's,
+or the one being admitted), whom an error in scheduling, running or postprocessing
+belongs to.
+
+This module knows nothing of tensors or models beyond handing a request's model on:
+block ids, token counts and futures are all it moves.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+from prefixgym.engine.model import Transformer
+from prefixgym.engine.sampler.prefix_cache import Match, PrefixCache
+from prefixgym.engine.sampler.requests import (
+    Request,
+    Sequence,
+    blocks_needed,
+    build_response,
+    new_sequences,
+)
+from prefixgym.engine.usage import UsageLedger
+from prefixgym.types import TopkLogprobs
+
+_CALL_COST_TOKENS = 64  # a forward call's fixed cost, in padded positions
+
+
+@dataclass(eq=False)
+class Batch:
+    """One forward. Prefill: `requests`, row r computing `tokens[r]` (prompt[starts[r]:])
+    of request r into `tables[r]`; `seqs` are all their samples, sampled from row
+    `source_rows`. Decode: one row per running sequence of `seqs`. Before the forward the
+    runner zeroes `new_blocks` and makes `tail_copies`; after it, `fork_copies` ((src,
+    dst, positions))."""
+
+    kind: str  # "prefill" or "decode"
+    model: Transformer
+    version: int
+    seqs: list[Sequence] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    source_rows: list[int] = field(default_factory=list)
+    new_blocks: list[int] = field(default_factory=list)
+    tail_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    fork_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    prompt_logprobs: bool = False
+
+
+@dataclass
+class Output:
+    """What the runner computed: one token and logprob per sequence of the batch, and
+    for a prompt-scoring prefill its request's prompt logprobs and top-k."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
+
+
+class Scheduler:
+    def __init__(
+        self, cache: PrefixCache, decode: Callable[[list[int]], str] | None,
+        ledger: UsageLedger | None, max_running: int, max_prefill_tokens: int,
+    ) -> None:
+        self.cache = cache
+        self._decode = decode
+        self._ledger = ledger
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, list[Sequence]] = {}  # by weights version, in admission order
+        self._chunks: deque[list[Request]] = deque()  # admitted, not yet prefilled
+        self.handling: list[Request] = []  # those of the step in progress: its errors are theirs
+        self._version_models: dict[int, weakref.ref[Transformer]] = {}  # the latest is kept
+        self._turn = 0
+        self.counters = dict.fromkeys(
+            ("prefill_calls", "prefill_positions", "decode_steps", "decoded_tokens",
+             "max_batch_size", "requests_completed", "requests_failed"), 0)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self._chunks or any(self.running.values()))
+
+    def in_flight(self) -> list[Request]:
+        """Every admitted, unfinished request."""
+        reqs = [r for chunk in self._chunks for r in chunk]
+        reqs += [s.request for seqs in self.running.values() for s in seqs]
+        return list(dict.fromkeys(reqs))
+
+    def check_integrity(self) -> None:
+        """The cache's invariants, with its refcounts and promised blocks against what
+        the admitted requests' sequences hold. Raises AssertionError."""
+        refs: dict[int, int] = {}
+        promised = 0
+        for req in self.in_flight():
+            for block in req.tail_pin + [b for s in req.sequences for b in s.table]:
+                refs[block] = refs.get(block, 0) + 1
+            for seq in req.sequences:
+                if seq.reserved < 0:
+                    raise AssertionError(f"a sequence holds {seq.reserved} promised blocks")
+                promised += seq.reserved
+        if promised != self.cache.reserved:
+            raise AssertionError(f"requests hold {promised} promised blocks, the cache "
+                                 f"counts {self.cache.reserved}")
+        self.cache.check_integrity(refs)
+
+    # ---- schedule ----------------------------------------------------------------
+
+    def schedule(self) -> Batch | None:
+        """The next batch: a prefill when waiting requests fit, else a decode step.
+        `handling` names the requests it touches (the batch's), before touching them."""
+        self.handling = []
+        self._drop_dead_versions()
+        if not self._chunks and self.waiting:
+            self._admit_wave()
+        if self._chunks:
+            self.handling = self._chunks.popleft()
+            return self._prefill_batch(self.handling)
+        versions = sorted(v for v, seqs in self.running.items() if seqs)
+        if not versions:
+            return None
+        self._turn += 1
+        version = versions[self._turn % len(versions)]
+        self.handling = [s.request for s in self.running[version]]
+        return self._decode_batch(version)
+
+    def _admit_wave(self) -> None:
+        claimed: set[Hashable] = set()
+        deferred: list[Request] = []
+        wave: list[Request] = []
+        rows = sum(len(seqs) for seqs in self.running.values())
+        bs = self.cache.block_size
+        try:  # an error fails the request being admitted (`handling`), not the wave
+            while self.waiting:
+                req = self.waiting[0]
+                self.handling = [req]
+                P = len(req.prompt)
+                if rows and rows + req.num_samples > self.max_running:
+                    break
+                limit = _cache_limit(req)
+                reuse = not req.include_prompt_logprobs or req.prompt_logprobs_last_n is not None
+                match = self.cache.match(req.prompt, req.version, limit) if reuse else Match()
+                hit = match.blocks
+                if match.claim in claimed and (len(hit) + 1) * bs <= limit:
+                    deferred.append(self.waiting.popleft())  # it hits the cache next wave
+                    continue
+                pins = hit + ([match.tail_block] if match.tail_block is not None else [])
+                need = blocks_needed(req, len(hit), bs)
+                if not self.cache.can_reserve(need, pinning=pins):
+                    break
+                self.waiting.popleft()
+                self.cache.acquire(pins)
+                self.cache.reserve(need)
+                req.num_cached_tokens = match.num_tokens
+                req.tail_pin = pins[len(hit):]
+                req.sequences = new_sequences(req, hit, bs)
+                if reuse:
+                    self.cache.record_lookup(P, req.num_cached_tokens)
+                if match.claim is not None:
+                    claimed.add(match.claim)
+                self._note_version(req)
+                wave.append(req)
+                rows += req.num_samples
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+            single = [r for r in wave if r.include_prompt_logprobs or r.params.max_tokens == 0]
+            together = sorted((r for r in wave if r not in single),
+                              key=lambda r: (r.version, len(r.prompt) - r.num_cached_tokens))
+            self._chunks.extend([[r] for r in single] + _chunks(together, self.max_prefill_tokens))
+
+    def _prefill_batch(self, reqs: list[Request]) -> Batch:
+        bs = self.cache.block_size
+        batch = Batch("prefill", reqs[0].model, reqs[0].version, requests=reqs,
+                      prompt_logprobs=reqs[0].include_prompt_logprobs)
+        for r, req in enumerate(reqs):
+            P, first = len(req.prompt), req.sequences[0]
+            n_hit = len(first.table)
+            for _ in range(-(-P // bs) - n_hit):
+                first.table.append(self._allocate(first, batch))
+            if req.tail_pin:
+                batch.tail_copies.append((req.tail_pin[0], first.table[n_hit],
+                                          req.num_cached_tokens % bs))
+            batch.tables.append(first.table)
+            batch.starts.append(req.num_cached_tokens)
+            batch.tokens.append(req.prompt[req.num_cached_tokens :])
+            for seq in req.sequences if req.params.max_tokens else req.sequences[:1]:
+                if seq is not first:  # shares the full prompt blocks, copies a partial one
+                    seq.table = first.table[: P // bs]
+                    self.cache.acquire(seq.table)
+                    if P % bs:
+                        seq.table.append(self._allocate(seq, batch))
+                        batch.fork_copies.append((first.table[-1], seq.table[-1], P % bs))
+                batch.seqs.append(seq)
+                batch.source_rows.append(r)
+        return batch
+
+    def _decode_batch(self, version: int) -> Batch:
+        seqs = self.running[version]
+        batch = Batch("decode", seqs[0].request.model, version, seqs)
+        bs = self.cache.block_size
+        for seq in seqs:
+            if seq.kv_len == len(seq.table) * bs:  # its next position starts a block
+                seq.table.append(self._allocate(seq, batch))
+            batch.tables.append(seq.table)
+            batch.starts.append(seq.kv_len)
+            batch.tokens.append(seq.tokens[-1:])
+        return batch
+
+    def _allocate(self, seq: Sequence, batch: Batch) -> int:
+        seq.reserved -= 1
+        block, new = self.cache.allocate()
+        if new:
+            batch.new_blocks.append(block)
+        return block
+
+    # ---- postprocess -------------------------------------------------------------
+
+    def postprocess(self, batch: Batch, output: Output) -> None:
+        """Append each sequence's token, retire the finished, complete their requests."""
+        if batch.kind == "prefill":
+            self.counters["prefill_calls"] += 1
+            self.counters["prefill_positions"] += sum(len(t) for t in batch.tokens)
+            for req in batch.requests:
+                done = req.params.max_tokens == 0  # then its first sample wrote its last block
+                self.cache.insert(req.prompt, req.version, req.sequences[0].table,
+                                  len(req.prompt), finished=done)
+                self.cache.release(req.tail_pin)
+                req.tail_pin = []
+                req.prompt_logprobs = output.prompt_logprobs
+                req.topk_prompt_logprobs = output.topk_prompt_logprobs
+                for seq in req.sequences if done else ():
+                    self._finish(seq, "length")
+                if not done:
+                    self.running.setdefault(req.version, []).extend(req.sequences)
+        else:
+            self.counters["decode_steps"] += 1
+            self.counters["decoded_tokens"] += len(batch.seqs)
+            self.counters["max_batch_size"] = max(self.counters["max_batch_size"],
+                                                  len(batch.seqs))
+        for seq, token, logprob in zip(batch.seqs, output.tokens, output.logprobs):
+            if seq.request.future.done():
+                continue  # one of its request's samples failed it
+            req, params = seq.request, seq.request.params
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            try:
+                stop = token in params.stop_token_ids or bool(params.stop and self._hits_stop(seq))
+            except Exception as error:  # noqa: BLE001 - the caller's decode failed: its request fails
+                self.fail([req], error)
+                continue
+            if stop or len(seq.tokens) >= params.max_tokens:  # its blocks enter the index
+                self.cache.insert(req.prompt + seq.tokens, req.version, seq.table, seq.kv_len,
+                                  finished=True)
+                self._finish(seq, "stop" if stop else "length")
+        for version, seqs in self.running.items():
+            self.running[version] = [s for s in seqs if s.stop_reason is None]
+
+    def _hits_stop(self, seq: Sequence) -> bool:
+        """Whether the text of the last tokens (4 per character of the longest stop
+        string, and 4 more) holds a stop string."""
+        assert self._decode is not None
+        stops = seq.request.params.stop
+        text = self._decode(seq.tokens[-(4 * max(map(len, stops)) + 4) :])
+        return any(stop in text for stop in stops)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Drop the sequence's references and promises; complete its request if it was
+        the last."""
+        req = seq.request
+        self._free(seq)
+        seq.stop_reason = reason
+        if all(s.stop_reason for s in req.sequences) and not req.future.done():
+            response = build_response(req)
+            if self._ledger is not None:
+                self._ledger.add(response.usage)
+            self.counters["requests_completed"] += 1
+            req.future.set_result(response)
+
+    def _free(self, seq: Sequence) -> None:
+        self.cache.release(seq.table)
+        self.cache.unreserve(seq.reserved)
+        seq.table, seq.reserved = [], 0
+
+    def fail(self, requests: list[Request], error: BaseException) -> None:
+        """Fail these requests with `error`, wherever they are, and free what they hold."""
+        failed = dict.fromkeys(requests)
+        for req in failed:
+            for seq in req.sequences:
+                self._free(seq)
+                seq.stop_reason = seq.stop_reason or "error"
+            self.cache.release(req.tail_pin)
+            req.tail_pin = []
+            if not req.future.done():  # (a batch failed after postprocess finished some)
+                self.counters["requests_failed"] += 1
+                req.future.set_exception(error)
+        self.waiting = deque(r for r in self.waiting if r not in failed)
+        chunks = ([r for r in chunk if r not in failed] for chunk in self._chunks)
+        self._chunks = deque(chunk for chunk in chunks if chunk)
+        for version, seqs in self.running.items():
+            self.running[version] = [s for s in seqs if not s.request.future.done()]
+
+    # ---- weights versions --------------------------------------------------------
+
+    def _note_version(self, req: Request) -> None:
+        """A newer version demotes older versions' cache blocks (evicted first)."""
+        if req.version > max(self._version_models, default=-1):
+            for version in self._version_models:
+                self.cache.demote_version(version)
+        self._version_models.setdefault(req.version, weakref.ref(req.model))
+
+    def _drop_dead_versions(self) -> None:
+        """A version whose model nobody holds (no client, no request) loses its blocks."""
+        latest = max(self._version_models, default=-1)
+        dead = [v for v, ref in self._version_models.items()
+                if v != latest and not self.running.get(v) and ref() is None]
+        for version in dead:
+            del self._version_models[version]
+            self.running.pop(version, None)
+            self.cache.drop_version(version)
+
+
+def _cache_limit(req: Request) -> int:
+    """How many prompt tokens may come from the cache: all but the last (its logits are
+    needed); for a request scoring its prompt, none, or those before the position whose
+    logits score the first of its last `prompt_logprobs_last_n` tokens."""
+    P = len(req.prompt)
+    if not req.include_prompt_logprobs:
+        return P - 1
+    last_n = req.prompt_logprobs_last_n
+    return 0 if last_n is None else P - last_n - 1
+
+
+def _chunks(reqs: list[Request], max_tokens: int) -> list[list[Request]]:
+    """Split requests sorted by (version, uncached length) into prefill batches of one
+    version: a new batch starts when padding it to the newcomer's length would cost more
+    than a call, or it would pass `max_tokens` padded positions."""
+    chunks: list[list[Request]] = []
+    current: list[Request] = []
+    width = 0
+    for req in reqs:
+        n = len(req.prompt) - req.num_cached_tokens
+        if current and (current[0].version != req.version
+                        or len(current) * (n - width) > _CALL_COST_TOKENS
+                        or (len(current) + 1) * n > max_tokens):
+            chunks.append(current)
+            current = []
+        current.append(req)
+        width = n
+    if current:
+        chunks.append(current)
+    return chunks

@@ -1,0 +1,53 @@
+"""TrainerOptions: how a TrainingClient computes -- its dtype, whether shared prefixes
+are computed once, what it keeps for backward, how many positions go in one forward,
+and what an update with a non-finite gradient does.
+
+One object, made once (by a command from its flags, or by
+`service.create_training_client(share_prefixes=False)` from keywords) and handed down.
+None of these changes what a call means: the same datums give the same losses and
+gradients, up to float rounding (and bit for bit for `recompute_activations`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prefixgym.types import NONFINITE_UPDATES, NonfiniteUpdate
+
+__all__ = ["TrainerOptions"]
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """The trainer's settings; see each field."""
+
+    compute_dtype: torch.dtype = torch.float32
+    """torch.bfloat16 runs forward/backward under autocast with fp32 master weights and
+    optimizer state (a bf16 model simply trains in bf16)."""
+    nonfinite_update: NonfiniteUpdate = "skip"
+    """An update whose gradient norm is NaN or inf: "skip" (weights unchanged, counted) or
+    "error" (raise)."""
+    share_prefixes: bool = True
+    """Compute each token prefix shared by a call's datums once; False runs every datum's
+    every position (the reference path)."""
+    chunked_head: bool = True
+    """Target logprobs a chunk of positions at a time: never all positions' logits at
+    once (`logprob_head.py`)."""
+    recompute_activations: bool = False
+    """Keep only each block's input for backward and run the block again there: far less
+    activation memory for about a third more compute (`malloc_tuning.py` too)."""
+    max_tokens_per_forward: int = 8192
+    """Positions one forward takes (a shared prefix's context rows weighted less)."""
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"compute_dtype must be torch.float32 or torch.bfloat16, got "
+                             f"{self.compute_dtype}")
+        if self.nonfinite_update not in NONFINITE_UPDATES:
+            raise ValueError(f"nonfinite_update must be one of {NONFINITE_UPDATES}, got "
+                             f"{self.nonfinite_update!r}")
+        if self.max_tokens_per_forward < 1:
+            raise ValueError(
+                f"max_tokens_per_forward must be >= 1, got {self.max_tokens_per_forward}")

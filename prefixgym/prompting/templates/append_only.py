@@ -1,0 +1,236 @@
+"""Probe a chat template: does every rendered prompt extend the previous prompt + the sampled reply?
+
+`probe_template` is the one writer of that verdict, for `prefixgym lint template` and
+for `HFTemplateFormat`, which refuses a template that breaks under its defaults.
+
+1) Read what the template knows (`switches.py`): its reasoning markers and the
+   switches it reads, each tried both ways (the defaults first).
+2) Run every probe (`probes.py`) through the `Prober` (`prober.py`), which renders
+   it at a fixed clock and records each break as a sighting.
+3) A probe the template raises on is PG106 (only the system message is refused) or
+   PG109 under the defaults, and merely skipped under a switch setting. A render
+   that exceeds its time, memory or output limit is PG113, whatever the setting, and
+   ends the probing (every further render would wait out the limit too).
+4) Render at two clocks: a template that prints the date is PG108.
+5) One finding per rule, at its first sighting; when every sighting shares a
+   condition that not every probe had, the finding says so ("breaks only when the
+   reply contains a <think> block").
+The verdict is append-only only when no rule broke, no render hit a limit, and at
+least one probe was checked under the template's defaults (a template that raises
+on every probe has shown nothing).
+Knows nothing of files or output formats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prefixgym.prompting.divergence import context_window, first_divergence
+from prefixgym.prompting.findings import Finding
+from prefixgym.prompting.templates.prober import Prober, Sighting
+from prefixgym.prompting.templates.probes import Probe, Style, probe_conversations
+from prefixgym.prompting.templates.render import (
+    CLOCK_A,
+    CLOCK_B,
+    RenderError,
+    RenderLimits,
+    TemplateRenderer,
+)
+from prefixgym.prompting.templates.switches import (
+    DEFAULT,
+    Setting,
+    reasoning_markers,
+    switch_settings,
+)
+from prefixgym.types import JSONObject
+
+if TYPE_CHECKING:  # a tokenizer is optional here; transformers loads only with one
+    from transformers import PreTrainedTokenizerBase
+
+BREAK_RULES = {"PG101", "PG102", "PG103", "PG104", "PG105", "PG107", "PG111", "PG112"}
+_DIMENSIONS = ("setting", "system", "tools", "reply", "end")
+_REASONING_CLAUSE = "the reply contains a "
+
+
+@dataclass
+class TemplateReport:
+    target: str
+    append_only: bool
+    findings: list[Finding]
+    reads_date: bool = False
+    probes_checked: list[str] = field(default_factory=list)
+    probes_skipped: dict[str, str] = field(default_factory=dict)
+    """Probes under a switch setting that the template raised on: name -> error."""
+    breaks_by_default: list[str] = field(default_factory=list)
+    """The break rules seen with the template's switches at their defaults."""
+    closing: str | None = None
+    """What the template renders after a reply (its end of turn), under its defaults."""
+    num_checked_by_default: int = 0
+    """How many probes were checked with the template's switches at their defaults."""
+
+    def to_json(self) -> JSONObject:
+        return {
+            "target": self.target,
+            "kind": "template",
+            "append_only": self.append_only,
+            "reads_date": self.reads_date,
+            "probes_checked": self.probes_checked,
+            "probes_skipped": self.probes_skipped,
+            "breaks_by_default": self.breaks_by_default,
+            "findings": [f.to_json() for f in self.findings],
+        }
+
+    def first_default_break(self) -> Finding | None:
+        """The first finding that breaks the template under its defaults, if any."""
+        return next((f for f in self.findings if f.rule in self.breaks_by_default), None)
+
+
+def only_when(sightings: list[Sighting], seen: Mapping[Setting, Mapping[str, set[str]]]) -> list[str]:
+    """The conditions every sighting shares that not every check had, one per dimension.
+
+    A switch setting is compared with all settings; the other dimensions with the
+    checks made under the settings the sightings were made in (under a setting that
+    opens a reasoning block, plain replies do not apply)."""
+    settings = {s.setting for s in sightings}
+    clauses, either = [], []
+    for dimension in _DIMENSIONS:
+        values = {s.conditions.get(dimension) for s in sightings}
+        checked = {clause for setting, dimensions in seen.items()
+                   if dimension == "setting" or setting in settings
+                   for clause in dimensions.get(dimension, set())}
+        if None in values or len(checked) < 2:
+            continue
+        if len(values) == 1:
+            clauses.append(str(values.pop()))
+        elif dimension == "reply" and all(str(v).startswith(_REASONING_CLAUSE) for v in values):
+            if not all(c.startswith(_REASONING_CLAUSE) for c in checked):
+                clauses.append("the reply contains a reasoning block")
+        elif len(values) == 2 and len(checked) > 2:
+            either.append("(" + " or ".join(sorted(str(v) for v in values)) + ")")
+    return clauses + either
+
+
+def _findings(sightings: list[Sighting], seen: Mapping[Setting, Mapping[str, set[str]]]) -> list[Finding]:
+    by_rule: dict[str, list[Sighting]] = {}
+    for sighting in sightings:
+        by_rule.setdefault(sighting.rule, []).append(sighting)
+    findings = []
+    for rule, group in sorted(by_rule.items()):
+        first = group[0]
+        message = f"{first.reason}: {first.what}" if first.what else first.reason
+        clauses = only_when(group, seen)
+        if clauses:
+            message += "; breaks only when " + " and ".join(clauses)
+        extra = dict(first.extra)
+        if len(group) > 1:
+            extra["occurrences"] = len(group)
+        if clauses:
+            extra["only_when"] = clauses
+        findings.append(Finding(rule, message, first.location, first.first_divergence,
+                                first.expected, first.actual, first.caret, extra))
+    return findings
+
+
+def _date_finding(renderer: TemplateRenderer, origin: str) -> Finding | None:
+    """PG108: two clocks render two texts, or the source reads a date."""
+    probe = Probe(Style("plain"), has_system=True, with_tools=False)
+    messages = probe.prefix_messages() + probe.observations(0)
+    try:
+        a = renderer.render(messages, True, None, clock=CLOCK_A)
+        b = renderer.render(messages, True, None, clock=CLOCK_B)
+    except RenderError:
+        a = b = ""
+    if a != b:
+        at = first_divergence(a, b)
+        at = len(a) if at is None else at
+        expected, caret = context_window(a, at)
+        actual, _ = context_window(b, at)
+        return Finding("PG108", "the rendered prompt changes with the clock (two fixed clocks render "
+                       "different text): every day starts a new cache prefix",
+                       f"{origin}: probe '{probe.name}'", at, expected, actual, caret)
+    if renderer.reads_date_statically:
+        return Finding("PG108", "the template reads a date (strftime_now / date variable); callers "
+                       "that pass today's date change the prefix every day", origin)
+    return None
+
+
+def probe_template(template_str: str, bos_token: str | None = None, eos_token: str | None = None,
+                   tokenizer: PreTrainedTokenizerBase | None = None, origin: str = "<template>",
+                   variables: Mapping[str, Any] | None = None,
+                   limits: RenderLimits | None = None) -> TemplateReport:
+    """Render `template_str` over the probe conversations and report every break.
+
+    `variables` go to every render (a tokenizer's other special tokens); `limits`
+    bound each render. Raises `LintInputError` when the template does not compile.
+    """
+    renderer = TemplateRenderer(template_str, bos_token, eos_token, origin, variables, limits)
+    # 1) what the template knows
+    markers = reasoning_markers(template_str)
+    prober = Prober(renderer, origin, markers, tokenizer)
+    # 2) every probe
+    checked: list[str] = []
+    num_checked_by_default = 0
+    failures: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    limited: list[str] = []  # the probe that hit a render limit, then those never tried
+    for probe in probe_conversations(markers, switch_settings(renderer.syntax_tree)):
+        if renderer.limit_hit is not None:
+            limited.append(probe.name)
+            continue
+        outcome = prober.run(probe)
+        if outcome == "checked":
+            checked.append(probe.name)
+            num_checked_by_default += probe.setting == DEFAULT
+        elif outcome == "failed" and renderer.limit_hit is not None:
+            limited.append(probe.name)
+        elif outcome == "failed":
+            (failures if probe.setting == DEFAULT else skipped)[probe.name] = prober.failed
+    # 3) probes the template raised on, or that hit a render limit
+    findings = _findings(prober.sightings, prober.seen)
+    if limited:
+        findings.append(Finding(
+            "PG113", f"rendering exceeded a limit ({renderer.limit_hit}): the template loops or "
+            f"grows its text without bound; {len(limited)} probe(s) were not checked",
+            f"{origin}: probe '{limited[0]}'", extra={"probes_not_checked": limited}))
+    for name, error in failures.items():
+        plain_name = name.removeprefix("system+")
+        if name.startswith("system+") and plain_name in checked:
+            findings.append(Finding("PG106", f"the template raises on a system message ({error}); "
+                                    "callers then fold the system prompt into a user turn, often the "
+                                    "last one", f"{origin}: probe '{name}'"))
+        else:
+            findings.append(Finding("PG109", f"the template raised, so this probe was not checked: "
+                                    f"{error}", f"{origin}: probe '{name}'"))
+    findings = _first_per_rule(findings)
+    # 4) the date
+    date = _date_finding(renderer, origin)
+    if date is not None:
+        findings.append(date)
+    findings.sort(key=lambda f: f.rule)
+    by_default = sorted({s.rule for s in prober.sightings
+                         if s.setting == DEFAULT and s.rule in BREAK_RULES})
+    shape = prober.shapes.get(DEFAULT)
+    return TemplateReport(
+        target=origin,
+        append_only=(not any(f.rule in BREAK_RULES | {"PG113"} for f in findings)
+                     and num_checked_by_default > 0),
+        findings=findings,
+        reads_date=date is not None,
+        probes_checked=checked,
+        probes_skipped=skipped,
+        breaks_by_default=by_default,
+        closing=shape.closing if shape else None,
+        num_checked_by_default=num_checked_by_default,
+    )
+
+
+def _first_per_rule(findings: list[Finding]) -> list[Finding]:
+    """One finding per rule: the first, counting the others as occurrences."""
+    kept: dict[str, Finding] = {}
+    for finding in findings:
+        first = kept.setdefault(finding.rule, finding)
+        if first is not finding:
+            first.extra["occurrences"] = first.extra.get("occurrences", 1) + 1
+    return list(kept.values())
