@@ -21,10 +21,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import gymnasium as gym  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from agent_envs import Lengthy  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from numerics import TEST_DTYPE_VARIABLE, Numerics, from_environment  # noqa: E402
-
-from prefixgym.envs.base import AgentEnv, Outcome  # noqa: E402
 
 torch.set_num_threads(1)
 settings.register_profile(
@@ -66,35 +65,6 @@ def _auto_is_the_test_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
 
     is_bf16 = _test_numerics().is_bf16
     monkeypatch.setattr(train_command, "has_fast_bf16", lambda: is_bf16)
-
-
-class Lengthy(AgentEnv):
-    """Two turns; reward = a function of the reply length, so random replies differ."""
-
-    system_prompt = "Reply with anything."
-
-    def __init__(self, *, raise_on_seed: int | None = None, max_turns: int = 2) -> None:
-        super().__init__(max_turns=max_turns)
-        self.raise_on_seed = raise_on_seed
-        self.seed_used: int | None = None
-
-    def reset(self, *, seed=None, options=None):
-        self.seed_used = seed
-        return super().reset(seed=seed, options=options)
-
-    def _reset_task(self) -> str:
-        return f"Say {int(self.np_random.integers(100))}."
-
-    def _act(self, text: str) -> Outcome:
-        if self.raise_on_seed is not None and self.seed_used == self.raise_on_seed:
-            raise RuntimeError("this env is broken on purpose")
-        reward = (len(text) % 5) / 4
-        done = self.turn >= 2
-        return Outcome("Again." if not done else "", rewards={"len": reward}, done=done,
-                       success=reward > 0.5)
-
-    def expert_action(self) -> str:
-        return "abcd"
 
 
 @pytest.fixture(scope="session", autouse=True)

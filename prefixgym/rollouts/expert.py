@@ -30,23 +30,20 @@ def play_expert(
     env: AgentGymEnv, tokenizer: PreTrainedTokenizerBase, seed: int,
     max_turns: int = MAX_EXPERT_TURNS,
 ) -> ExpertEpisode:
-    """Reset `env` with `seed` and play `expert_action()` until the episode ends."""
+    """Reset `env` with `seed` and play `expert_action()` until the episode ends, with the
+    bookkeeping of a sampled episode (`Episode.record`). An env that raises raises here:
+    a warm start must not train on a broken episode."""
     traj = Trajectory(episode_id=f"expert/{seed}", group_id=f"expert/{seed}", seed=seed)
     ep = Episode(env, tokenizer, traj)
     obs, _ = env.reset(seed=seed)
-    stop_reason = "max_turns"
+    ep.begin(obs)
     for _ in range(max_turns):
-        ep.observe(obs)
         ep.conv.generation_prompt()  # issued, as a sampler's request would be
         text = ep.agent.expert_action()
         reply = ep.conv.encode_reply(text)  # the reply's ids + end-of-turn
         turn = ep.add_reply(reply, [0.0] * len(reply), "stop")
-        obs, reward, terminated, truncated, info = env.step(text)
-        turn.reward = float(reward)
-        if terminated or truncated:
-            traj.terminated, traj.truncated = bool(terminated), bool(truncated)
-            traj.is_success = bool(info.get("is_success", False))
-            stop_reason = str(info.get("stop_reason", "terminated" if terminated else "truncated"))
+        if not ep.record(turn, env.step(text)):
             break
-    ep.finish(stop_reason)
+    else:
+        ep.end("max_turns")
     return ExpertEpisode(traj, ep.conv)

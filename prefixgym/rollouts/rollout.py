@@ -100,117 +100,85 @@ class Rollouts:
 
     async def run_groups(self, groups: Sequence[GroupSpec]) -> list[TrajectoryGroup]:
         """Many groups at once; in lockstep, their requests share rounds."""
-        rounds = self._rounds(sum(len(envs) for envs, _, _ in groups))
-        return list(await asyncio.gather(
-            *(self._run_group(envs, seed, group_id, rounds) for envs, seed, group_id in groups)))
+        run = _Run(self, sum(len(envs) for envs, _, _ in groups))
+        return list(await asyncio.gather(*(run.group(*spec) for spec in groups)))
 
     async def run_group(
         self, envs: Sequence[AgentGymEnv], seed: int, group_id: str
     ) -> TrajectoryGroup:
         """1) reset G envs with one seed; 2) one G-sample first turn; 3) the rest concurrently."""
-        return await self._run_group(envs, seed, group_id, self._rounds(len(envs)))
+        return await _Run(self, len(envs)).group(envs, seed, group_id)
 
-    def _rounds(self, live: int) -> Rounds | None:
-        return Rounds(self.sampler, live) if self.config.lockstep else None
 
-    async def _run_group(
-        self, envs: Sequence[AgentGymEnv], seed: int, group_id: str, rounds: Rounds | None
+class _Run:
+    """One call's groups, and in lockstep the rounds their requests share: each episode
+    retires from them when it finishes (`Episode.on_finish`), whatever ends it."""
+
+    def __init__(self, rollouts: Rollouts, episodes: int) -> None:
+        self.r = rollouts
+        self.config = rollouts.config
+        self.rounds = Rounds(rollouts.sampler, episodes) if self.config.lockstep else None
+
+    async def group(
+        self, envs: Sequence[AgentGymEnv], seed: int, group_id: str
     ) -> TrajectoryGroup:
-        episodes, trajectories = [], []
-        for i, env in enumerate(envs):
-            traj = Trajectory(episode_id=f"{group_id}/{i}", group_id=group_id, seed=seed)
-            trajectories.append(traj)
-            ep = Episode(env, self.tokenizer, traj)
-            try:
-                obs, _ = env.reset(seed=seed)
-            except Exception as e:  # an env that raises ends its episode, never the run
-                ep.finish("env_error", error=f"{type(e).__name__}: {e}")
-                if rounds is not None:
-                    rounds.retire()
-                continue
-            ep.observe(obs)
-            episodes.append(ep)
+        trajectories = [Trajectory(episode_id=f"{group_id}/{i}", group_id=group_id, seed=seed)
+                        for i in range(len(envs))]
+        retire = self.rounds.retire if self.rounds is not None else None
+        episodes = [Episode(env, self.r.tokenizer, traj, on_finish=retire)
+                    for env, traj in zip(envs, trajectories)]
+        episodes = [ep for ep in episodes if await ep.reset(seed)]
         if not episodes:
             return TrajectoryGroup(group_id, seed, trajectories)
         # 1) the G prompts are equal when the env is deterministic under its seed
         prompts = [ep.conv.generation_prompt() for ep in episodes]
         # 2) one request, one prefill, G samples
         if all(p.tokens == prompts[0].tokens for p in prompts):
-            firsts = await self._sample(episodes, prompts[0], 0, seed, rounds)
+            firsts = await self.sample(episodes, prompts[0], 0, seed)
         else:
             firsts = [s for [s] in await asyncio.gather(*(
-                self._sample([ep], p, 0, _mix(seed, i), rounds)
+                self.sample([ep], p, 0, _mix(seed, i))
                 for i, (ep, p) in enumerate(zip(episodes, prompts))
             ))]
         # 3) each episode goes on by itself; the engine batches them
-        await asyncio.gather(
-            *(self._continue(ep, firsts[i], _mix(seed, i), rounds)
-              for i, ep in enumerate(episodes))
-        )
+        await asyncio.gather(*(self.play(ep, firsts[i], _mix(seed, i))
+                               for i, ep in enumerate(episodes)))
         return TrajectoryGroup(group_id, seed, trajectories)
 
-    async def _sample(
+    async def sample(
         self, episodes: Sequence[Episode], prompt: ModelInput, turn: int, seed: int,
-        rounds: Rounds | None,
     ) -> list[_Sample]:
         g = len(episodes)
-        if rounds is None:
-            response = await self.sampler.sample(
-                prompt, num_samples=g, sampling_params=self.params(seed)
-            )
+        params = self.r.params(seed)
+        if self.rounds is None:
+            response = await self.r.sampler.sample(prompt, num_samples=g, sampling_params=params)
         else:
-            request = SampleRequest(prompt, g, self.params(seed))
-            response = await rounds.sample(episodes[0].traj.episode_id, request, episodes=g)
-        if self.trace is not None:
+            request = SampleRequest(prompt, g, params)
+            response = await self.rounds.sample(episodes[0].traj.episode_id, request, episodes=g)
+        if self.r.trace is not None:
             ids = [ep.traj.episode_id for ep in episodes]
-            self.trace.write(ids, episodes[0].traj.group_id, turn, prompt, g, response)
+            self.r.trace.write(ids, episodes[0].traj.group_id, turn, prompt, g, response)
         # a shared request's usage goes to the first episode only
         return [_Sample(seq, response.usage if i == 0 else Usage(), g, response.weights_version)
                 for i, seq in enumerate(response.sequences)]
 
-    async def _continue(
-        self, ep: Episode, first: _Sample, seed: int, rounds: Rounds | None
-    ) -> None:
-        try:
-            await self._play(ep, first, seed, rounds)
-        finally:
-            if rounds is not None:
-                rounds.retire()
-
-    async def _play(self, ep: Episode, first: _Sample, seed: int, rounds: Rounds | None) -> None:
+    async def play(self, ep: Episode, first: _Sample, seed: int) -> None:
         """Observe, sample, step, until the env or a budget ends the episode."""
-        sample = first
-        n = 0
+        sample, n = first, 0
         while True:
-            # sample -> conversation -> env
             seq = sample.sequence
             turn = ep.add_reply(seq.tokens, seq.logprobs, seq.stop_reason, sample.usage,
                                 sample.shared_by)
             turn.weights_version = sample.weights_version
-            try:
-                obs, reward, terminated, truncated, info = await ep.astep(turn.reply_text)
-            except Exception as e:  # an env that raises ends its episode, never the run
-                ep.finish("env_error", error=f"{type(e).__name__}: {e}")
-                return
-            turn.reward = float(reward)
-            turn.invalid_action = bool(info.get("invalid_action", False))
             n += 1
-            if terminated or truncated:
-                ep.traj.terminated, ep.traj.truncated = bool(terminated), bool(truncated)
-                ep.traj.is_success = bool(info.get("is_success", False))
-                ep.finish(str(info.get("stop_reason", "terminated" if terminated else "truncated")))
+            if not await ep.step(turn):
                 return
-            ep.observe(obs)
             prompt = ep.conv.generation_prompt()
             if n >= self.config.max_turns:
-                ep.traj.truncated = True
-                ep.finish("max_turns")
-                return
+                return ep.end("max_turns")
             if prompt.length + self.config.max_tokens > self.config.max_episode_tokens:
-                ep.traj.truncated = True
-                ep.finish("max_episode_tokens")
-                return
-            [sample] = await self._sample([ep], prompt, n, _mix(seed, 1000 + n), rounds)
+                return ep.end("max_episode_tokens")
+            [sample] = await self.sample([ep], prompt, n, _mix(seed, 1000 + n))
 
 
 @dataclass

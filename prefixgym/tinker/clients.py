@@ -253,12 +253,8 @@ class TrainingClient:
 def sampling_client_from_path(service: LocalService, model_path: str,
                               base_model: str) -> SamplingClient:
     """A sampling client of weights saved by `save_weights_for_sampler` (LoRA)."""
-    create: Any = service.create_sampling_client
-    try:
-        engine = create(model_path=os.fspath(model_path), stop_at_end_of_turn=False)
-    except TypeError:
-        raise NotImplementedError("create_sampling_client(model_path=...) needs LoRA support "
-                                  "in LocalService (create_sampling_client(model_path))") from None
+    engine = service.create_sampling_client(stop_at_end_of_turn=False,
+                                            model_path=os.fspath(model_path))
     return SamplingClient(engine, service, base_model)
 
 

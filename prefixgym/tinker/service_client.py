@@ -101,15 +101,9 @@ class ServiceClient:
         if kind.lora_rank is None:
             engine = service.create_training_client()
         else:
-            create_lora: Any = getattr(service, "create_lora_training_client", None)
-            if create_lora is None:
-                raise NotImplementedError(
-                    "create_lora_training_client needs LoRA support in LocalService "
-                    "(LocalService.create_lora_training_client); this build has none. "
-                    "ServiceClient.create_training_client trains full weights instead.")
-            engine = create_lora(rank=kind.lora_rank, train_attn=kind.train_attn,
-                                 train_mlp=kind.train_mlp, train_unembed=kind.train_unembed,
-                                 seed=kind.seed)
+            engine = service.create_lora_training_client(
+                rank=kind.lora_rank, train_attn=kind.train_attn, train_mlp=kind.train_mlp,
+                train_unembed=kind.train_unembed, seed=kind.seed)
         return TrainingClient(engine, service, kind, self._checkpoint_dir)
 
     # -- sampling clients ---------------------------------------------------------------

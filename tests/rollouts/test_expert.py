@@ -48,3 +48,17 @@ def test_without_tool_schemas_the_system_turn_names_the_tools_and_the_episode_is
     assert full.trajectory.is_success and compact.trajectory.is_success
     assert [t.reply_text for t in full.trajectory.turns] == \
         [t.reply_text for t in compact.trajectory.turns]
+
+
+def test_an_expert_reply_the_env_refuses_is_recorded_as_invalid():
+    """The expert path records what a sampled episode records (Episode.record): the
+    reward, the invalid reply, and how the episode ended."""
+    tok = load_tokenizer()
+    env = gym.make("prefixgym/GuessNumber-v0", max_turns=3)
+    agent = env.unwrapped
+    replies = iter(["not a number", "also not", "still not"])
+    agent.expert_action = lambda: next(replies)  # an expert that never answers validly
+    traj = play_expert(env, tok, seed=1).trajectory
+    assert [t.invalid_action for t in traj.turns] == [True, True, True]
+    assert all(t.reward < 0 for t in traj.turns) and not traj.is_success
+    assert traj.truncated and traj.stop_reason

@@ -4,6 +4,7 @@ import json
 
 import gymnasium as gym
 import pytest
+from agent_envs import Lengthy
 
 from prefixgym.local_service import LocalService
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
@@ -84,3 +85,46 @@ def test_env_that_raises_in_reset_fails_alone(service):
     broken, ok = group.trajectories
     assert broken.failed and "no connection" in broken.error and not broken.turns
     assert not ok.failed and len(ok.turns) == 2
+
+
+class _IOEnv(Lengthy):
+    """An env that waits on I/O: it overrides areset and astep (and counts their calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.awaited: list[str] = []
+
+    async def areset(self, *, seed=None, options=None):
+        self.awaited.append("areset")
+        await asyncio.sleep(0)
+        return self.reset(seed=seed, options=options)
+
+    async def astep(self, action):
+        self.awaited.append("astep")
+        await asyncio.sleep(0)
+        return self.step(action)
+
+
+class _Doubled(gym.RewardWrapper):
+    def reward(self, reward):
+        return 2 * float(reward) + 100
+
+
+def test_an_env_that_waits_on_io_is_awaited(service):
+    env = _IOEnv()
+    [traj] = _run(service, [env]).trajectories
+    assert env.awaited == ["areset", "astep", "astep"] and len(traj.turns) == 2
+    assert all(t.reward < 100 for t in traj.turns)
+
+
+@pytest.mark.parametrize("io", [False, True])
+def test_wrappers_around_an_env_are_honoured(service, io):
+    """A RewardWrapper's rewards and a TimeLimit's end reach the trajectory, also when the
+    env underneath overrides astep (its wrapped step runs in a worker thread)."""
+    inner = _IOEnv() if io else Lengthy()
+    env = gym.wrappers.TimeLimit(_Doubled(inner), max_episode_steps=1)
+    [traj] = _run(service, [env]).trajectories
+    assert len(traj.turns) == 1 and traj.truncated and not traj.terminated
+    assert traj.turns[0].reward >= 100  # the wrapper's reward, not the env's
+    if io:
+        assert inner.awaited == []  # wrappers are synchronous: reset and step through them

@@ -151,9 +151,3 @@ def test_async_variants_and_unsupported_methods_name_themselves(client: ServiceC
         sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(),
                        prompt_alt_tokens_k=2)
 
-
-@pytest.mark.skipif(hasattr(LocalService, "create_lora_training_client"),
-                    reason="LocalService has LoRA in this build")
-def test_lora_without_lora_support_says_so(client: ServiceClient) -> None:
-    with pytest.raises(NotImplementedError, match="create_lora_training_client needs LoRA"):
-        client.create_lora_training_client(base_model="tiny", rank=4)

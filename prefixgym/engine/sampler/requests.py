@@ -3,7 +3,7 @@
 A `RoundItem` is what a client asks for; `new_request` validates it and builds the
 `Request` that `Engine.submit_many` queues: a prompt, decoding settings, the model of
 one weights version and the future to complete. Each of its `num_samples`
-`Sequence`s tracks one continuation: tokens, logprobs, its block table (the KV pool's
+`Continuation`s tracks one continuation: tokens, logprobs, its block table (the KV pool's
 blocks holding its positions), how many blocks it may still take, and its own random
 generator. `new_request` refuses bad input with a ValueError naming the field, and a
 request beyond the engine's `RequestLimits`: more samples than may run at once, or
@@ -88,11 +88,11 @@ class Request:
     tail_pin: list[int] = field(default_factory=list)  # a cached block to copy from
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
-    sequences: list[Sequence] = field(default_factory=list)
+    sequences: list[Continuation] = field(default_factory=list)
 
 
 @dataclass(eq=False)
-class Sequence:
+class Continuation:
     """One of a request's samples while it decodes (its stop rules are the request's)."""
 
     request: Request
@@ -124,12 +124,12 @@ def blocks_needed(req: Request, num_cached_blocks: int, block_size: int) -> int:
     return first - num_cached_blocks + (req.num_samples - 1) * other
 
 
-def new_sequences(req: Request, cached_blocks: list[int], block_size: int) -> list[Sequence]:
+def new_sequences(req: Request, cached_blocks: list[int], block_size: int) -> list[Continuation]:
     """The request's `num_samples` sequences at the end of the prompt, the first holding
     `cached_blocks`, each promised the blocks it may still take (`blocks_per_sample`);
     sample i draws from its own generator, derived from the request's seed."""
     first, other = blocks_per_sample(req, block_size)
-    seqs = [Sequence(req, random.Random(f"{req.seed}/{i}"), reserved=other)
+    seqs = [Continuation(req, random.Random(f"{req.seed}/{i}"), reserved=other)
             for i in range(req.num_samples)]
     seqs[0].table, seqs[0].reserved = list(cached_blocks), first - len(cached_blocks)
     return seqs

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.sampler.prefix_cache import Match, PrefixCache
 from prefixgym.engine.sampler.requests import (
+    Continuation,
     Request,
-    Sequence,
     blocks_needed,
     build_response,
     new_sequences,
@@ -60,7 +60,7 @@ class Batch:
     kind: str  # "prefill" or "decode"
     model: Transformer
     version: int
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[Continuation] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
@@ -94,7 +94,7 @@ class Scheduler:
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
-        self.running: dict[int, list[Sequence]] = {}  # by weights version, in admission order
+        self.running: dict[int, list[Continuation]] = {}  # by weights version, in admission order
         self._chunks: deque[list[Request]] = deque()  # admitted, not yet prefilled
         self.handling: list[Request] = []  # those of the step in progress: its errors are theirs
         self._version_models: dict[int, weakref.ref[Transformer]] = {}  # the latest is kept
@@ -231,7 +231,7 @@ class Scheduler:
             batch.tokens.append(seq.tokens[-1:])
         return batch
 
-    def _allocate(self, seq: Sequence, batch: Batch) -> int:
+    def _allocate(self, seq: Continuation, batch: Batch) -> int:
         seq.reserved -= 1
         block, new = self.cache.allocate()
         if new:
@@ -280,7 +280,7 @@ class Scheduler:
         for version, seqs in self.running.items():
             self.running[version] = [s for s in seqs if s.stop_reason is None]
 
-    def _hits_stop(self, seq: Sequence) -> bool:
+    def _hits_stop(self, seq: Continuation) -> bool:
         """Whether the text of the last tokens (4 per character of the longest stop
         string, and 4 more) holds a stop string."""
         assert self._decode is not None
@@ -288,7 +288,7 @@ class Scheduler:
         text = self._decode(seq.tokens[-(4 * max(map(len, stops)) + 4) :])
         return any(stop in text for stop in stops)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Continuation, reason: str) -> None:
         """Drop the sequence's references and promises; complete its request if it was
         the last."""
         req = seq.request
@@ -301,7 +301,7 @@ class Scheduler:
             self.counters["requests_completed"] += 1
             req.future.set_result(response)
 
-    def _free(self, seq: Sequence) -> None:
+    def _free(self, seq: Continuation) -> None:
         self.cache.release(seq.table)
         self.cache.unreserve(seq.reserved)
         seq.table, seq.reserved = [], 0

@@ -3,7 +3,7 @@
 The training client runs it in three steps (`TrainingClient._run_custom`):
 
 1) a forward pass (no gradients) gives every datum's target logprobs;
-2) `loss_gradients`: the user's `loss_fn(data, logprobs)` and autograd give the loss
+2) `logprob_gradients`: the user's `loss_fn(data, logprobs)` and autograd give the loss
    and g_i = d(loss)/d(logprobs_i), per datum;
 3) `linear_datums`: the linear loss sum_i g_i . logprobs_i has the same gradient with
    respect to the parameters as the user's loss (the chain rule, exact), and it is
@@ -30,7 +30,7 @@ CustomLossFn = Callable[[list[Datum], list[Tensor]], tuple[Tensor, Mapping[str, 
 """`forward_backward_custom`'s loss: (data, per-datum logprobs) -> (scalar loss, metrics)."""
 
 
-def loss_gradients(
+def logprob_gradients(
     data: Sequence[Datum], first: ForwardBackwardOutput, loss_fn: CustomLossFn
 ) -> tuple[float, Mapping[str, float], list[Tensor | None]]:
     """(the loss's value, `loss_fn`'s metrics, d(loss)/d(logprobs_i) per datum, None

@@ -1,7 +1,7 @@
 """Target logprobs from final-norm outputs, a chunk of rows at a time: the logits of all
 positions are never held at once.
 
-The plain head (`Transformer.head` then `losses.target_logprobs`) materialises (N, V)
+The plain head (`Transformer.head` then `losses.target_logprobs_of_logits`) materialises (N, V)
 float32 logits and keeps them, or their log-softmax, for backward: with a 151,936-token
 vocabulary that is 0.6 MB per position per copy. `target_logprobs` gives the same
 values and gradients holding (rows, V) for one chunk of `chunk_rows(V)` rows:
@@ -86,7 +86,7 @@ def target_logprobs(
 
 
 def _chunk_logprobs(model: Transformer, h_n_C: Tensor, targets_n: Tensor) -> Tensor:
-    """The plain head's ops on these rows (`losses.target_logprobs`' fused kernel)."""
+    """The plain head's ops on these rows (`losses.target_logprobs_of_logits`' fused kernel)."""
     return -F.cross_entropy(model.head(h_n_C), targets_n, reduction="none")
 
 

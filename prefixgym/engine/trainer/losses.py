@@ -34,7 +34,7 @@ MetricSums = dict[str, float]
 LossFn = Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], tuple[Tensor, MetricSums]]
 
 
-def target_logprobs(logits_B_T_V: Tensor, targets_B_T: Tensor) -> Tensor:
+def target_logprobs_of_logits(logits_B_T_V: Tensor, targets_B_T: Tensor) -> Tensor:
     """log softmax(logits)[target] at every position, in float32 (or the logits' wider dtype)."""
     B, T, V = logits_B_T_V.shape
     logits = logits_B_T_V if logits_B_T_V.dtype == torch.float64 else logits_B_T_V.float()

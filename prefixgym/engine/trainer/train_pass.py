@@ -170,7 +170,7 @@ def _logprobs(model: Transformer, chunk: Chunk, options: PassOptions) -> Tensor:
                              recompute=options.recompute)
     with options.autocast():
         logits_B_T_V = model(chunk.tokens_B_T, recompute=options.recompute)
-    return losses.target_logprobs(logits_B_T_V, targets_B_T)
+    return losses.target_logprobs_of_logits(logits_B_T_V, targets_B_T)
 
 
 def _chunk_gradients(

@@ -56,7 +56,7 @@ from prefixgym.engine.trainer import losses
 from prefixgym.engine.trainer.custom_loss import (
     CustomLossFn,
     linear_datums,
-    loss_gradients,
+    logprob_gradients,
     merged_output,
 )
 from prefixgym.engine.trainer.optimizer import AdamWUpdate, named
@@ -278,7 +278,7 @@ class TrainingClient(Generic[SamplerT]):
         """The steps of `custom_loss.py`: logprobs, the user's gradients, the linear loss."""
         spec = losses.get_loss("cross_entropy")
         first = self._run(prepared, spec, {}, False, record_usage=False)  # 1)
-        value, user_metrics, grads = loss_gradients(data, first, loss_fn)  # 2)
+        value, user_metrics, grads = logprob_gradients(data, first, loss_fn)  # 2)
         linear = self._run(linear_datums(prepared, grads), spec, {}, True,  # 3)
                            record_usage=False)
         out = merged_output(first, linear, value, user_metrics)

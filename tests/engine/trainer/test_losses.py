@@ -69,7 +69,7 @@ def test_gradcheck_through_logits(loss_fn: str) -> None:
     logits = torch.randn(2, 4, 7, dtype=torch.float64, generator=gen, requires_grad=True)
     targets = torch.randint(0, 7, (2, 4), generator=gen)
     with torch.no_grad():
-        base = losses.target_logprobs(logits, targets)
+        base = losses.target_logprobs_of_logits(logits, targets)
     # sampler logprobs: some ratios inside the clip range, some well outside (never at a kink)
     offsets = torch.tensor([[0.0, 0.5, -0.5, 0.05], [-0.7, 0.02, 0.9, -0.1]], dtype=torch.float64)
     inputs = {
@@ -84,7 +84,7 @@ def test_gradcheck_through_logits(loss_fn: str) -> None:
     config = losses.validate_config(loss_fn, None)
 
     def f(x: torch.Tensor) -> torch.Tensor:
-        return spec.fn(losses.target_logprobs(x, targets), inputs, config)[0]
+        return spec.fn(losses.target_logprobs_of_logits(x, targets), inputs, config)[0]
 
     assert torch.autograd.gradcheck(f, (logits,))
 
@@ -93,7 +93,7 @@ def test_target_logprobs_matches_log_softmax() -> None:
     logits = torch.randn(2, 3, 5)
     targets = torch.tensor([[0, 4, 2], [1, 1, 3]])
     expected = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
-    torch.testing.assert_close(losses.target_logprobs(logits, targets), expected)
+    torch.testing.assert_close(losses.target_logprobs_of_logits(logits, targets), expected)
 
 
 @pytest.mark.parametrize(
@@ -206,3 +206,13 @@ def test_metrics_count_loss_positions_only() -> None:
         _, sums = spec.fn(logp, inputs, losses.validate_config(name, None))
         assert sums["ratio/mean"] == pytest.approx(2.0), name  # two tokens, ratio 1 each
         assert sums["kl_sampler/mean"] == pytest.approx(0.0), name
+
+
+def test_the_losses_are_the_ones_the_wire_types_name() -> None:
+    """One list of names (types.LOSS_FN_NAMES): the engine implements exactly those, and
+    `prefixgym train --loss` offers every one but the warm start's."""
+    from prefixgym.trainer.config import LOSSES as GRPO_LOSSES
+    from prefixgym.types import LOSS_FN_NAMES
+
+    assert tuple(losses.LOSSES) == LOSS_FN_NAMES
+    assert set(GRPO_LOSSES) == set(LOSS_FN_NAMES) - {"cross_entropy"}
