@@ -4,8 +4,9 @@
     analyze_trace(requests, block_size, capacity_tokens, decode=None) -> TraceReport
     lint_env(env_id, episodes=3) -> EnvReport          (prefixgym.prompting.lint.env)
 
-`prefixgym lint template|trace|env` is `command.main`; the rules are listed in
-`findings.RULES` and explained in docs/lint-rules.md.
+`prefixgym lint template|trace|env` is `cli/lint.py`; the rules are listed in
+`prompting.findings.RULES` and explained in docs/lint-rules.md. The template verdict
+itself is `prompting.templates`' (the chat format uses it too); this package reports.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Why a rendered text stops extending the text it should extend: a rule and a reason.
 
-The template probe (`template.py`) compares an expected text (an earlier render, or
+The template probe (`append_only.py`) compares an expected text (an earlier render, or
 prompt + sampled reply + end of turn) with a later render; at the first character
 where they part, `classify` names the rule (PG101–PG107, PG111, PG112) and says why,
 from where that character lies (inside the generation prompt, the reply, the end of
@@ -20,7 +20,7 @@ from prefixgym.prompting.templates.switches import Marker
 class Check:
     """One comparison made on a probe, and the landmarks of its expected text."""
 
-    kind: str  # "history" (a), "prompt" (b) or "next" (c); see template.py
+    kind: str  # "history" (a), "prompt" (b) or "next" (c); see append_only.py
     what: str  # the sentence a finding ends with
     where: str  # "turn 1 -> 2, reply ending on '<|im_end|>'"
     conditions: dict[str, str] = field(default_factory=dict)  # dimension -> clause

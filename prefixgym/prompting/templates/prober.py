@@ -11,7 +11,7 @@ For each turn k of a probe, rendered with its setting at a fixed clock:
      under the same setting (`Shape`), never off the reply being checked, so a
      template that trims or rewrites that reply is caught.
 A sighting records where it was seen, under which conditions (one clause per
-dimension the probes vary), and why (`classify.py`). `template.py` turns sightings
+dimension the probes vary), and why (`classify.py`). `append_only.py` turns sightings
 into findings. Knows nothing of files, reports or output formats.
 """
 
