@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.engine.model import PRESETS, ModelConfig, Transformer
-from prefixgym.engine.model.hf_checkpoint import read_hf_config
+from prefixgym.engine.model.hf_config import read_hf_config
 from prefixgym.engine.sampler.options import SamplerOptions
 from prefixgym.engine.service import EngineService
 from prefixgym.prompting.tokenizer import end_of_turn_ids, resolve_tokenizer

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from prefixgym.engine.model.config import ModelConfig
 from prefixgym.engine.model.layers import Block, KVView, RMSNorm
+from prefixgym.engine.model.rope import rope_tables
 
 __all__ = ["Transformer", "count_parameters", "init_weights"]
 
@@ -48,29 +50,23 @@ class Transformer(nn.Module):
         )
         self.head_adapter: nn.Module | None = None
         """A LoRA adapter on the output head (`lora.py`): its output is added to the logits."""
+        self.hf_config: dict[str, Any] | None = None
+        """The config.json it was loaded from (`hf_checkpoint.py`), which `hf_export.py`
+        writes back; None for a preset or a config built here."""
         self.build_rope_tables()
 
     def build_rope_tables(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute the cos/sin tables, (max_seq_len, head_dim), as HF does in fp32
-        (the sin table's first half negated, see `layers._apply_rope`).
+        """(Re)compute the cos/sin tables, (max_seq_len, rotary_width), as HF does in fp32
+        (scaled as the config says: `rope.py`), in the weights' dtype.
 
         Not part of the state dict; call again after materialising a meta-device model.
         """
-        cfg = self.config
-        D = cfg.head_dim
-        inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D)
-        )
-        positions = torch.arange(cfg.max_seq_len, dtype=torch.float32, device=device)
-        freqs = torch.outer(positions, inv_freq)  # (S, D/2)
-        angles = torch.cat((freqs, freqs), dim=-1)  # (S, D)
         dtype = self.tok_embeddings.weight.dtype
         if not dtype.is_floating_point or self.tok_embeddings.weight.is_meta:
             dtype = torch.float32
-        sign = torch.cat((-torch.ones_like(inv_freq), torch.ones_like(inv_freq)))  # (D,)
-        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
-        # sin negated on the first half: rotate-half as one roll (`layers._apply_rope`)
-        self.register_buffer("rope_sin", (angles.sin() * sign).to(dtype), persistent=False)
+        cos, sin = rope_tables(self.config, dtype, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -151,6 +147,8 @@ class Transformer(nn.Module):
             sin = self.rope_sin[positions_B_T].unsqueeze(1)
 
         h = self.tok_embeddings(tokens_B_T)  # (B, T, C)
+        if cfg.embedding_multiplier != 1.0:
+            h = h * cfg.embedding_multiplier
         checkpointed = recompute and torch.is_grad_enabled()
         for layer in self.layers:
             if checkpointed:
@@ -171,6 +169,8 @@ class Transformer(nn.Module):
         logits = F.linear(h_N_C, self.output_weight)
         if self.head_adapter is not None:
             logits = logits + self.head_adapter(h_N_C)
+        if self.config.logit_divisor != 1.0:  # Granite's logits_scaling
+            logits = logits / self.config.logit_divisor
         return logits.float()
 
     def clone_for_inference(self, dtype: torch.dtype | None = None) -> Transformer:

@@ -1,8 +1,9 @@
-"""Write the built-in `Transformer` as a Hugging Face Llama/Qwen2 checkpoint directory.
+"""Write the built-in `Transformer` as a Hugging Face checkpoint directory.
 
-The inverse of `hf_checkpoint.load_hf_checkpoint`: config.json (Llama, or Qwen2 for a
-model with q/k/v biases and no output bias) and one model.safetensors whose tensors
-carry HF names, our fused projections split back into q/k/v and gate/up. This is
+The inverse of `hf_checkpoint.load_hf_checkpoint`: config.json (the one the model was
+loaded from, as it was; for a preset, Llama's, or Qwen2's for a model with q/k/v
+biases and no output bias) and one model.safetensors whose tensors carry the family's
+HF names, our fused projections split back into its modules (`families.py`). This is
 what an inference server loads full weights from (SGLang's
 `/update_weights_from_disk` takes such a directory, and so does `prefixgym serve`);
 `load_hf_checkpoint(save_hf_checkpoint(model, d))` gives back the same tensors.
@@ -16,20 +17,36 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import safetensors.torch
 import torch
 
+from prefixgym.engine.model.config import ModelConfig, RopeScaling
 from prefixgym.engine.model.decoder import Transformer
+from prefixgym.engine.model.families import family_named, module_shapes
 from prefixgym.files import write_dir_atomically
 
-__all__ = ["hf_config", "save_hf_checkpoint"]
+__all__ = ["hf_config", "hf_state_dict", "save_hf_checkpoint"]
 
 
 def hf_config(model: Transformer) -> dict[str, object]:
-    """The config.json fields `hf_checkpoint.config_from_hf` reads back into our config."""
+    """The config.json `hf_config.config_from_hf` reads back into this model's config: the
+    one it was loaded from (its dtype brought up to date), or one written for a preset."""
+    dtype = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    if model.hf_config is not None:
+        return {**model.hf_config, "dtype": dtype,
+                **({"torch_dtype": dtype} if "torch_dtype" in model.hf_config else {})}
     cfg = model.config
+    plain = (cfg.family in ("llama", "qwen2") and cfg.rope_scaling == RopeScaling()
+             and cfg.rotary_dim is None and cfg.rope_layers is None and cfg.qk_norm == "none"
+             and not cfg.post_norms and cfg.attention_scale is None
+             and cfg.embedding_multiplier == cfg.residual_multiplier == cfg.logit_divisor == 1.0)
+    if not plain:
+        raise ValueError(f"this {cfg.family} model has no config.json to write back (it was "
+                         "not loaded from a checkpoint directory), and a Llama/Qwen2 one "
+                         "would not describe it")
     qwen2 = cfg.qkv_bias and not cfg.out_bias
     out: dict[str, object] = {
         "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
@@ -49,32 +66,30 @@ def hf_config(model: Transformer) -> dict[str, object]:
     return out
 
 
-def _hf_tensors(model: Transformer) -> dict[str, torch.Tensor]:
-    """Our fused layout -> HF names (every tensor a contiguous CPU copy)."""
-    cfg = model.config
-    sd = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
-    q_out = cfg.n_heads * cfg.head_dim
-    kv_out = cfg.n_kv_heads * cfg.head_dim
+def hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]
+                  ) -> dict[str, torch.Tensor]:
+    """Tensors named as our state dict (weights, or their gradients) -> the family's HF
+    names, our fused rows split into its modules (every tensor a contiguous CPU copy)."""
+    family = family_named(cfg.family)
+    sd = {k: v.detach().to("cpu") for k, v in tensors.items()}
     out = {
         "model.embed_tokens.weight": sd["tok_embeddings.weight"],
         "model.norm.weight": sd["norm.weight"],
     }
+    biased = {"attn.wqkv": cfg.qkv_bias, "attn.wo": cfg.out_bias}
     for i in range(cfg.n_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
-        out[hf + "input_layernorm.weight"] = sd[ours + "attn_norm.weight"]
-        out[hf + "post_attention_layernorm.weight"] = sd[ours + "mlp_norm.weight"]
-        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-            q, k, v = sd[ours + f"attn.wqkv.{kind}"].split([q_out, kv_out, kv_out])
-            out[hf + f"self_attn.q_proj.{kind}"] = q
-            out[hf + f"self_attn.k_proj.{kind}"] = k
-            out[hf + f"self_attn.v_proj.{kind}"] = v
-        out[hf + "self_attn.o_proj.weight"] = sd[ours + "attn.wo.weight"]
-        if cfg.out_bias:
-            out[hf + "self_attn.o_proj.bias"] = sd[ours + "attn.wo.bias"]
-        gate, up = sd[ours + "mlp.w_gate_up.weight"].split([cfg.hidden_dim, cfg.hidden_dim])
-        out[hf + "mlp.gate_proj.weight"] = gate
-        out[hf + "mlp.up_proj.weight"] = up
-        out[hf + "mlp.down_proj.weight"] = sd[ours + "mlp.w_down.weight"]
+        out[hf + family.norms[0] + ".weight"] = sd[ours + "attn_norm.weight"]
+        out[hf + family.norms[1] + ".weight"] = sd[ours + "mlp_norm.weight"]
+        for layer in ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down"):
+            parts = module_shapes(cfg, layer)
+            widths = [shape[0] for _, shape in parts]
+            for kind in ("weight", "bias") if biased.get(layer) else ("weight",):
+                pieces = sd[ours + f"{layer}.{kind}"].split(widths)
+                for (module, _), piece in zip(parts, pieces, strict=True):
+                    out[hf + f"{module}.{kind}"] = piece
+        for which in ("q_norm", "k_norm") if cfg.qk_norm != "none" else ():
+            out[hf + f"self_attn.{which}.weight"] = sd[ours + f"attn.{which}.weight"]
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["output.weight"]
     return {k: v.contiguous().clone() for k, v in out.items()}
@@ -83,7 +98,7 @@ def _hf_tensors(model: Transformer) -> dict[str, torch.Tensor]:
 def save_hf_checkpoint(model: Transformer, directory: str | os.PathLike[str]) -> Path:
     """Write `model`'s current weights into `directory` (replaced atomically); returns it."""
     target = Path(directory)
-    tensors = _hf_tensors(model)
+    tensors = hf_state_dict(model.config, model.state_dict())
     config = json.dumps(hf_config(model), indent=2) + "\n"
 
     def fill(tmp: Path) -> None:

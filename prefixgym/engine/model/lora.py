@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixgym.engine.model.decoder import Transformer
+from prefixgym.engine.model.families import module_shapes
 from prefixgym.engine.model.layers import Block
 
 __all__ = [
@@ -133,19 +134,23 @@ class LoraLinear(nn.Module):
 
 
 def _targets(model: Transformer, spec: LoraSpec) -> dict[str, tuple[nn.Module, str, tuple[int, ...]]]:
-    """Our adapter key -> (parent module, attribute, output parts), in model order."""
+    """Our adapter key -> (parent module, attribute, output parts), in model order. The
+    parts are the family's HF modules (`families.module_shapes`): q, k and v for most,
+    one fused qkv for Phi-3, so that an adapter is PEFT's, module for module."""
     cfg = model.config
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
+    def parts(layer: str) -> tuple[int, ...]:
+        return tuple(shape[0] for _, shape in module_shapes(cfg, layer))
+
     found: dict[str, tuple[nn.Module, str, tuple[int, ...]]] = {}
     for i, layer in enumerate(model.layers):
         block = cast(Block, layer)
         if spec.train_attn:
-            found[f"layers.{i}.attn.wqkv"] = (block.attn, "wqkv", (q, kv, kv))
-            found[f"layers.{i}.attn.wo"] = (block.attn, "wo", (cfg.dim,))
+            found[f"layers.{i}.attn.wqkv"] = (block.attn, "wqkv", parts("attn.wqkv"))
+            found[f"layers.{i}.attn.wo"] = (block.attn, "wo", parts("attn.wo"))
         if spec.train_mlp:
-            found[f"layers.{i}.mlp.w_gate_up"] = (block.mlp, "w_gate_up",
-                                                  (cfg.hidden_dim, cfg.hidden_dim))
-            found[f"layers.{i}.mlp.w_down"] = (block.mlp, "w_down", (cfg.dim,))
+            found[f"layers.{i}.mlp.w_gate_up"] = (block.mlp, "w_gate_up", parts("mlp.w_gate_up"))
+            found[f"layers.{i}.mlp.w_down"] = (block.mlp, "w_down", parts("mlp.w_down"))
     return found
 
 

@@ -1,10 +1,11 @@
 """LoRA adapters in PEFT's format: adapter_config.json + adapter_model.safetensors.
 
-Names are Hugging Face Llama/Qwen2 module names as PEFT saves them for a causal LM
-(`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`), for presets too
-(they have the Llama architecture). Our fused projections are split into their parts
-(q/k/v, gate/up) on save and joined on load; a part or layer the file has no adapter
-for gets a zero one (PEFT's common `target_modules=["q_proj", "v_proj"]` loads).
+Names are the model family's Hugging Face module names as PEFT saves them for a causal
+LM (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`; presets have the
+Llama architecture). Our fused projections are split into the family's modules
+(`families.py`: q/k/v and gate/up, or Phi-3's fused qkv_proj and gate_up_proj) on save
+and joined on load; a part or layer the file has no adapter for gets a zero one
+(PEFT's common `target_modules=["q_proj", "v_proj"]` loads).
 
 1) `save_adapter` writes the two files into a directory, atomically (the directory
    appears whole or not at all).
@@ -29,6 +30,7 @@ import safetensors.torch
 import torch
 
 from prefixgym.engine.model.decoder import Transformer
+from prefixgym.engine.model.families import family_named, module_shapes
 from prefixgym.engine.model.lora import HEAD, LoraSpec, lora_adapters
 from prefixgym.files import write_dir_atomically, write_text_atomically
 
@@ -39,13 +41,7 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 Tensor = torch.Tensor
 
-_PARTS = {  # our layer -> its HF modules, in row order
-    "attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "attn.wo": ("self_attn.o_proj",),
-    "mlp.w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.w_down": ("mlp.down_proj",),
-}
-_OURS = {hf: (ours, p) for ours, hfs in _PARTS.items() for p, hf in enumerate(hfs)}
+_LAYERS = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight$")
 _HEAD_KEY = re.compile(r"^base_model\.model\.lm_head\.lora_([AB])\.weight$")
@@ -56,11 +52,12 @@ _BASE_COPIES = {  # base weights PEFT saves along when lm_head or the embedding 
 }
 
 
-def _hf_modules(key: str) -> tuple[str, ...]:
+def _hf_modules(key: str, model: Transformer) -> tuple[str, ...]:
     if key == HEAD:
         return ("lm_head",)
     _, i, layer = key.split(".", 2)
-    return tuple(f"model.layers.{i}.{name}" for name in _PARTS[layer])
+    return tuple(f"model.layers.{i}.{name}"
+                 for name in family_named(model.config.family).hf_modules(layer))
 
 
 def save_adapter(directory: str | os.PathLike[str], model: Transformer, spec: LoraSpec,
@@ -70,7 +67,7 @@ def save_adapter(directory: str | os.PathLike[str], model: Transformer, spec: Lo
     targets: set[str] = set()
     for key, adapter in lora_adapters(model).items():
         r, row = adapter.rank, 0
-        for p, (name, width) in enumerate(zip(_hf_modules(key), adapter.parts, strict=True)):
+        for p, (name, width) in enumerate(zip(_hf_modules(key, model), adapter.parts, strict=True)):
             a = adapter.lora_A.detach()[p * r : (p + 1) * r]
             b = adapter.lora_B.detach()[row : row + width]
             tensors[f"{PREFIX}{name}.lora_A.weight"] = a.float().cpu().contiguous()
@@ -146,13 +143,12 @@ def read_adapter(directory: str | os.PathLike[str], model: Transformer
         raise FileNotFoundError(f"{root}: no {WEIGHTS_NAME} (only safetensors adapters load)")
     r = int(cfg["r"])
     # 1) every tensor: a known module of an existing layer, with the right shape
-    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    shapes = {"self_attn.q_proj": (config.dim, q), "self_attn.k_proj": (config.dim, kv),
-              "self_attn.v_proj": (config.dim, kv), "self_attn.o_proj": (q, config.dim),
-              "mlp.gate_proj": (config.dim, config.hidden_dim),
-              "mlp.up_proj": (config.dim, config.hidden_dim),
-              "mlp.down_proj": (config.hidden_dim, config.dim),
-              "lm_head": (config.dim, config.vocab_size)}
+    shapes = {"lm_head": (config.dim, config.vocab_size)}  # HF module -> (fan_in, fan_out)
+    ours_of: dict[str, tuple[str, int]] = {}  # HF module -> (our layer, its part)
+    for our_layer in _LAYERS:
+        for part, (module, (fan_out, fan_in)) in enumerate(module_shapes(config, our_layer)):
+            shapes[module] = (fan_in, fan_out)
+            ours_of[module] = (our_layer, part)
     found: dict[tuple[str, int], dict[str, Tensor]] = {}
     for name, tensor in safetensors.torch.load_file(str(weights)).items():
         layer, head = _KEY.match(name), _HEAD_KEY.match(name)
@@ -161,15 +157,15 @@ def read_adapter(directory: str | os.PathLike[str], model: Transformer
             continue
         if layer is not None:
             i, module, which = int(layer[1]), layer[2], layer[3]
-            if module not in _OURS or i >= config.n_layers:
+            if module not in ours_of or i >= config.n_layers:
                 raise ValueError(f"{weights}: tensor {name!r} is not a layer this model has")
-            ours, part = _OURS[module]
+            ours, part = ours_of[module]
             where: tuple[str, int] = (f"layers.{i}.{ours}", part)
         elif head is not None:
             module, which, where = "lm_head", head[1], (HEAD, 0)
         else:
             raise ValueError(f"{weights}: tensor {name!r} is not a LoRA weight of a "
-                             "Llama/Qwen2 attention, MLP or lm_head module")
+                             f"{config.family} attention, MLP or lm_head module")
         fan_in, fan_out = shapes[module]
         want = (r, fan_in) if which == "A" else (fan_out, r)
         if tuple(tensor.shape) != want:
@@ -189,7 +185,8 @@ def read_adapter(directory: str | os.PathLike[str], model: Transformer
                     rslora=bool(cfg.get("use_rslora", False)))
     joined: dict[str, tuple[Tensor, Tensor]] = {}
     for key in sorted(keys):
-        modules = ("lm_head",) if key == HEAD else _PARTS[key.split(".", 2)[2]]
+        modules = (("lm_head",) if key == HEAD else
+                   family_named(config.family).hf_modules(key.split(".", 2)[2]))
         a_parts, b_parts = [], []
         for part, module in enumerate(modules):
             fan_in, fan_out = shapes[module]

@@ -75,7 +75,8 @@ def target_logprobs(
         return torch.cat([_chunk_logprobs(model, h, t)
                           for h, t in zip(h_N_C.split(n_rows), targets_N.split(n_rows))])
     if head_is_frozen(model):
-        out: Tensor = _FrozenHead.apply(h_N_C, model.output_weight, targets_N, n_rows)
+        out: Tensor = _FrozenHead.apply(h_N_C, model.output_weight, targets_N, n_rows,
+                                        model.config.logit_divisor)
         return out
     if h_N_C.shape[0] <= n_rows:  # one chunk: recomputing it would lower no peak
         return _chunk_logprobs(model, h_N_C, targets_N)
@@ -95,24 +96,28 @@ class _FrozenHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h_N_C: Tensor, weight_V_C: Tensor, targets_N: Tensor,
-                rows: int) -> Tensor:
+                rows: int, divisor: float) -> Tensor:
         logprobs: list[Tensor] = []
         d_h: list[Tensor] = []
         for h, t in zip(h_N_C.split(rows), targets_N.split(rows)):
-            logp_n_V = torch.log_softmax(F.linear(h, weight_V_C).float(), dim=1)
+            logits = F.linear(h, weight_V_C)
+            if divisor != 1.0:  # the model's logit divisor, as `Transformer.head` divides
+                logits = logits / divisor
+            logp_n_V = torch.log_softmax(logits.float(), dim=1)
             logprobs.append(logp_n_V.gather(1, t[:, None]).squeeze(1))
             # d logprob / d logits = onehot(t) - softmax, built in place over the logprobs
             d_logits = logp_n_V.exp_().neg_()
             d_logits.scatter_add_(1, t[:, None], torch.ones_like(t, dtype=d_logits.dtype)[:, None])
-            d_h.append(torch.matmul(d_logits.to(weight_V_C.dtype), weight_V_C).to(h_N_C.dtype))
+            d_h_n = torch.matmul(d_logits.to(weight_V_C.dtype), weight_V_C)
+            d_h.append((d_h_n / divisor if divisor != 1.0 else d_h_n).to(h_N_C.dtype))
         ctx.save_for_backward(torch.cat(d_h))
         return torch.cat(logprobs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, None, None, None]:
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, None, None, None, None]:
         (d_h_N_C,) = ctx.saved_tensors
         grad_N = grads[0]
-        return (grad_N[:, None].to(d_h_N_C.dtype) * d_h_N_C), None, None, None
+        return (grad_N[:, None].to(d_h_N_C.dtype) * d_h_N_C), None, None, None, None
 
 
 @dataclass

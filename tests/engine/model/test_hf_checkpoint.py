@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from prefixgym.engine.model import load_model
-from prefixgym.engine.model.hf_checkpoint import config_from_hf
+from prefixgym.engine.model.hf_config import config_from_hf
 
 VOCAB = 300
 SHAPE: dict[str, Any] = {
@@ -122,8 +122,13 @@ def edit_config(directory: Path, **changes: Any) -> None:
     "changes, match",
     [
         ({"model_type": "gpt2"}, "unsupported model_type 'gpt2'"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "unsupported rope_scaling"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "unsupported rope_param"),
+        ({"rope_parameters": None, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+         "rope_scaling of type 'llama3' needs 'original_max_position_embeddings'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
+         "rope_parameters of type 'yarn' needs 'original_max_position_embeddings'"),
+        ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}},
+         "unsupported rope_parameters type 'su'"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0: attention logit soft"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"hidden_size": None}, "'hidden_size' is missing"),

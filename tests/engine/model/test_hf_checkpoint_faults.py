@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from prefixgym.engine.model import load_model
-from prefixgym.engine.model.hf_checkpoint import config_from_hf
+from prefixgym.engine.model.hf_config import config_from_hf
 
 CONFIG = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48,
           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -1,0 +1,168 @@
+"""Every model family against transformers' own code, on tiny random-init checkpoints
+that transformers saves here (fp32): the engine's logprobs over 256 positions, sampling
+with the prefix cache and without it, full-training gradients, a LoRA adapter loaded
+into peft on transformers' model, and the export read back by transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers as tf
+
+import prefixgym as pg
+from prefixgym.engine.model import load_model
+from prefixgym.engine.model.hf_export import hf_state_dict, save_hf_checkpoint
+from prefixgym.engine.service import EngineService
+
+peft = pytest.importorskip("peft")
+
+VOCAB = 512
+POSITIONS = 256
+SHAPE: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2,
+                         "vocab_size": VOCAB, "max_position_embeddings": 512,
+                         "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2,
+                         "pad_token_id": 0}
+ROTARY = 8  # head_dim 16: 8 rotated pairs
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("Llama", {"attention_bias": True}),
+    "llama-llama3": ("Llama", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama-linear": ("Llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0,
+                                                   "factor": 2.0}}),
+    "llama-dynamic": ("Llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4,
+                                                    "factor": 2.0}}),
+    "llama-yarn": ("Llama", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 128}}),
+    "llama-longrope": ("Llama", {"max_position_embeddings": 1024, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 320,
+        "short_factor": [1.0 + i / 4 for i in range(ROTARY)],
+        "long_factor": [3.0] * ROTARY}}),
+    "qwen2": ("Qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3", {"head_dim": 32, "tie_word_embeddings": False}),
+    "phi3": ("Phi3", {}),
+    "phi3-partial-window": ("Phi3", {"sliding_window": 300, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
+    "smollm3": ("SmolLM3", {"no_rope_layers": [1, 0]}),
+    "olmo2": ("Olmo2", {}),
+    "granite": ("Granite", {"embedding_multiplier": 6.0, "residual_multiplier": 0.5,
+                            "attention_multiplier": 0.1, "logits_scaling": 4.0}),
+}
+
+
+def save_hf(directory: Path, case: str) -> torch.nn.Module:
+    """A tiny random-init checkpoint of the case's family, with norms and biases moved
+    off transformers' 1 and 0 so that every weight matters."""
+    arch, overrides = CASES[case]
+    torch.manual_seed(0)
+    config = getattr(tf, f"{arch}Config")(**{**SHAPE, **overrides})
+    model = getattr(tf, f"{arch}ForCausalLM")(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", ".bias")):
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model.eval()
+
+
+def tokens(n: int = POSITIONS + 1, seed: int = 1) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])
+    return logp[:, 0].tolist()
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Path, torch.nn.Module]:
+    hf = save_hf(tmp_path / "hf", request.param)
+    return request.param, tmp_path / "hf", hf
+
+
+def test_the_engine_gives_transformers_logprobs_cached_or_not(case) -> None:
+    name, directory, hf = case
+    ids = tokens()
+    expected = hf_logprobs(hf, ids)
+    assert torch.tensor(expected).std() > 0.1  # not near-constant logprobs
+    with EngineService(str(directory), thread_tuning=False) as svc:
+        assert svc.train_model.config.family == name.split("-")[0]
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        got = sampler.compute_logprobs(ids).result()
+        assert got[1:] == pytest.approx(expected, abs=1e-4)
+        # a prompt whose first 200 tokens are cached, against the same engine without a cache
+        params = pg.SamplingParams(max_tokens=12, temperature=1.0, seed=5)
+        sampler.sample(ids[:200], sampling_params=pg.SamplingParams(max_tokens=1)).result()
+        cached = sampler.sample(ids[:240], sampling_params=params).result()
+    assert cached.usage.prefill_cached_tokens >= 192
+    with EngineService(str(directory), thread_tuning=False, prefix_cache=False) as svc:
+        plain = svc.create_sampling_client(stop_at_end_of_turn=False).sample(
+            ids[:240], sampling_params=params).result()
+    assert cached.sequences[0].tokens == plain.sequences[0].tokens
+    assert cached.sequences[0].logprobs == pytest.approx(plain.sequences[0].logprobs, abs=1e-5)
+
+
+def test_training_gradients_are_transformers(case) -> None:
+    name, directory, hf = case
+    ids = tokens(POSITIONS + 1, seed=2)
+    datum = pg.Datum(model_input=pg.ModelInput.from_ints(ids[:-1]),
+                     loss_fn_inputs={"target_tokens": ids[1:]})
+    with EngineService(str(directory), thread_tuning=False) as svc:
+        trainer = svc.create_training_client()
+        out = trainer.forward_backward([datum], "cross_entropy").result()
+        ours = hf_state_dict(svc.train_model.config,
+                             {n: p.grad for n, p in svc.train_model.named_parameters()})
+    hf.train()
+    logits = hf(torch.tensor([ids[:-1]])).logits[0].float()
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
+    loss.backward()
+    assert out.metrics["loss:sum"] == pytest.approx(float(loss), rel=1e-5)
+    theirs = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    if "lm_head.weight" not in dict(hf.named_parameters()):  # tied: one tensor
+        ours.pop("lm_head.weight", None)
+    assert sorted(ours) == sorted(theirs)
+    for key, grad in theirs.items():
+        scale = float(grad.abs().max())
+        assert float((ours[key] - grad).abs().max()) <= 1e-4 * max(scale, 1e-6), key
+
+
+def test_a_lora_adapter_trained_here_loads_into_peft(case, tmp_path: Path) -> None:
+    name, directory, hf = case
+    ids = tokens(80, seed=3)
+    datum = pg.Datum(model_input=pg.ModelInput.from_ints(ids[:-1]),
+                     loss_fn_inputs={"target_tokens": ids[1:]})
+    with EngineService(str(directory), thread_tuning=False) as svc:
+        lora = svc.create_lora_training_client(rank=4, alpha=8.0)
+        for _ in range(2):  # move B off zero
+            lora.forward_backward([datum], "cross_entropy").result()
+            lora.optim_step(pg.AdamParams(learning_rate=0.05)).result()
+        path = lora.save_weights_for_sampler(tmp_path / "adapter").result()
+        ours = lora.save_weights_and_get_sampling_client().compute_logprobs(ids).result()
+    base = hf_logprobs(hf, ids)
+    theirs = hf_logprobs(peft.PeftModel.from_pretrained(hf, path).eval(), ids)
+    assert max(abs(a - b) for a, b in zip(theirs, base)) > 1e-2  # the adapter matters
+    assert ours[1:] == pytest.approx(theirs, abs=1e-4)
+
+
+def test_the_export_is_read_back_by_transformers(case, tmp_path: Path) -> None:
+    name, directory, hf = case
+    ids = tokens(POSITIONS + 1, seed=4)
+    model = load_model(str(directory))
+    with torch.no_grad():  # other weights than the checkpoint's: the export carries them
+        for p in model.parameters():
+            p.mul_(1.1)
+    save_hf_checkpoint(model, tmp_path / "export")
+    back = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        ours = torch.log_softmax(model(torch.tensor([ids]))[0], -1)[:-1].gather(
+            1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    assert hf_logprobs(back, ids) == pytest.approx(ours, abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(ours, hf_logprobs(hf, ids))) > 1e-3
