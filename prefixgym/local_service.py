@@ -47,7 +47,7 @@ class LocalService(EngineService):
         *,
         tokenizer: PreTrainedTokenizerBase | str | Path | None = None,
         dtype: str | torch.dtype = "float32",
-        device: str | torch.device = "cpu",
+        device: str | torch.device = "auto",
         num_threads: int | None = None,
         sampler: SamplerOptions | None = None,
         **sampler_fields: Any,

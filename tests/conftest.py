@@ -17,6 +17,9 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# device "auto" means the test device (every process a test starts inherits it): the CPU,
+# or PREFIXGYM_TEST_DEVICE (cuda, mps) to run the engine and parity tests there
+os.environ["PREFIXGYM_DEVICE"] = os.environ.get("PREFIXGYM_TEST_DEVICE", "cpu")
 
 import gymnasium as gym  # noqa: E402
 import pytest  # noqa: E402
@@ -49,6 +52,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     auto = "bfloat16" if has_fast_bf16() else "float32"
     reporter.write_line(f"cpu: {describe_cpu()}: --compute-dtype auto trains in {auto} here")
+    if os.environ["PREFIXGYM_DEVICE"] != "cpu":
+        reporter.write_line(f"test device: {os.environ['PREFIXGYM_DEVICE']} (PREFIXGYM_TEST_DEVICE)")
     reporter.write_line(f"test dtype: {_test_numerics().name} "
                         f"({TEST_DTYPE_VARIABLE}=fp32|bf16, tests/numerics.py)")
 
@@ -64,7 +69,7 @@ def _auto_is_the_test_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     import prefixgym.cli.train as train_command
 
     is_bf16 = _test_numerics().is_bf16
-    monkeypatch.setattr(train_command, "has_fast_bf16", lambda: is_bf16)
+    monkeypatch.setattr(train_command, "has_fast_bf16", lambda device: is_bf16)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,12 +18,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", default="tiny", help="preset or local HF checkpoint dir")
     parser.add_argument("--turns", type=int, default=4, help="assistant turns")
     parser.add_argument("--samples", type=int, default=4, help="samples per turn (one prefill)")
+    parser.add_argument("--device", default="auto",
+                        help="cpu, cuda, cuda:N, mps, or auto (a GPU when torch sees one)")
     args = parser.parse_args(argv)
 
+    from prefixgym.engine.device import describe_device
     from prefixgym.local_service import LocalService
     from prefixgym.prompting import Conversation
 
-    service = LocalService(model=args.model, seed=0)
+    try:
+        service = LocalService(model=args.model, seed=0, device=args.device)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    print(f"model: {args.model} on {describe_device(service.device)}")
     sampler = service.create_sampling_client()
     conv = Conversation(tokenizer=service.tokenizer,
                         system="You play a guessing game. Reply with one integer only.")

@@ -34,6 +34,9 @@ class RolloutArgs:
     """Keyword arguments for the env; unset: the same defaults as `prefixgym train`."""
     model: str = "tiny"
     """A built-in preset or a local Hugging Face checkpoint directory."""
+    device: str = "auto"
+    """Where the model runs: cpu, cuda, cuda:N, mps, or auto (a GPU when torch sees
+    one, else the CPU)."""
     run: str = ""
     """A `prefixgym train --out` directory: sample from its newest weights, with its
     env and settings unless given here."""
@@ -93,6 +96,7 @@ def main(argv: list[str]) -> int:
     if "env" in given:  # another env than the run's: not the run's env kwargs either
         from_run.pop("env_kwargs", None)
     args = build_config(RolloutArgs, parser, from_run, given)
+    from prefixgym.engine.device import describe_device
     from prefixgym.envs.base import agent_of
     from prefixgym.envs.registration import make_agent_env
     from prefixgym.local_service import LocalService
@@ -106,7 +110,8 @@ def main(argv: list[str]) -> int:
         envs = [make_agent_env(args.env, args.env_kwargs) for _ in range(args.group_size)]
         ckpt = run_checkpoint(Path(args.run)) if args.run else None
         trace_file = open(args.trace, "w") if args.trace else None  # noqa: SIM115
-        service = LocalService(model=args.model, seed=args.seed)
+        service = LocalService(model=args.model, seed=args.seed, device=args.device)
+        print(f"model: {args.model} on {describe_device(service.device)}")
         sampler: SamplingClient = service.create_sampling_client()
         if ckpt is not None:
             training = service.create_training_client()

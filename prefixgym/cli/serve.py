@@ -38,10 +38,11 @@ def main(argv: list[str]) -> int:
         print(f"prefixgym serve needs fastapi and uvicorn: pip install 'prefixgym[serve]' ({e})",
               file=sys.stderr)
         return 2
+    from prefixgym.engine.device import describe_device
     from prefixgym.local_service import LocalService
 
     try:
-        service = LocalService(model=config.model, seed=config.seed,
+        service = LocalService(model=config.model, seed=config.seed, device=config.device,
                                prefix_cache=config.prefix_cache)
     except (ValueError, OSError) as e:
         print(f"prefixgym serve: cannot load model {config.model!r}: {error_line(e)}",
@@ -51,8 +52,8 @@ def main(argv: list[str]) -> int:
         app = create_app(service, service.tokenizer, config)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_level=config.log_level))
-        print(f"prefixgym serve: {config.model_name} on http://{config.host}:{config.port}/v1",
-              flush=True)
+        print(f"prefixgym serve: {config.model_name} on http://{config.host}:{config.port}/v1, "
+              f"{describe_device(service.device)}", flush=True)
         server.run()
     except KeyboardInterrupt:  # uvicorn shuts down first, then passes Ctrl-C on
         pass

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 
 from prefixgym.cli.errors import error_line
-from prefixgym.engine.device import describe_cpu, has_fast_bf16
+from prefixgym.engine.device import describe_device, has_fast_bf16, resolve_device
 from prefixgym.engine.sampler.options import SamplerOptions
 from prefixgym.engine.trainer.options import TrainerOptions
 from prefixgym.engine.trainer.training import TrainingClient as LocalTrainingClient
@@ -32,7 +32,7 @@ from prefixgym.envs.registration import make_agent_env
 from prefixgym.files import ensure_writable_dir
 from prefixgym.local_service import LocalService
 from prefixgym.prompting.chat_format import ChatMLFormat
-from prefixgym.prompting.conversation import chat_format_for
+from prefixgym.prompting.conversation import make_chat_format, mismatch_lines, use_chat_format
 from prefixgym.protocols import TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.types import TrajectoryGroup
@@ -42,17 +42,18 @@ from prefixgym.trainer.run import Clients, Ranks, Run, RunResult
 from prefixgym.types import JSONObject, Usage
 
 
-def compute_dtype(config: TrainConfig) -> torch.dtype:
-    """`--compute-dtype`, with auto decided for this machine."""
+def compute_dtype(config: TrainConfig, device: torch.device | None = None) -> torch.dtype:
+    """`--compute-dtype`, with auto decided for the run's device."""
     if config.compute_dtype == "auto":
-        return torch.bfloat16 if has_fast_bf16() else torch.float32
+        fast = has_fast_bf16(device if device is not None else resolve_device(config.device))
+        return torch.bfloat16 if fast else torch.float32
     return torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
 
 
-def trainer_options(config: TrainConfig) -> TrainerOptions:
+def trainer_options(config: TrainConfig, device: torch.device) -> TrainerOptions:
     """The engine trainer's options from the run's flags."""
     return TrainerOptions(
-        compute_dtype=compute_dtype(config),
+        compute_dtype=compute_dtype(config, device),
         nonfinite_update="error" if config.nonfinite_update == "error" else "skip",
         share_prefixes=config.share_prefixes,
         recompute_activations=config.recompute_activations)
@@ -86,12 +87,15 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
         return Run(config, tinker_clients(config, tinker_service), make), None
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None,
-        sampler=SamplerOptions(deterministic=config.deterministic),
+        device=config.device, sampler=SamplerOptions(deterministic=config.deterministic),
     )
     if Path(config.model).is_dir():
-        check_chat_format(config.model, service)
+        check_chat_format(config, service)
+    elif config.chat_template_kwargs:
+        raise ValueError("--chat-template-kwargs applies to a checkpoint directory's chat "
+                         f"template; --model {config.model} uses the built-in format")
     ranks = torchrun_ranks(service)
-    options = trainer_options(config)
+    options = trainer_options(config, service.device)
     training: TrainingClient
     if config.lora_rank:
         targets = {t.strip() for t in config.lora_targets.split(",")}
@@ -111,7 +115,8 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
         clients = remote_clients(config, service, training, ranks)
     # the training worker runs on this thread's count (engine/trainer/training.py)
     clients.numerics = {"compute_dtype": str(options.compute_dtype).removeprefix("torch."),
-                        "threads": torch.get_num_threads(), "cpu": describe_cpu()}
+                        "threads": torch.get_num_threads(),
+                        "device": describe_device(service.device)}
     return Run(config, clients, make), service
 
 
@@ -133,16 +138,26 @@ def tinker_clients(config: TrainConfig, service_client: Any = None) -> Clients:
     return Clients(trainer, sampler, tokenizer, ledger.total)
 
 
-def check_chat_format(directory: str, service: LocalService) -> None:
-    """Say which chat format a checkpoint's runs use; ValueError if its template is not
-    append-only (prompts are built by appending tokens; docs/lora.md)."""
+def check_chat_format(config: TrainConfig, service: LocalService) -> None:
+    """Say which chat format a checkpoint's runs use, and make it the tokenizer's, with
+    `--chat-template-kwargs`; what a template rewriting earlier replies would have
+    rendered otherwise is said in the run's first lines. ValueError for a template that
+    cannot be used even turn by turn (docs/models.md, "Chat templates")."""
+    kwargs = config.chat_template_kwargs or {}
     try:
-        fmt = chat_format_for(service.tokenizer)
+        fmt = make_chat_format(service.tokenizer, template_kwargs=kwargs)
     except ValueError as e:  # TemplateNotAppendOnlyError, or no template at all
-        raise ValueError(f"--model {directory}: its chat template cannot be used: {e}") from None
+        raise ValueError(f"--model {config.model}: its chat template cannot be used: {e}"
+                         ) from None
+    use_chat_format(service.tokenizer, fmt)
+    mismatch = mismatch_lines(fmt)
     kind = ("the built-in ChatML format" if isinstance(fmt, ChatMLFormat)
+            else "its tokenizer's chat template, token by token" if mismatch
             else "its tokenizer's chat template (append-only)")
-    print(f"--model {directory}: conversations use {kind}", file=sys.stderr)
+    switches = f" with {json.dumps(kwargs, sort_keys=True)}" if kwargs else ""
+    print(f"--model {config.model}: conversations use {kind}{switches}", file=sys.stderr)
+    for line in mismatch:
+        print(f"--model {config.model}: warning: {line}", file=sys.stderr)
 
 
 def save_lora_adapter(config: TrainConfig, run: Run, out: Path) -> str | None:

@@ -1,6 +1,8 @@
-"""What this machine computes fast: the facts the engine's dtype choices rest on.
+"""Which device the engine runs on, and what it computes fast there: the facts the
+engine's device and dtype choices rest on.
 
-`has_fast_bf16()` says whether bf16 matmuls run natively. On an x86 CPU that is
+`resolve_device("auto")` picks the device (a GPU when torch sees one);
+`has_fast_bf16(device)` says whether bf16 matmuls run natively. On an x86 CPU that is
 AVX512-BF16 or AMX; without them oneDNN still "supports" bf16 by emulating it with
 AVX512, and a training step then runs about 2.3x slower than in fp32 (tiny preset,
 64 x 100 tokens: 15.1 s vs 6.5 s on an AVX512 Xeon without AVX512-BF16). Knows torch
@@ -16,13 +18,37 @@ from pathlib import Path
 import torch
 
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+DEVICE_VARIABLE = "PREFIXGYM_DEVICE"
 
 
-def has_fast_bf16() -> bool:
-    """Whether bf16 matmuls run natively: a CUDA GPU with bf16, an x86 CPU with
-    AVX512-BF16 or AMX, or another CPU (ARM) for which oneDNN reports bf16."""
-    if torch.cuda.is_available():
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto" -> $PREFIXGYM_DEVICE when set, else cuda when torch sees a GPU, else cpu
+    (MPS only when asked for: not measured yet); anything else as torch names it."""
+    if isinstance(device, str) and device == "auto":
+        device = os.environ.get(DEVICE_VARIABLE) or ("cuda" if torch.cuda.is_available()
+                                                      else "cpu")
+    return torch.device(device)
+
+
+def describe_device(device: torch.device) -> str:
+    """One line: "cuda:0 (NVIDIA H200)" or "cpu (<describe_cpu()>)"."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    if device.type == "cpu":
+        return f"cpu ({describe_cpu()})"
+    return str(device)
+
+
+def has_fast_bf16(device: torch.device | None = None) -> bool:
+    """Whether bf16 matmuls run natively on `device` (default: the one "auto" picks): a
+    CUDA GPU with bf16, an x86 CPU with AVX512-BF16 or AMX, or another CPU (ARM) for
+    which oneDNN reports bf16."""
+    device = device if device is not None else resolve_device()
+    if device.type == "cuda":
         return bool(torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -27,6 +27,7 @@ from typing import Any, Self, TypeVar
 import torch
 
 from prefixgym.engine.checkpoint_io import nonfinite_tensor
+from prefixgym.engine.device import resolve_device
 from prefixgym.engine.model import ModelConfig, Transformer, init_weights, load_model, peft_format
 from prefixgym.engine.model.lora import (
     LoraSpec,
@@ -55,7 +56,8 @@ class EngineService:
     request limits, thread tuning, determinism), or its fields as keywords
     (`EngineService("tiny", prefix_cache=False)`), not both.
     `dtype`: the weights' dtype. `device`: where the models, the KV pool and every engine
-    and training tensor live ("cpu", "cuda", "cuda:1", "mps", ... as torch knows them).
+    and training tensor live ("cpu", "cuda", "cuda:1", "mps", ... as torch knows them;
+    "auto", the default: a GPU when torch sees one, else the CPU: `device.resolve_device`).
     `num_threads` sets torch's intra-op threads (process-wide) only when given.
     `end_of_turn_ids`: token ids every sampling client stops at by default (ids outside
     the model's vocabulary are dropped). `decode`: ids -> text, needed only for requests
@@ -68,7 +70,7 @@ class EngineService:
         seed: int = 0,
         *,
         dtype: str | torch.dtype = "float32",
-        device: str | torch.device = "cpu",
+        device: str | torch.device = "auto",
         num_threads: int | None = None,
         end_of_turn_ids: Iterable[int] = (),
         decode: Callable[[list[int]], str] | None = None,
@@ -82,7 +84,7 @@ class EngineService:
         if torch_dtype is None or torch_dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         try:
-            self.device = torch.device(device)
+            self.device = resolve_device(device)
             torch.empty(0, device=self.device)
         except (RuntimeError, AssertionError) as error:  # torch's words, in one line
             raise ValueError(f"device {device!r} is not usable here: {error}") from error

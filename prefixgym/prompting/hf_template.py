@@ -2,13 +2,23 @@
 
 `HFTemplateFormat` implements the `ChatFormat` protocol (see `chat_format.py`) by
 render-and-diff: it renders the conversation with and without the new message exactly
-as transformers' `apply_chat_template(..., tokenize=False)` would, and tokenizes the
-text difference. That only works for templates whose rendering of a conversation
-extends the rendering of its beginning, and that render a reply as it was sampled.
-The constructor runs the linter's probes (`lint.template.probe_template`: replies
-with reasoning blocks, with whitespace around them, ending with and without the
-end-of-turn token, tools passed and not) under the template's defaults, and raises
-`TemplateNotAppendOnlyError` with the linter's rule and reason for one that breaks.
+as transformers' `apply_chat_template(..., tokenize=False)` would (with the template's
+switches, e.g. `enable_thinking`, from `template_kwargs`), and tokenizes the text
+difference. The constructor runs the template probes (`templates.probe_template`:
+replies with reasoning blocks, with whitespace around them, ending with and without
+the end-of-turn token, tools passed and not) under those switches.
+
+A template that is not append-only because of what it does to earlier replies -- the
+reasoning-model templates (Qwen3, QwQ, DeepSeek-R1 distills) strip an earlier turn's
+`<think>` block -- is still used token by token, the way a Conversation works anyway:
+each new turn (the env's message, the generation prompt) is rendered against a history
+whose replies are neutral text, so only that turn's own tokens are appended to what
+was sampled, and no reply is ever rendered again. `template_mismatch` then holds the
+probes' findings: what the template would have rendered differently (the model sees
+every earlier reply as sampled here, a stripped one under `apply_chat_template`), for
+the caller to say. A template that breaks even so (it marks the last message, or
+renders a message by its position) raises `TemplateNotAppendOnlyError` with the rule
+and reason; so does any break with `strict=True`.
 
 This module knows templates, text and tokens; it keeps no conversation state and
 knows nothing of the built-in ChatML format, sampling, caches or envs.
@@ -25,11 +35,13 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from prefixgym.prompting.findings import RULES, Finding
 from prefixgym.prompting.messages import Message, check_role, check_text
 from prefixgym.prompting.templates import probe_template
-from prefixgym.prompting.tools import ToolLike, as_tools
+from prefixgym.prompting.tools import ToolLike, as_tools, tool
 from prefixgym.types import JSONObject
 
 __all__ = ["HFTemplateFormat", "TemplateNotAppendOnlyError", "hf_tools"]
 
+NEUTRAL_REPLY = "Done."
+"""The text earlier replies are rendered with when a template rewrites them."""
 CONVERSATION_UNAFFECTED = frozenset({"PG112"})
 """Breaks that matter to code re-rendering history with the template, not to a
 `Conversation`: it keeps each reply's sampled ids verbatim and renders new messages by
@@ -81,13 +93,15 @@ class HFTemplateFormat:
     """Any Hugging Face Jinja chat template, one message at a time, by render-and-diff.
 
     Each segment is the tokenized text that the new message adds to transformers'
-    rendering of the conversation (`apply_chat_template(..., tokenize=False)`). The
-    closing of an assistant turn is read off the probe: the text the template writes
-    after an assistant message's content; its first token, when special, is the
-    end-of-turn token.
+    rendering of the conversation (`apply_chat_template(..., tokenize=False)`), with
+    `template_kwargs` passed to every render. The closing of an assistant turn is read
+    off the probe: the text the template writes after an assistant message's content;
+    its first token, when special, is the end-of-turn token. See the module docstring
+    for templates that rewrite earlier replies, and `strict`.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None,
+                 *, template_kwargs: JSONObject | None = None, strict: bool = False):
         template = chat_template if chat_template is not None else tokenizer.chat_template
         if not isinstance(template, str) or not template.strip():
             raise ValueError(
@@ -95,7 +109,12 @@ class HFTemplateFormat:
             )
         self.tokenizer = tokenizer
         self.chat_template = template
-        closing = self._encode(self._probe())
+        self.template_kwargs: JSONObject = dict(template_kwargs or {})
+        self.template_mismatch: list[Finding] = []
+        """What the template renders otherwise than the token-level conversation (empty
+        for an append-only template)."""
+        self._neutral_history = False
+        closing = self._encode(self._probe(strict))
         specials = set(tokenizer.all_special_ids)
         eos = tokenizer.eos_token_id
         if closing and closing[0] in specials:
@@ -116,13 +135,13 @@ class HFTemplateFormat:
         tokenize=False)` returns, empty conversations included); "" for an empty
         conversation the template cannot render."""
         try:
-            special_tokens: dict[str, Any] = dict(  # str values, **-splatted beside non-str params
-                self.tokenizer.special_tokens_map)
+            variables: dict[str, Any] = {  # str values, **-splatted beside non-str params
+                **self.tokenizer.special_tokens_map, **self.template_kwargs}
             rendered, _ = render_jinja_template(  # type: ignore[str-unpack]  # (texts, indices)
                 conversations=[[dict(m) for m in messages]],
                 tools=hf_tools(tools),  # type: ignore[arg-type]
                 chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
-                **special_tokens,
+                **variables,
             )
             text = rendered[0]
         except Exception as e:
@@ -136,6 +155,15 @@ class HFTemplateFormat:
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _history(self, history: Sequence[Message]) -> Sequence[Message]:
+        """The history a new turn is rendered against: as given, or, for a template that
+        rewrites earlier replies, with every reply's text neutral (so that rewriting it
+        changes nothing before the new turn)."""
+        if not self._neutral_history:
+            return history
+        return [{**m, "content": NEUTRAL_REPLY} if m["role"] == "assistant" else m
+                for m in history]
 
     def _diff(self, earlier: str, later: str, what: str) -> str:
         if not later.startswith(earlier):
@@ -166,6 +194,7 @@ class HFTemplateFormat:
         message = {"role": role, "content": check_text("content", content)}
         if name:
             message["name"] = name
+        history = self._history(history)
         earlier = self.render_text(history, tools)
         later = self.render_text([*history, message], tools)
         return self._encode(self._diff(earlier, later, f"adding a {role} message changes "
@@ -174,6 +203,7 @@ class HFTemplateFormat:
     def generation_header(
         self, *, history: Sequence[Message] = (), tools: Sequence[ToolLike] = ()
     ) -> list[int]:
+        history = self._history(history)
         earlier = self.render_text(history, tools)
         later = self.render_text(history, tools, add_generation_prompt=True)
         return self._encode(self._diff(earlier, later, "the generation prompt does not "
@@ -194,28 +224,73 @@ class HFTemplateFormat:
 
     # -- the probe ------------------------------------------------------------------
 
-    def _probe(self) -> str:
-        """Run the linter's probes (`lint.template.probe_template`), rendering as this
-        adapter does, and return the closing text (what follows a reply's content).
+    def _probe(self, strict: bool) -> str:
+        """Run the template probes (`templates.probe_template`), rendering as this adapter
+        does, and return the closing text (what follows a reply's content).
 
-        Raises TemplateNotAppendOnlyError, with the linter's rule and reason, for the
-        first rule that breaks under the template's defaults (the adapter passes no
-        switch); ValueError when the template renders none of the probes."""
+        A break under the given switches: with `strict`, TemplateNotAppendOnlyError with
+        the rule and reason; otherwise the neutral-history rendering is tried on a
+        conversation with a reasoning reply, and kept (the findings in
+        `template_mismatch`) when every turn then extends the last. ValueError when the
+        template renders none of the probes or runs away."""
         specials: dict[str, Any] = dict(self.tokenizer.special_tokens_map)
         report = probe_template(self.chat_template, specials.get("bos_token"),
                                 specials.get("eos_token"), origin="chat template",
-                                variables=specials)
+                                variables={**specials, **self.template_kwargs})
         runaway = next((f.message for f in report.findings if f.rule == "PG113"), None)
         if runaway is not None:
             raise ValueError(f"chat template: {runaway}")
         if report.num_checked_by_default == 0:
             failed = next((f.message for f in report.findings if f.rule in ("PG106", "PG109")), "")
             raise ValueError(f"chat template failed to render the probe conversations: {failed}")
-        finding = next((f for f in report.findings if f.rule in report.breaks_by_default
-                        and f.rule not in CONVERSATION_UNAFFECTED), None)
-        if finding is not None:
-            raise TemplateNotAppendOnlyError.from_finding(finding)
+        breaks = [f for f in report.findings if f.rule in report.breaks_by_default
+                  and f.rule not in CONVERSATION_UNAFFECTED]
+        if breaks and not strict:
+            self._neutral_history = True
+            try:
+                self._check_turn_by_turn()
+            except TemplateNotAppendOnlyError:
+                self._neutral_history = False
+            else:
+                self.template_mismatch = breaks
+                return report.closing if report.closing is not None else self._read_closing()
+        if breaks:
+            raise TemplateNotAppendOnlyError.from_finding(breaks[0])
         return report.closing or ""
+
+    def _read_closing(self) -> str:
+        """What follows a reply's text in the template's rendering of it (the probes could
+        not tell, e.g. a generation prompt's empty think block the history drops)."""
+        base: list[Message] = [{"role": "user", "content": "Hi."}]
+        before = self.render_text(base)
+        after = self.render_text([*base, {"role": "assistant", "content": NEUTRAL_REPLY}])
+        rest = after[len(before):] if after.startswith(before) else ""
+        at = rest.find(NEUTRAL_REPLY)
+        return rest[at + len(NEUTRAL_REPLY):] if at >= 0 else ""
+
+    def _check_turn_by_turn(self) -> None:
+        """Render conversations whose replies reason, with tools and without, turn by turn
+        as a Conversation does; TemplateNotAppendOnlyError if a turn does not extend the
+        last."""
+        for tools in ((), (_probe_tool,)):
+            history: list[Message] = [{"role": "system", "content": "Answer briefly."}]
+            for question, reply in (("What is 2 + 2?", "<think>\nAdd.\n</think>\n\n4."),
+                                    ("And 3 + 3?", "<think>\nAgain.\n</think>\n\n6.")):
+                self.render_message("user", question, history=history, tools=tools)
+                history.append({"role": "user", "content": question})
+                self.generation_header(history=history, tools=tools)
+                history.append({"role": "assistant", "content": reply})
+            self.render_message("user", "Thanks.", history=history, tools=tools)
+
+
+@tool
+def _probe_tool(key: str) -> str:
+    """Look a key up (a tool the turn-by-turn check renders templates with).
+
+    Args:
+        key: The key.
+    """
+    return key
 
 
 def _first_difference(a: str, b: str) -> int:

@@ -19,6 +19,9 @@ class ServeConfig:
     """TCP port (0 picks a free one)."""
     seed: int = 0
     """Seed of the model init and of requests that give no seed."""
+    device: str = "auto"
+    """Where the model runs: cpu, cuda, cuda:N, mps, or auto (a GPU when torch sees
+    one, else the CPU)."""
     served_model_name: str = ""
     """The model id clients send and /v1/models lists (default: --model)."""
     max_request_tokens: int = 0

@@ -5,7 +5,7 @@ Layout under OUT/checkpoints/:
   step-000009/train/            the training client's save_state (weights, optimizer, RNG)
   step-000009/loop.json         next step, evaluations so far, cumulative usage
   step-000009/config.json      the run's full resolved config (when the run gave it)
-  step-000009/numerics.json    how its steps were computed: dtype, threads, CPU (idem)
+  step-000009/numerics.json    how its steps were computed: dtype, threads, device (idem)
   step-000009/checkpoint.json   the run's identity and a checksum of every file above
   warm_start/...                the same, after the warm start (the KL reference)
   latest                        the name of the newest complete step checkpoint
@@ -241,14 +241,15 @@ def find_checkpoint(out: Path, identity: JSONObject | None, force: bool = False)
 
 def numerics_changes(path: Path, now: JSONObject | None) -> list[str]:
     """How this process computes otherwise than the steps saved in checkpoint `path`, in
-    ways that round differently: the compute dtype (`auto` decides by CPU), the CPU, or,
-    outside float32 (where MKL's strict mode makes the thread count change no bits), the
-    thread count. Empty when nothing differs or either side is unknown."""
+    ways that round differently: the compute dtype (`auto` decides by device), the device
+    (a GPU, or the CPU and its kind), or, outside float32 (where MKL's strict mode makes
+    the thread count change no bits), the thread count. Empty when nothing differs or
+    either side is unknown."""
     saved_file = path / NUMERICS
     if now is None or not saved_file.is_file():
         return []
     saved = json.loads(saved_file.read_text())
-    keys = ["compute_dtype", "cpu"]
+    keys = ["compute_dtype", "device"]
     if now.get("compute_dtype") != "float32":
         keys.append("threads")
     return [f"{key} {saved.get(key)} -> {now.get(key)}" for key in keys

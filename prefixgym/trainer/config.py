@@ -32,7 +32,7 @@ BACKENDS = ("local", "tinker")
 LORA_TARGETS = ("attn", "mlp", "unembed")
 RESUMABLE_CHANGES = (
     "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
-    "num_threads", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
+    "num_threads", "device", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
     "recompute_activations", "eval_on_start", "keep_checkpoints",
 )
 """Fields a resumed run may set differently from the run it continues. `steps` extends
@@ -40,6 +40,7 @@ RESUMABLE_CHANGES = (
 length. `sampler_url` moves sampling to another server, whose weights are its own.
 `num_threads` changes no fp32 bits (MKL's strict mode, docs/architecture.md
 "Determinism"; bf16 rounds by thread count, and a resume that changes it says so);
+`device` moves the run (its numbers round otherwise there, which a resume says);
 `share_prefixes` changes how the same sums are computed, not what;
 `recompute_activations` changes only what is kept for backward (bit-for-bit the same).
 `eval_on_start` only matters to a new run (a resumed one has evaluated already).
@@ -47,7 +48,7 @@ Every other field determines results (`eval_episodes` too: evaluations before an
 after the change would not compare)."""
 
 ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine",
-                            "sft_warmup": 0.1, "sft_stages": []}
+                            "sft_warmup": 0.1, "sft_stages": [], "chat_template_kwargs": None}
 """Fields added after runs were saved, with the value that gives what a run saved
 without them did (it evaluated greedily, its warm start warmed up over 10% of its
 steps, decayed on the cosine and imitated one expert throughout):
@@ -77,9 +78,13 @@ class TrainConfig:
     reply costs as much as a win earns, so an episode that wins after one scores about
     what a failed one does, its speed bonus only), {} for any other env."""
     model: str = "tiny"
-    """A built-in preset (tiny, small) or a local Hugging Face Llama/Qwen2 checkpoint
-    directory (config.json, *.safetensors and its tokenizer); its chat template is used
-    when it is append-only, and the run stops with the reason when it is not."""
+    """A built-in preset (tiny, small) or a local Hugging Face checkpoint directory
+    (config.json, *.safetensors and its tokenizer) of a supported family (docs/models.md);
+    its chat template builds the prompts turn by turn (a template that rewrites earlier
+    replies, as reasoning models' do, is said in the first lines)."""
+    chat_template_kwargs: JSONObject | None = None
+    """The chat template's switches, passed to every render, e.g. {"enable_thinking":
+    false} (a checkpoint directory's template only)."""
     lora_rank: int = 0
     """Train LoRA adapters of this rank on the frozen model instead of every weight (0:
     full training). The adapter is written to OUT/adapter in PEFT's format."""
@@ -191,6 +196,9 @@ class TrainConfig:
     same gradients (docs/lora.md, "Memory")."""
     num_threads: int = 0
     """torch threads (0 = torch's default)."""
+    device: str = "auto"
+    """Where the model trains and samples: cpu, cuda, cuda:N, mps, or auto (a GPU when
+    torch sees one, else the CPU); the run's first line says which."""
     progress: bool = True
     """Show a progress bar."""
     tracker: str = ""

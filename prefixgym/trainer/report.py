@@ -177,7 +177,7 @@ def write_report(
     grpo_usage = total - sft_usage - eval_usage
     computed = ("" if numerics is None else
                 f"Trained in {numerics['compute_dtype']} on {numerics['threads']} threads "
-                f"({numerics['cpu']}). ")
+                f"of {numerics['device']}. ")
     parts = [
         f"# {title}",
         "",

@@ -99,7 +99,7 @@ class Clients:
     """Per-sampler counters to log with each step (several remote samplers)."""
     ranks: Ranks = field(default_factory=Ranks)
     numerics: JSONObject | None = None
-    """How the trainer computes (compute_dtype, threads, cpu), saved with each checkpoint:
+    """How the trainer computes (compute_dtype, threads, device), saved with each checkpoint:
     a resume that computes otherwise says its steps will not repeat the saved run's bits."""
 
 
@@ -180,6 +180,10 @@ class Run:
             raise ValueError(f"{e}: not resuming from it. Start without --resume (or with "
                              "another --out) for a new run, or pass --force-resume to load it "
                              "anyway") from None
+        if self.main and self.clients.numerics:  # what `--device`/`--compute-dtype` chose
+            n = self.clients.numerics
+            print(f"{c.model} on {n['device']}, training in {n['compute_dtype']}",
+                  file=sys.stderr)
         for reason in found.passed_over if found else []:
             print(f"passed over: {reason}", file=sys.stderr)
         if found is not None and found.path is not None:

@@ -95,3 +95,26 @@ def test_rollout_transcript_shows_what_the_env_added_before_each_reply():
     plain = io.StringIO()
     print_group(TrajectoryGroup("g", 4, [traj]), plain)
     assert "env: " not in plain.getvalue() and plain.getvalue().count("assistant: ") == 2
+
+
+def test_every_command_that_runs_a_model_takes_a_device(capsys, tmp_path, monkeypatch):
+    """--device on train, rollout, serve and demo; "auto" is the test device here (cpu:
+    tests/conftest.py) and says so in the first lines; a device torch cannot use is one
+    line, exit 2."""
+    import pytest
+    import torch
+
+    for command in ("train", "rollout", "serve", "demo"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--device" in capsys.readouterr().out, command
+    assert main(["demo", "--turns", "1", "--samples", "1"]) == 0
+    assert capsys.readouterr().out.startswith("model: tiny on cpu (")
+    if not torch.cuda.is_available():
+        assert main(["train", "--out", str(tmp_path), "--device", "cuda"]) == 2
+        assert "device 'cuda' is not usable here" in capsys.readouterr().err
+    from prefixgym.engine.device import resolve_device
+
+    monkeypatch.setenv("PREFIXGYM_DEVICE", "meta")
+    assert resolve_device("auto") == torch.device("meta")
+    assert resolve_device("cpu") == torch.device("cpu")

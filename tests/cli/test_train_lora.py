@@ -1,6 +1,7 @@
 """`prefixgym train --model DIR --lora-rank N`: a local HF checkpoint trains a LoRA
-adapter that lands in OUT/adapter and loads back; a chat template that is not
-append-only stops the run with the reason."""
+adapter that lands in OUT/adapter and loads back; a reasoning model's chat template
+(not append-only: it strips earlier reasoning) is used turn by turn, with its switches,
+and said; a template that cannot be used even so stops the run with the reason."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from chat_templates import QWEN3_LIKE
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from prefixgym.cli import main
+from prefixgym.cli.train import build_run
 from prefixgym.local_service import LocalService
+from prefixgym.prompting import Conversation
 from prefixgym.prompting.tokenizer import ASSETS_DIR, load_tokenizer
+from prefixgym.trainer.config import TrainConfig
 
 SMALL = ["--env", "tests/Lengthy-v0", "--sft-steps", "1", "--sft-episodes-per-step", "2",
          "--groups-per-step", "2", "--group-size", "2", "--eval-episodes", "2", "--steps", "1",
@@ -61,6 +66,33 @@ def test_a_template_that_is_not_append_only_stops_the_run(tmp_path: Path, capsys
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "its chat template cannot be used: chat template is not append-only" in err
+
+
+@pytest.mark.parametrize("switches", [None, '{"enable_thinking": false}'])
+def test_a_reasoning_template_runs_turn_by_turn_and_says_so(tmp_path: Path, capsys,
+                                                           switches: str | None) -> None:
+    save_checkpoint(tmp_path / "ckpt", QWEN3_LIKE)
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tmp_path / "ckpt"), "--out", str(out), *SMALL]
+    if switches:
+        argv += ["--chat-template-kwargs", switches]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "conversations use its tokenizer's chat template, token by token" in err
+    assert "warning: the chat template is not append-only" in err and "PG101" in err
+    assert ('with {"enable_thinking": false}' in err) == bool(switches)
+    assert json.loads((out / "config.json").read_text())["chat_template_kwargs"] == (
+        json.loads(switches) if switches else None)
+    # the run's conversations carry the switch: with thinking off, every generation
+    # prompt ends in the empty think block
+    config = TrainConfig(model=str(tmp_path / "ckpt"), out=str(tmp_path / "again"),
+                         chat_template_kwargs=json.loads(switches) if switches else None)
+    run, service = build_run(config)
+    conv = Conversation(service.tokenizer, system="S")
+    conv.add_user("Hi.")
+    text = service.tokenizer.decode(conv.generation_prompt().tokens)
+    assert text.endswith("<think>\n\n</think>\n\n") == bool(switches)
+    service.close()
 
 
 @pytest.mark.parametrize("flags,message", [

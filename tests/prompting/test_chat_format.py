@@ -150,9 +150,9 @@ def test_hf_adapter_on_the_builtin_template_equals_the_builtin_format(tok):
     assert a.generation_prompt().tokens == b.generation_prompt().tokens
 
 
-def test_template_that_strips_past_reasoning_is_reported(tok):
+def test_template_that_strips_past_reasoning_is_reported_under_strict(tok):
     with pytest.raises(TemplateNotAppendOnlyError) as info:
-        HFTemplateFormat(tok, STRIPS_REASONING)
+        HFTemplateFormat(tok, STRIPS_REASONING, strict=True)
     err = info.value
     assert err.rule == "PG101" and "(PG101 reasoning-stripped)" in str(err)
     assert "reasoning block of an earlier turn is stripped" in err.reason
@@ -162,8 +162,31 @@ def test_template_that_strips_past_reasoning_is_reported(tok):
     assert err.earlier_text[at:].startswith("<think>\nThe user adds two and two")
     assert err.later_text[at:].startswith("2 + 2 = 4.<|im_end|>")
     assert f"character {err.index}" in str(err)
-    with pytest.raises(TemplateNotAppendOnlyError):
-        Conversation(tok, system="S", chat_template=STRIPS_REASONING)
+
+
+def test_template_that_strips_past_reasoning_is_used_token_by_token(tok):
+    """By default it is used turn by turn: each new turn's own tokens, every reply kept as
+    sampled (reasoning included), and the mismatch with apply_chat_template said."""
+    fmt = HFTemplateFormat(tok, STRIPS_REASONING)
+    assert [f.rule for f in fmt.template_mismatch] == ["PG101"]
+    with pytest.warns(UserWarning, match="PG101"):
+        conv = Conversation(tok, system="S", chat_template=STRIPS_REASONING)
+    conv.add_user("Add 2 and 2.")
+    reply = tok.encode("<think>\nEasy.\n</think>\n\n4.<|im_end|>", add_special_tokens=False)
+    assert conv.generation_prompt().tokens == ids(tok, conv.messages, STRIPS_REASONING,
+                                                  add_generation_prompt=True)
+    conv.add_sampled(reply, stop_reason="stop")
+    conv.add_user("Thanks.")
+    prompt = conv.generation_prompt().tokens
+    assert conv.extension_ok and prompt[: len(conv.tokens)] == conv.tokens
+    assert prompt[len(ids(tok, conv.messages[:2], STRIPS_REASONING, add_generation_prompt=True)):][
+        : len(reply)] == reply  # the reply as sampled, reasoning and all
+    # what apply_chat_template renders for it strips the reasoning: the mismatch said
+    assert prompt != ids(tok, conv.messages, STRIPS_REASONING, add_generation_prompt=True)
+    # the new turn's own tokens are the template's, as after any reply
+    tail = tok.encode("<|im_start|>user\nThanks.<|im_end|>\n<|im_start|>assistant\n",
+                      add_special_tokens=False)
+    assert prompt[-len(tail):] == tail
 
 
 def test_template_that_marks_the_last_message_is_reported(tok):

@@ -219,16 +219,17 @@ def test_a_run_saved_before_a_field_existed_resumes_as_what_it_did(
 
 
 def test_a_resume_that_rounds_otherwise_is_told(tmp_path: Path) -> None:
-    """What changes a step's bits: the dtype or the CPU always, the thread count only
+    """What changes a step's bits: the dtype or the device always, the thread count only
     outside fp32 (MKL's strict mode: docs/architecture.md "Determinism")."""
-    saved = {"compute_dtype": "bfloat16", "threads": 2, "cpu": "Xeon, with amx_bf16"}
+    saved = {"compute_dtype": "bfloat16", "threads": 2, "device": "cpu (Xeon, with amx_bf16)"}
     path = save_checkpoint(tmp_path, FileClient(), LoopState(next_step=1), IDENTITY,
                            numerics=saved)
     assert numerics_changes(path, saved) == []
     assert numerics_changes(path, {**saved, "threads": 1}) == ["threads 2 -> 1"]
     assert numerics_changes(path, {**saved, "compute_dtype": "float32", "threads": 1}) == [
         "compute_dtype bfloat16 -> float32"]
-    assert numerics_changes(path, {**saved, "cpu": "EPYC"}) == ["cpu Xeon, with amx_bf16 -> EPYC"]
+    assert numerics_changes(path, {**saved, "device": "cuda:0 (H200)"}) == [
+        "device cpu (Xeon, with amx_bf16) -> cuda:0 (H200)"]
     assert numerics_changes(path, None) == []  # the hosted service: unknown
     older = save_checkpoint(tmp_path, FileClient(), LoopState(next_step=2), IDENTITY)
     assert numerics_changes(older, saved) == []  # saved before checkpoints said

@@ -59,7 +59,7 @@ def test_the_starting_weights_are_evaluated_unless_they_are_a_presets_random_ini
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_auto_compute_dtype_is_bf16_only_where_bf16_is_native(monkeypatch, fast):
-    monkeypatch.setattr(train_command, "has_fast_bf16", lambda: fast)
+    monkeypatch.setattr(train_command, "has_fast_bf16", lambda device: fast)
     assert compute_dtype(TrainConfig()) == (torch.bfloat16 if fast else torch.float32)
 
 

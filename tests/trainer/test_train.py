@@ -94,7 +94,7 @@ def test_cli_run_writes_metrics_report_plots_and_checkpoints(tmp_path, numerics)
     report = (out / "report.md").read_text()
     assert "prefill, served from the prefix cache" in report and "train, in the loss" in report
     # what `auto` chose (here the test dtype: tests/conftest.py) and on how many threads
-    assert f"Trained in {numerics.name} on {torch.get_num_threads()} threads (" in report
+    assert f"Trained in {numerics.name} on {torch.get_num_threads()} threads of cpu (" in report
     assert (out / "training.png").stat().st_size > 0 and (out / "tokens.png").stat().st_size > 0
     assert (out / "checkpoints" / "latest").read_text() == "step-000001"
     # the full resolved config, in the report and in every checkpoint

@@ -5,10 +5,12 @@ gradients, or, for datums sharing token prefixes, one forward per wave of a pref
 trie through a `KVView` that keeps keys/values in the autograd graph), the sampler's
 prefill and its decode steps (a forward that hands each layer's new keys/values to a
 `KVView` and attends to whatever the view returns).
-The numerics match Hugging Face Llama/Qwen2 (rotate-half RoPE, fp32 RMSNorm), so a
-local checkpoint of either loads 1:1 (see `hf_checkpoint.py`). The layers live in
-`layers.py`, the config and presets in `config.py`; `loading.py` builds a model from a
-preset name or a checkpoint directory.
+Every supported family runs through it, the config's knobs saying what differs (the
+embedding and logit multipliers here, the rest in the blocks); the numerics match
+transformers' (rotate-half RoPE, fp32 RMSNorm), so a local checkpoint loads 1:1 (see
+`families.py`, `hf_checkpoint.py`). The layers live in `layers.py`, the config and
+presets in `config.py`, the RoPE tables in `rope.py`; `loading.py` builds a model from
+a preset name or a checkpoint directory.
 
 This module does not know where keys and values are stored, how requests are
 batched, what a token means, or how the weights were trained: cache layout belongs

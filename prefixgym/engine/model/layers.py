@@ -10,7 +10,7 @@ attends to whatever the view returns.
 A bf16/fp16 model whose keys/values the caller keeps in fp32 (the scheduler does)
 attends in fp32: on CPU, SDPA's fp32 kernel is as fast as its bf16 one at prefill and
 several times faster for one-query decode steps, and the scores stay exact.
-Numerics follow Hugging Face Llama/Qwen2 (rotate-half RoPE, fp32 RMSNorm).
+Numerics follow Hugging Face's (rotate-half RoPE, fp32 RMSNorm) for every family (`families.py`).
 
 This module does not know where keys and values are stored (the `KVView` owner's
 business), how the RoPE tables are built or which positions they cover (the

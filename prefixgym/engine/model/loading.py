@@ -23,7 +23,7 @@ def load_model(
     *,
     max_seq_len: int | None = None,
 ) -> Transformer:
-    """A preset name ("tiny", "small") → a seeded random model; a local HF Llama/Qwen2
+    """A preset name ("tiny", "small") → a seeded random model; a local HF checkpoint
     directory (config.json + *.safetensors) → that checkpoint. Returned in train mode."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")

@@ -19,19 +19,42 @@ def tok():
 @pytest.mark.parametrize("name", ["STRIPS_THINK", "DROPS_REASONING", "SWITCH_DROPS_OPENER",
                                   "DROPS_REASONING_TAG", "TOOLS_IN_LAST_USER",
                                   "EOS_IN_HISTORY", "WHITESPACE_CHANGES"])
-def test_adapter_refuses_with_the_linters_rule_and_reason(tok, name):
+def test_a_strict_adapter_refuses_with_the_linters_rule_and_reason(tok, name):
     template = getattr(T, name)
     report = probe_template(template, tok.bos_token, tok.eos_token)
     expected = report.first_default_break()
     assert expected is not None
     with pytest.raises(TemplateNotAppendOnlyError) as info:
-        HFTemplateFormat(tok, template)
+        HFTemplateFormat(tok, template, strict=True)
     err = info.value
     assert err.rule == expected.rule
     assert err.reason.startswith(expected.message)
     assert err.index == expected.first_divergence
     assert expected.expected is not None and expected.caret is not None
     assert err.earlier_text == expected.expected[: expected.caret + 40]
+
+
+@pytest.mark.parametrize("name", ["STRIPS_THINK", "DROPS_REASONING", "SWITCH_DROPS_OPENER",
+                                  "DROPS_REASONING_TAG", "WHITESPACE_CHANGES"])
+def test_a_template_rewriting_earlier_replies_is_used_turn_by_turn(tok, name):
+    """What it breaks touches earlier replies (their reasoning, the space before them):
+    used turn by turn, the linter's findings kept as the mismatch to report."""
+    template = getattr(T, name)
+    report = probe_template(template, tok.bos_token, tok.eos_token)
+    fmt = HFTemplateFormat(tok, template)
+    assert [f.rule for f in fmt.template_mismatch] == [
+        f.rule for f in report.findings if f.rule in report.breaks_by_default]
+
+
+@pytest.mark.parametrize("name", ["TOOLS_IN_LAST_USER", "EOS_IN_HISTORY"])
+def test_a_template_that_breaks_turn_by_turn_too_is_refused(tok, name):
+    """One that renders a message by its position (the tools in the last user message,
+    an end marker after the last message) cannot be used even turn by turn."""
+    template = getattr(T, name)
+    expected = probe_template(template, tok.bos_token, tok.eos_token).first_default_break()
+    with pytest.raises(TemplateNotAppendOnlyError) as info:
+        HFTemplateFormat(tok, template)
+    assert expected is not None and info.value.rule == expected.rule
     with pytest.raises(TemplateNotAppendOnlyError):
         Conversation(tok, system="S", chat_template=template)
 
