@@ -159,11 +159,13 @@ def _rope(read: _Reader, family: Family, head_dim: int
     partial = read.float("partial_rotary_factor",
                          read.float("partial_rotary_factor", 1.0), source=merged)
     rotary_dim = None
-    if partial != 1.0:
-        if not family.partial_rotary:
-            raise read.error(f"partial_rotary_factor={partial}: transformers' {family.name} "
-                             "rotates every dim, so this checkpoint's numbers are ambiguous")
+    if partial != 1.0 and family.partial_rotary:
         rotary_dim = int(head_dim * partial)
+    elif partial != 1.0 and kind not in ("default", None):
+        # transformers' code for it ignores the factor with plain RoPE (as here) and
+        # cannot apply the narrower tables a scaled RoPE would build from it
+        raise read.error(f"partial_rotary_factor={partial} with {kind!r} RoPE: transformers' "
+                         f"{family.name} rotates every dim, so these numbers are undefined")
     original = read.int("original_max_position_embeddings",
                         read.int("original_max_position_embeddings", 0), source=merged)
     max_positions = read.int("max_position_embeddings", default=2048) or 2048

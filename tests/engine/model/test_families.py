@@ -34,6 +34,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     "llama-linear": ("Llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0,
                                                    "factor": 2.0}}),
+    "llama-partial-ignored": ("Llama", {"rope_parameters": {  # transformers rotates all dims
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
     "llama-dynamic": ("Llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4,
                                                     "factor": 2.0}}),
     "llama-yarn": ("Llama", {"rope_parameters": {

@@ -1,0 +1,165 @@
+"""Prefill and decode throughput per model family: prefixgym's engine vs transformers on
+the same weights, one run.
+
+For each family (docs/models.md) transformers builds a random-init model of one
+mid-size shape (4 layers, hidden 512, 8 heads, 2 KV heads, MLP 1536, vocabulary 8192;
+the family's own knobs on top: Llama 3's RoPE scaling, Qwen3's q/k norms, Phi-3's fused
+projections, SmolLM3's layer without RoPE, OLMo 2's post-norms, Granite's multipliers),
+saves it, and both sides run it from that directory, fp32:
+
+  prefill  a GRPO group's prompts: 8 prompts of 512 tokens sharing a 448-token prefix
+           (a system prompt and a task), one token sampled after each.
+           ours, cache off   `LocalService(prefix_cache=False)`: all 8 x 512 positions
+           ours, cache on    the shared prefix cached by an earlier request (the turn
+                             before): 8 x 64 positions computed
+           HF                one forward of the (8, 512) batch (transformers has no
+                             prefix cache: every position)
+  decode   8 samples of 64 tokens from one 128-token prompt (temperature 1, no stop).
+           ours              `sample(num_samples=8)`: one prefill, 8 rows decoding
+           HF                `generate` on the prompt repeated 8 times, KV cache on,
+                             min_new_tokens=max_new_tokens=64
+
+Throughput is prompt tokens (prefill) or new tokens (decode) per second of the whole
+call; each figure is the best of `--repeats` timed calls after one warm-up, the two
+sides alternating, so load hits both alike. Ratios > 1 mean ours is faster.
+
+    .venv/bin/python bench/bench_families.py              # every family, 3 repeats
+    .venv/bin/python bench/bench_families.py --families qwen3 phi3 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import common  # sets OMP_WAIT_POLICY=PASSIVE before torch starts its threads
+import torch
+import transformers as tf
+
+import prefixgym as pg
+from prefixgym.local_service import LocalService
+from prefixgym.prompting.tokenizer import load_tokenizer
+from prefixgym.types import SampleRequest
+
+SHAPE: dict[str, Any] = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
+                         "num_attention_heads": 8, "num_key_value_heads": 2,
+                         "vocab_size": 8192, "max_position_embeddings": 4096,
+                         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                         "tie_word_embeddings": False}
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": ("Llama", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}}),
+    "qwen2": ("Qwen2", {}),
+    "qwen3": ("Qwen3", {"head_dim": 64}),
+    "phi3": ("Phi3", {}),
+    "smollm3": ("SmolLM3", {"no_rope_layers": [1, 1, 1, 0]}),
+    "olmo2": ("Olmo2", {}),
+    "granite": ("Granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                            "attention_multiplier": 0.0156, "logits_scaling": 8.0}),
+}
+GROUP, PROMPT, SHARED = 8, 512, 448
+DECODE_PROMPT, NEW = 128, 64
+
+
+def best(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, SHAPE["vocab_size"], (n,),
+                         generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_family(name: str, directory: Path, repeats: int) -> dict[str, float]:
+    arch, overrides = FAMILIES[name]
+    torch.manual_seed(0)
+    hf = getattr(tf, f"{arch}ForCausalLM")(getattr(tf, f"{arch}Config")(**{**SHAPE, **overrides}))
+    hf.save_pretrained(directory, safe_serialization=True)
+    load_tokenizer().save_pretrained(directory)  # the engine reads the directory's tokenizer
+    hf.eval()
+    shared = ids(SHARED, 1)
+    prompts = [shared + ids(PROMPT - SHARED, 10 + i) for i in range(GROUP)]
+    one = pg.SamplingParams(max_tokens=1, temperature=1.0, seed=0)
+    decode_prompt = ids(DECODE_PROMPT, 2)
+    new = pg.SamplingParams(max_tokens=NEW, temperature=1.0, seed=0, stop_token_ids=[])
+    batch = torch.tensor(prompts)
+    out: dict[str, float] = {}
+    tails = [ids(PROMPT - SHARED, 10 + i) for i in range(GROUP)]
+    with LocalService(str(directory), seed=0, prefix_cache=False) as off, \
+            LocalService(str(directory), seed=0) as on:
+        s_off = off.create_sampling_client(stop_at_end_of_turn=False)
+        s_on = on.create_sampling_client(stop_at_end_of_turn=False)
+
+        def ours_off() -> None:
+            for f in s_off.sample_many([SampleRequest(p, 1, one) for p in prompts]):
+                f.result()
+
+        def hf_prefill() -> None:
+            with torch.no_grad():
+                hf(batch).logits[:, -1].float()
+
+        def ours_decode() -> None:
+            r = s_off.sample(decode_prompt, num_samples=GROUP, sampling_params=new).result()
+            assert all(len(s.tokens) == NEW for s in r.sequences)
+
+        def hf_decode() -> None:
+            with torch.no_grad():
+                hf.generate(torch.tensor([decode_prompt] * GROUP), do_sample=True,
+                            max_new_tokens=NEW, min_new_tokens=NEW, top_k=0, top_p=1.0,
+                            pad_token_id=0)
+
+        on_times, computed = [], 0
+        for k in range(repeats + 1):  # each time a prefix the turn before cached, untimed
+            prefix = ids(SHARED, 100 + k)
+            s_on.sample(prefix, sampling_params=one).result()
+            before = on.usage().prefill_computed_tokens
+            t0 = time.perf_counter()
+            for f in s_on.sample_many([SampleRequest(prefix + t, 1, one) for t in tails]):
+                f.result()
+            on_times.append(time.perf_counter() - t0)
+            computed = on.usage().prefill_computed_tokens - before
+        out["ours_on"], out["on_computed"] = min(on_times[1:]), computed
+        for which, fn in (("ours_off", ours_off), ("hf", hf_prefill),
+                          ("ours_decode", ours_decode), ("hf_decode", hf_decode)):
+            out[which] = best(fn, repeats)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--families", nargs="*", default=sorted(FAMILIES))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    tf.utils.logging.disable_progress_bar()
+    common.setup_threads(a.threads)
+    print(common.machine_facts())
+    print(f"transformers={tf.__version__}; shape {SHAPE['num_hidden_layers']} layers, hidden "
+          f"{SHAPE['hidden_size']}, MLP {SHAPE['intermediate_size']}, vocab {SHAPE['vocab_size']}; "
+          f"prefill {GROUP} x {PROMPT} tokens sharing {SHARED}; decode {GROUP} x {NEW} new "
+          f"tokens after {DECODE_PROMPT}; best of {a.repeats}")
+    print(f"\n{'family':<8} {'prefill tok/s: ours-off':>24} {'ours-on':>9} {'HF':>9} "
+          f"{'off/HF':>7} {'on/HF':>7}   {'decode tok/s: ours':>19} {'HF':>8} {'ours/HF':>8}")
+    tokens = GROUP * PROMPT
+    for name in a.families:
+        with tempfile.TemporaryDirectory() as d:
+            r = run_family(name, Path(d), a.repeats)
+        off, on, hf = tokens / r["ours_off"], tokens / r["ours_on"], tokens / r["hf"]
+        dec, hf_dec = GROUP * NEW / r["ours_decode"], GROUP * NEW / r["hf_decode"]
+        print(f"{name:<8} {off:24,.0f} {on:9,.0f} {hf:9,.0f} {off / hf:6.2f}x {on / hf:6.2f}x"
+              f"   {dec:19,.0f} {hf_dec:8,.0f} {dec / hf_dec:7.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
