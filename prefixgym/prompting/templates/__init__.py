@@ -10,7 +10,25 @@ that verdict to accept a template, and the linter (`lint/`) reports it; this pac
 imports neither.
 """
 
-from prefixgym.prompting.templates.append_only import TemplateReport, probe_template
-from prefixgym.prompting.templates.render import RenderLimits, TemplateRenderer
+from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prefixgym.prompting.templates.append_only import TemplateReport, probe_template
+    from prefixgym.prompting.templates.render import RenderLimits, TemplateRenderer
+
+_LAZY = {"TemplateReport": "append_only", "probe_template": "append_only",
+         "RenderLimits": "render", "TemplateRenderer": "render"}
 __all__ = ["RenderLimits", "TemplateRenderer", "TemplateReport", "probe_template"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that the render worker, started as `python -m` one of this package's
+    # modules, is not imported by the package before it runs as __main__.
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prefixgym.prompting.templates' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"prefixgym.prompting.templates.{module}"), name)
