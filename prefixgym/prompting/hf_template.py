@@ -20,6 +20,10 @@ the caller to say. A template that breaks even so (it marks the last message, or
 renders a message by its position) raises `TemplateNotAppendOnlyError` with the rule
 and reason; so does any break with `strict=True`.
 
+Every render, the probes' and each turn's, runs in the render worker under its limits
+(`templates.RenderLimits`: time, memory, output), so a template that runs away on some
+conversation fails that render with a ValueError instead of taking the process.
+
 This module knows templates, text and tokens; it keeps no conversation state and
 knows nothing of the built-in ChatML format, sampling, caches or envs.
 """
@@ -27,14 +31,15 @@ knows nothing of the built-in ChatML format, sampling, caches or envs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
-from transformers.utils.chat_template_utils import render_jinja_template
 
 from prefixgym.prompting.findings import RULES, Finding
 from prefixgym.prompting.messages import Message, check_role, check_text
-from prefixgym.prompting.templates import probe_template
+from prefixgym.prompting.templates import TemplateRenderer, probe_template
+from prefixgym.prompting.templates.jinja_render import RenderError, RenderLimitError
 from prefixgym.prompting.tools import ToolLike, as_tools, tool
 from prefixgym.types import JSONObject
 
@@ -114,10 +119,14 @@ class HFTemplateFormat:
         """What the template renders otherwise than the token-level conversation (empty
         for an append-only template)."""
         self._neutral_history = False
+        specials: dict[str, Any] = dict(tokenizer.special_tokens_map)
+        self._renderer = TemplateRenderer(  # raises LintInputError (a ValueError): syntax
+            template, specials.get("bos_token"), specials.get("eos_token"),
+            origin="chat template", variables={**specials, **self.template_kwargs})
         closing = self._encode(self._probe(strict))
-        specials = set(tokenizer.all_special_ids)
+        special_ids = set(tokenizer.all_special_ids)
         eos = tokenizer.eos_token_id
-        if closing and closing[0] in specials:
+        if closing and closing[0] in special_ids:
             self._end_of_turn_id: int | None = closing[0]
         else:
             self._end_of_turn_id = eos if isinstance(eos, int) else None
@@ -135,22 +144,16 @@ class HFTemplateFormat:
         tokenize=False)` returns, empty conversations included); "" for an empty
         conversation the template cannot render."""
         try:
-            variables: dict[str, Any] = {  # str values, **-splatted beside non-str params
-                **self.tokenizer.special_tokens_map, **self.template_kwargs}
-            rendered, _ = render_jinja_template(  # type: ignore[str-unpack]  # (texts, indices)
-                conversations=[[dict(m) for m in messages]],
-                tools=hf_tools(tools),  # type: ignore[arg-type]
-                chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
-            text = rendered[0]
-        except Exception as e:
+            text = self._renderer.render([dict(m) for m in messages], add_generation_prompt,
+                                         hf_tools(tools), clock=datetime.now())
+        except RenderLimitError as e:
+            raise ValueError(f"chat template: rendering exceeded a limit ({e}): the template "
+                             f"loops or grows without bound on {len(messages)} messages") from None
+        except RenderError as e:
             if not messages and not add_generation_prompt:
                 return ""  # many templates index messages[0]; nothing rendered yet
             raise ValueError(f"chat template failed to render {len(messages)} messages "
-                             f"(add_generation_prompt={add_generation_prompt}): {e}") from e
-        if not isinstance(text, str):
-            raise ValueError(f"chat template rendered {type(text).__name__}, expected str")
+                             f"(add_generation_prompt={add_generation_prompt}): {e}") from None
         return text
 
     def _encode(self, text: str) -> list[int]:

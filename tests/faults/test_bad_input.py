@@ -5,20 +5,15 @@ rolled out."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-from faultkit import TINY, fingerprint
-from safetensors.torch import save_file
+from faultkit import TINY, fingerprint, hf_dir
 
 import prefixgym.cli.train as train_command
 from prefixgym.cli import main
-from prefixgym.prompting.build_tokenizer import ASSETS_DIR
 from prefixgym.trainer.config import TrainConfig
 
 
@@ -61,35 +56,6 @@ def test_a_read_only_out(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     out.mkdir(mode=0o500)
     assert main(["train", "--out", str(out), *TINY]) == 2
     assert "Permission denied" in one_line_error(capsys, "train")
-
-
-def hf_dir(directory: Path, config: dict[str, object] | None = None,
-           poison: str | None = None) -> Path:
-    """A Llama checkpoint directory (with the built-in tokenizer) written by hand;
-    `poison` names a tensor to put a NaN in."""
-    directory.mkdir()
-    shutil.copy(ASSETS_DIR / "tokenizer.json", directory)
-    shutil.copy(ASSETS_DIR / "tokenizer_config.json", directory)
-    C, F, V = 32, 48, 4096
-    shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,),
-              "model.layers.0.input_layernorm.weight": (C,),
-              "model.layers.0.post_attention_layernorm.weight": (C,),
-              "model.layers.0.self_attn.q_proj.weight": (C, C),
-              "model.layers.0.self_attn.k_proj.weight": (16, C),
-              "model.layers.0.self_attn.v_proj.weight": (16, C),
-              "model.layers.0.self_attn.o_proj.weight": (C, C),
-              "model.layers.0.mlp.gate_proj.weight": (F, C),
-              "model.layers.0.mlp.up_proj.weight": (F, C),
-              "model.layers.0.mlp.down_proj.weight": (C, F)}
-    tensors = {name: torch.full(shape, 0.01) for name, shape in shapes.items()}
-    if poison:
-        tensors[poison][0] = float("nan")
-    save_file(tensors, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": C, "intermediate_size": F,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": V, "tie_word_embeddings": True, **(config or {})}))
-    return directory
 
 
 @pytest.mark.parametrize(("config", "poison", "message"), [

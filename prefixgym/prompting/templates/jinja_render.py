@@ -21,11 +21,12 @@ from datetime import datetime, tzinfo
 from typing import Any
 
 import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from prefixgym.types import JSONObject
 
 __all__ = ["CLOCK_A", "CLOCK_B", "DATE_READ_PATTERN", "RenderError", "RenderLimitError",
-           "compile_template", "fixed_clock", "render_in_process"]
+           "fixed_clock", "parse_template", "render_in_process"]
 
 
 class RenderError(Exception):
@@ -136,11 +137,35 @@ def render_in_process(
         raise RenderError(f"{type(exc).__name__}: {exc}") from None
 
 
-def compile_template(template: str) -> jinja2.Template:
-    """The template compiled as transformers compiles it (nothing of it runs); raises
-    jinja2.TemplateSyntaxError."""
+def parse_template(template: str) -> jinja2.nodes.Template:
+    """The template's syntax tree, parsed with transformers' environment's settings,
+    extensions, filter and test names (so its tags parse and its filters are known);
+    raises jinja2.TemplateSyntaxError. Nothing of the template runs, and nothing is
+    folded, here or in what reads the tree (jinja2's `meta` walks it with its code
+    generator, which computes constant expressions): every operator counts as
+    intercepted, as a sandbox's may be, and every filter and test as one that needs the
+    render's context, so `'x' * 10**10` and `'x'|center(10000000000)` stay expressions
+    for the render worker, under its limits, instead of 10 GB in the caller."""
+    return _analysis_environment().parse(template)
+
+
+class _NothingFolded(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"+", "-", "*", "/", "//", "%", "**"})
+    intercepted_unops = frozenset({"+", "-"})
+
+
+@jinja2.pass_context
+def _never_run(context: jinja2.runtime.Context, *args: Any, **kwargs: Any) -> None:
+    raise AssertionError("a template parsed for analysis is never rendered")
+
+
+@functools.lru_cache(maxsize=1)
+def _analysis_environment() -> jinja2.Environment:
     backend = _transformers_backend()
-    if backend is not None:
-        compiled: jinja2.Template = backend[0]._compile_jinja_template(template)
-        return compiled
-    return _fallback_compile(template)
+    model = (backend[0]._compile_jinja_template("") if backend is not None
+             else _fallback_compile("")).environment
+    env = _NothingFolded(trim_blocks=model.trim_blocks, lstrip_blocks=model.lstrip_blocks,
+                         extensions=[type(e) for e in model.extensions.values()])
+    env.filters = dict.fromkeys(model.filters, _never_run)
+    env.tests = dict.fromkeys(model.tests, _never_run)
+    return env

@@ -24,8 +24,8 @@ from prefixgym.prompting.templates.jinja_render import (
     DATE_READ_PATTERN,
     RenderError,
     RenderLimitError,
-    compile_template,
     fixed_clock,
+    parse_template,
     render_in_process,
 )
 from prefixgym.prompting.templates.render_worker import RenderLimits
@@ -52,9 +52,8 @@ class TemplateRenderer:
         self.limits = limits or RenderLimits()
         self.limit_hit: str | None = None
         """The first limit a render of this template hit; no render is tried after it."""
-        try:  # compiling runs nothing of the template, so it needs no limit
-            compiled = compile_template(template)
-            self.syntax_tree = compiled.environment.parse(template)
+        try:  # parsing runs and folds nothing of the template, so it needs no limit
+            self.syntax_tree = parse_template(template)
         except jinja2.TemplateSyntaxError as exc:
             raise LintInputError(f"{origin}:{exc.lineno}: template does not compile: {exc.message}") from None
 

@@ -52,8 +52,8 @@ class RenderLimits:
 
     seconds: float = 5.0
     """Wall time of one render (a chat template renders in milliseconds)."""
-    output_chars: int = 1_000_000
-    """Characters one render may produce."""
+    output_chars: int = 8_000_000
+    """Characters one render may produce (a conversation of 2M tokens, give or take)."""
     memory_bytes: int = 512 << 20
     """Address space the worker may add to what it had when it started (Linux)."""
 

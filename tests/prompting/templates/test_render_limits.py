@@ -66,16 +66,33 @@ def test_the_builtin_template_still_passes() -> None:
     assert report.append_only and report.findings == [] and report.probes_checked
 
 
+OVER_THE_OUTPUT_LIMIT = FLOODS.replace("'x' * 100", "'x' * 1000")  # 10,000,000 characters
+
+
 def test_the_chat_template_adapter_refuses_a_runaway_template() -> None:
     with pytest.raises(ValueError, match="rendering exceeded a limit"):
-        HFTemplateFormat(load_tokenizer(), FLOODS.replace("10000", "20000"))
+        HFTemplateFormat(load_tokenizer(), OVER_THE_OUTPUT_LIMIT)
+
+
+def test_a_template_running_away_on_one_conversation_fails_that_render() -> None:
+    # The probes pass; the turn whose text is BOOM asks for 40 GB. Rendered in this
+    # process, it would take the machine; in the worker it is a ValueError.
+    template = ("{% for m in messages %}<{{ m.role }}>{% if m.content == 'BOOM' %}"
+                "{{ m.content * 10000000000 }}{% else %}{{ m.content }}{% endif %}"
+                "</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    fmt = HFTemplateFormat(load_tokenizer(), template)
+    history = [{"role": "user", "content": "hi"}]
+    assert fmt.render_message("user", "fine", history=history) == \
+        fmt.tokenizer.encode("<user>fine</user>", add_special_tokens=False)
+    with pytest.raises(ValueError, match="rendering exceeded a limit .*on 2 messages"):
+        fmt.render_message("user", "BOOM", history=history)
 
 
 def test_lint_template_reports_a_runaway_template_and_exits_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "runaway.jinja"
-    path.write_text(FLOODS.replace("10000", "20000"))  # 2,000,000 characters: over 1,000,000
+    path.write_text(OVER_THE_OUTPUT_LIMIT)  # over the 8,000,000 characters a render may produce
     assert lint_main(["template", str(path)]) == 1
     out = capsys.readouterr().out
     assert "PG113" in out and "append_only=no" in out
