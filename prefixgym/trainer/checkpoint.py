@@ -8,17 +8,21 @@ Layout under OUT/checkpoints/:
   step-000009/numerics.json    how its steps were computed: dtype, threads, device (idem)
   step-000009/checkpoint.json   the run's identity and a checksum of every file above
   warm_start/...                the same, after the warm start (the KL reference)
+  sft-000009/...                the same, in the middle of the warm start (after its
+                                step 9); deleted once warm_start is saved
   latest                        the name of the newest complete step checkpoint
 
-`prune_checkpoints` keeps the newest step checkpoints (the run's `keep_checkpoints`)
-and deletes the older ones; the warm start's is never deleted.
+`prune_checkpoints` keeps the newest step checkpoints (the run's `keep_checkpoints`),
+or the newest warm-start ones, and deletes the older ones; the warm start's is never
+deleted.
 
 Each checkpoint is written into a temporary directory and renamed into place, and
 `latest` is replaced atomically after it (`prefixgym.files`), so a crash leaves the
 previous one intact; `remove_leftovers` deletes what killed writes left behind.
 
 `find_checkpoint` is how a run picks what to resume from: `latest`, then the other
-step checkpoints newest first, then the warm start -- the first one that is intact
+step checkpoints newest first, then the warm start, then the checkpoints in the middle
+of the warm start newest first -- the first one that is intact
 (every checksum matches) and belongs to this run (same identity, `run_identity` in
 config.py). A damaged one is passed over with a reason; one of another run is
 refused unless forced. Knows the training client's save/load protocol and JSON;
@@ -52,6 +56,7 @@ LATEST = "latest"
 MANIFEST = "checkpoint.json"
 FORMAT_VERSION = 1
 _STEP_NAME = re.compile(r"step-\d{6,}")
+_SFT_NAME = re.compile(r"sft-\d{6,}")
 
 
 @dataclass
@@ -61,20 +66,25 @@ class LoopState:
     usage: Usage = field(default_factory=Usage)
     sft_usage: Usage = field(default_factory=Usage)
     wall_s: float = 0.0
+    next_sft_step: int | None = None
+    """The warm-start step to go on from; None once the warm start is done (or there
+    is none). Checkpoints written before warm starts were resumable have none."""
 
     def to_json(self) -> str:
         return json.dumps({
             "next_step": self.next_step, "evals": self.evals,
             "usage": self.usage.model_dump(), "sft_usage": self.sft_usage.model_dump(),
-            "wall_s": self.wall_s,
+            "wall_s": self.wall_s, "next_sft_step": self.next_sft_step,
         }, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: Path) -> LoopState:
         try:
             d = json.loads(text)
+            sft = d.get("next_sft_step")
             return cls(int(d["next_step"]), list(d["evals"]), Usage(**d["usage"]),
-                       Usage(**d["sft_usage"]), float(d["wall_s"]))
+                       Usage(**d["sft_usage"]), float(d["wall_s"]),
+                       None if sft is None else int(sft))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{where} is not a loop state: {type(e).__name__}: {e}") from None
 
@@ -91,6 +101,19 @@ class Found:
     passed_over: list[str] = field(default_factory=list)
 
 
+def checkpoint_name(state: LoopState) -> str:
+    """A step checkpoint's name (`step-000009`), or one in the middle of the warm start's
+    (`sft-000009`), after the last step `state` has done."""
+    if state.next_sft_step is not None:
+        return f"sft-{state.next_sft_step - 1:06d}"
+    return f"step-{state.next_step - 1:06d}"
+
+
+def in_warm_start(path: Path) -> bool:
+    """Whether checkpoint `path` was saved in the middle of the warm start."""
+    return bool(_SFT_NAME.fullmatch(path.name))
+
+
 def save_checkpoint(
     out: Path, training: TrainingClient, state: LoopState, identity: JSONObject,
     name: str | None = None,
@@ -98,7 +121,7 @@ def save_checkpoint(
     numerics: JSONObject | None = None,
 ) -> Path:
     root = out / "checkpoints"
-    name = name or f"step-{state.next_step - 1:06d}"
+    name = name or checkpoint_name(state)
 
     def fill(tmp: Path) -> None:
         training.save_state(tmp / "train")
@@ -125,27 +148,42 @@ def mark_latest(checkpoint: Path) -> None:
         write_text_atomically(pointer, checkpoint.name)
 
 
-def step_checkpoints(root: Path) -> list[str]:
-    """The names of the step checkpoints in `root` (OUT/checkpoints), newest first."""
+def step_checkpoints(root: Path, pattern: re.Pattern[str] = _STEP_NAME) -> list[str]:
+    """The names of the step checkpoints in `root` (OUT/checkpoints), newest first (with
+    `pattern` _SFT_NAME: those in the middle of the warm start)."""
     if not root.is_dir():
         return []
-    return sorted((p.name for p in root.iterdir() if _STEP_NAME.fullmatch(p.name)),
-                  key=lambda n: int(n.removeprefix("step-")), reverse=True)
+    return sorted((p.name for p in root.iterdir() if pattern.fullmatch(p.name)),
+                  key=lambda n: int(n.partition("-")[2]), reverse=True)
 
 
 def prune_checkpoints(root: Path, keep: int, written: Path) -> list[str]:
-    """Delete the step checkpoints in `root` but the newest `keep` and `written` (the one
-    just saved); keep=0 deletes none. Each goes by a rename to a temporary name first, so
-    that a kill half-way leaves a leftover for `remove_leftovers`, never a damaged
-    checkpoint that resuming would have to pass over. Returns the names deleted."""
+    """Delete the checkpoints in `root` of `written`'s kind (GRPO steps, or warm-start
+    steps) but the newest `keep` and `written` (the one just saved); keep=0 deletes none.
+    Returns the names deleted."""
     if keep <= 0:
         return []
-    old = [n for n in step_checkpoints(root)[keep:] if n != written.name]
-    for name in old:
+    pattern = _SFT_NAME if _SFT_NAME.fullmatch(written.name) else _STEP_NAME
+    old = [n for n in step_checkpoints(root, pattern)[keep:] if n != written.name]
+    _delete(root, old)
+    return old
+
+
+def remove_warm_start_steps(root: Path) -> list[str]:
+    """Delete the checkpoints in the middle of the warm start (once its end is saved)."""
+    names = step_checkpoints(root, _SFT_NAME)
+    _delete(root, names)
+    return names
+
+
+def _delete(root: Path, names: list[str]) -> None:
+    """Each goes by a rename to a temporary name first, so that a kill half-way leaves a
+    leftover for `remove_leftovers`, never a damaged checkpoint that resuming would have
+    to pass over."""
+    for name in names:
         doomed = root / f".{name}.deleted{TEMPORARY_SUFFIX}"
         os.replace(root / name, doomed)
         shutil.rmtree(doomed)
-    return old
 
 
 def remove_leftovers(out: Path) -> list[str]:
@@ -187,7 +225,8 @@ def differences(mine: JSONObject, theirs: JSONObject) -> str:
 
 def candidates(out: Path, passed_over: list[str]) -> list[Path]:
     """Where a run may resume from, in order: `latest`, the other step checkpoints
-    newest first, the warm start. A `latest` that names nothing usable is noted."""
+    newest first, the warm start, the warm start's steps newest first. A `latest` that
+    names nothing usable is noted."""
     root = out / "checkpoints"
     names: list[str] = []
     pointer = root / LATEST
@@ -202,6 +241,7 @@ def candidates(out: Path, passed_over: list[str]) -> list[Path]:
             passed_over.append(f"{pointer} does not name a checkpoint directory ({name[:40]!r})")
     names += step_checkpoints(root)
     names.append(WARM_START)
+    names += step_checkpoints(root, _SFT_NAME)
     return [root / name for name in dict.fromkeys(names)]
 
 

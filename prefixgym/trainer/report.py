@@ -90,6 +90,14 @@ class MetricsLog:
             self.tracker.rewind(0, [])
         return aside
 
+    def truncate_in_warm_start(self, sft_step: int) -> None:
+        """Drop what a run logged after the checkpoint of warm-start step `sft_step` was
+        saved: what stays is the first evaluation and the warm start's lines to there."""
+        kept = [r for r in self.read()
+                if (r.get("phase") == "sft" and r["sft_step"] <= sft_step)
+                or (r.get("phase") == "eval" and r.get("when") == "before training")]
+        self._keep(sft_step + 1, kept)
+
     def truncate_after(self, step: int) -> None:
         """Drop what a run logged after the checkpoint of GRPO step `step` was saved
         (step -1: the warm start's checkpoint, which follows the warm start's lines)."""
@@ -97,9 +105,12 @@ class MetricsLog:
         kept = [r for r in self.read()
                 if r.get("step", -1) <= step or r.get("phase") == "sft"
                 or (r.get("phase") == "eval" and r["step"] <= step + 1)]
+        self._keep(step + 1, kept)
+
+    def _keep(self, first_dropped: int, kept: list[JSONObject]) -> None:
         write_text_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         if self.tracker is not None:  # the same cut there (tracking.py)
-            self.tracker.rewind(step + 1, kept)
+            self.tracker.rewind(first_dropped, kept)
 
 
 def _fmt(n: float) -> str:

@@ -6,8 +6,9 @@
   3) GRPO steps (see grpo.py), evaluating and checkpointing at intervals;
   4) write report.md and the plots.
 A resumed run skips 1-2 and continues exactly from the newest intact checkpoint of
-this run (`checkpoint.find_checkpoint`: the warm start's if no GRPO step was saved;
-another run's only with `force_resume`). A run that starts from step 0 moves an
+this run (`checkpoint.find_checkpoint`: the warm start's if no GRPO step was saved,
+one in the middle of the warm start if it had not ended; another run's only with
+`force_resume`). A run that starts from step 0 moves an
 earlier metrics.jsonl aside instead of deleting it. OUT is checked writable before
 anything runs, and what killed writes left there is removed.
 Under torchrun (`Ranks`) every rank runs this same loop: each samples its share of a
@@ -40,11 +41,13 @@ from prefixgym.trainer.checkpoint import (
     ForeignCheckpointError,
     LoopState,
     find_checkpoint,
+    in_warm_start,
     load_checkpoint,
     mark_latest,
     numerics_changes,
     prune_checkpoints,
     remove_leftovers,
+    remove_warm_start_steps,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -132,6 +135,8 @@ class Run:
             lockstep=config.deterministic,
         )
         self.log = MetricsLog(self.out / "metrics.jsonl", open_tracker(config.tracker, self.out))
+        self._prior = (Usage(), 0.0)
+        """What the checkpoint resumed from had counted: usage and wall time."""
 
     def write(self, record: JSONObject) -> None:
         if self.main:
@@ -168,7 +173,8 @@ class Run:
 
     def start(self, base_usage: Usage, t_start: float) -> tuple[LoopState, SamplingClient | None]:
         """A fresh run: steps 1-2. A resumed one: its newest checkpoint (the warm start's if
-        no GRPO step was saved). Returns the state and the KL reference sampler."""
+        no GRPO step was saved; one in the middle of the warm start, which then goes on).
+        Returns the state and the KL reference sampler."""
         c = self.config
         removed = remove_leftovers(self.out) if self.main else []
         if removed:
@@ -187,22 +193,31 @@ class Run:
         for reason in found.passed_over if found else []:
             print(f"passed over: {reason}", file=sys.stderr)
         if found is not None and found.path is not None:
-            ref = None
-            if c.kl_coef > 0:
+            ref = None  # (loading the reference loads its weights: before the checkpoint's)
+            if c.kl_coef > 0 and not in_warm_start(found.path):
                 ref = self.reference(found.path)
-            state = load_checkpoint(found.path, self.training)
-            if self.main:
-                mark_latest(found.path)  # a damaged `latest` names what was resumed from again
-                self.log.truncate_after(state.next_step - 1)
-                print(f"resuming from {found.path} at GRPO step {state.next_step}",
-                      file=sys.stderr)
-                changes = numerics_changes(found.path, self.clients.numerics)
-                if changes:
-                    print(f"note: this process computes otherwise than the saved steps "
-                          f"({'; '.join(changes)}): the steps from here will not repeat the "
-                          "uninterrupted run bit for bit (docs/architecture.md, "
-                          '"Determinism")', file=sys.stderr)
-            return state, ref
+            state = self.resume(found.path)
+            if state.next_sft_step is None:
+                return state, ref
+        else:
+            state = self.begin()
+        self._prior = (state.usage, state.wall_s)
+        # 2) warm start (or the rest of it)
+        if c.sft_steps:
+            self.warm_start(state, base_usage, t_start)
+            ref = self.training.save_weights_and_get_sampling_client()
+            self.evaluate(ref, 0, "after warm start", state)
+        else:  # publishing is not free with remote samplers: only for the KL reference
+            ref = self.training.save_weights_and_get_sampling_client() if c.kl_coef > 0 else None
+        self.account(state, base_usage, t_start)
+        self.checkpoint(state, name=WARM_START)
+        if self.main:
+            remove_warm_start_steps(self.out / "checkpoints")
+        return state, ref if c.kl_coef > 0 else None
+
+    def begin(self) -> LoopState:
+        """A new run: the log and config in place, the starting weights evaluated (step 1)."""
+        c = self.config
         if c.resume and self.main:
             print(f"no intact checkpoint of this run in {self.out / 'checkpoints'}: starting a "
                   "new run", file=sys.stderr)
@@ -211,38 +226,69 @@ class Run:
             if aside is not None:
                 print(f"kept the earlier {self.log.path.name} as {aside}", file=sys.stderr)
             write_text_atomically(self.out / RUN_CONFIG, json.dumps(asdict(c), indent=2) + "\n")
-        state = LoopState(next_step=0)
+        state = LoopState(next_step=0, next_sft_step=0 if c.sft_steps else None)
         # 1) the starting weights, unless they are a random init (`eval_on_start`)
         if c.eval_on_start:
             self.evaluate(self.clients.sampler, 0, "before training", state)
-        # 2) warm start
-        if c.sft_steps:
-            with Progress("warm start", c.sft_steps, "step", c.progress and self.main
-                          ) as progress:
+        return state
 
-                def on_step(i: int, metrics: dict[str, float], usage: Usage) -> None:
-                    self.write({"step": 0, "phase": "sft", "sft_step": i, **metrics,
-                                    "tokens/train_computed": usage.train_computed_tokens,
-                                    "tokens/train_loss": usage.train_loss_tokens,
-                                    "tokens/train_shared": usage.train_shared_tokens})
-                    progress.update(1, loss=f"{metrics['sft/loss']:.3f}")
+    def resume(self, path: Path) -> LoopState:
+        """The state of checkpoint `path`, loaded into the training client, with the log
+        cut back to it."""
+        state = load_checkpoint(path, self.training)
+        if self.main:
+            mark_latest(path)  # a damaged `latest` names what was resumed from again
+            if state.next_sft_step is None:
+                self.log.truncate_after(state.next_step - 1)
+                where = f"GRPO step {state.next_step}"
+            else:
+                self.log.truncate_in_warm_start(state.next_sft_step - 1)
+                where = f"warm-start step {state.next_sft_step}"
+            print(f"resuming from {path} at {where}", file=sys.stderr)
+            changes = numerics_changes(path, self.clients.numerics)
+            if changes:
+                print(f"note: this process computes otherwise than the saved steps "
+                      f"({'; '.join(changes)}): the steps from here will not repeat the "
+                      "uninterrupted run bit for bit (docs/architecture.md, "
+                      '"Determinism")', file=sys.stderr)
+        return state
 
-                stages = [(stage["steps"], [self.make_env(stage["env_kwargs"])
-                                            for _ in range(c.sft_episodes_per_step)])
-                          for stage in c.sft_stages]
-                state.sft_usage = warm_start(
-                    self.training, self.envs, self.tokenizer, c.sft_steps,
-                    c.sft_episodes_per_step, c.sft_lr, on_step=on_step,
-                    schedule=c.sft_lr_schedule, warmup=c.sft_warmup, stages=stages,
-                )
-            ref = self.training.save_weights_and_get_sampling_client()
-            self.evaluate(ref, 0, "after warm start", state)
-        else:  # publishing is not free with remote samplers: only for the KL reference
-            ref = self.training.save_weights_and_get_sampling_client() if c.kl_coef > 0 else None
-        state.usage = self.clients.usage() - base_usage
-        state.wall_s = time.perf_counter() - t_start
-        self.checkpoint(state, name=WARM_START)
-        return state, ref if c.kl_coef > 0 else None
+    def warm_start(self, state: LoopState, base_usage: Usage, t_start: float) -> None:
+        """The warm start's steps from `state.next_sft_step`, checkpointed every
+        `checkpoint_every` of them (its end is the warm start's own checkpoint)."""
+        c = self.config
+        first = state.next_sft_step or 0
+        with Progress("warm start", c.sft_steps, "step", c.progress and self.main,
+                      initial=first) as progress:
+
+            def on_step(i: int, metrics: dict[str, float], usage: Usage) -> None:
+                self.write({"step": 0, "phase": "sft", "sft_step": i, **metrics,
+                            "tokens/train_computed": usage.train_computed_tokens,
+                            "tokens/train_loss": usage.train_loss_tokens,
+                            "tokens/train_shared": usage.train_shared_tokens})
+                state.sft_usage = state.sft_usage + usage
+                state.next_sft_step = i + 1
+                if state.next_sft_step % c.checkpoint_every == 0 and i + 1 < c.sft_steps:
+                    self.account(state, base_usage, t_start)
+                    self.checkpoint(state)
+                progress.update(1, loss=f"{metrics['sft/loss']:.3f}")
+
+            stages = [(stage["steps"], [self.make_env(stage["env_kwargs"])
+                                        for _ in range(c.sft_episodes_per_step)])
+                      for stage in c.sft_stages]
+            warm_start(self.training, self.envs, self.tokenizer, c.sft_steps,
+                       c.sft_episodes_per_step, c.sft_lr, on_step=on_step,
+                       schedule=c.sft_lr_schedule, warmup=c.sft_warmup, stages=stages,
+                       start=first)
+        state.next_sft_step = None
+
+    def account(self, state: LoopState, base_usage: Usage, t_start: float) -> None:
+        """Bring the state's cumulative usage and wall time up to now: what the checkpoint
+        it was loaded from counted (`_prior`), plus what this process has computed and
+        spent since (from `base_usage`, `t_start`)."""
+        usage, wall = self._prior
+        state.usage = usage + (self.clients.usage() - base_usage)
+        state.wall_s = wall + time.perf_counter() - t_start
 
     def reference(self, resumed_from: Path) -> SamplingClient:
         """The KL reference of a resumed run: its warm-start weights, checked."""

@@ -41,6 +41,7 @@ def warm_start(
     schedule: str = "cosine",
     warmup: float = 0.1,
     stages: Sequence[tuple[int, Sequence[AgentGymEnv]]] = (),
+    start: int = 0,
 ) -> Usage:
     """`steps` AdamW steps of cross-entropy, each on fresh expert episodes.
 
@@ -52,7 +53,10 @@ def warm_start(
     at lr with `schedule="constant"`. `stages`, (steps, envs) pairs adding up to
     `steps`, replace `envs` stage by stage (one schedule over them all); the episode
     seeds run on across stages, and `on_step`'s metrics name each step's stage
-    (`sft_stage`, from 1).
+    (`sft_stage`, from 1). `start` skips the steps before it (a resumed warm start: each
+    step's episodes and learning rate depend on its number alone); `on_step` runs
+    when nothing is in flight, so it may save the training client's state.
+    Returns the usage of the steps it ran.
     """
     floor = 1.0 if schedule == "constant" else 0.1
     total = Usage()
@@ -68,8 +72,8 @@ def warm_start(
                              [SFT_SEED_BASE + step * episodes_per_step + i
                               for i in range(episodes_per_step)])
 
-    datums = batch(0) if steps else []
-    for step in range(steps):
+    datums = batch(start) if start < steps else []
+    for step in range(start, steps):
         # both requests are queued before the next batch is played: the expert's episodes
         # (Python) overlap the update, as with the hosted service's futures
         backward = training.forward_backward(datums, loss_fn="cross_entropy")

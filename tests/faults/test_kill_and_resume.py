@@ -117,3 +117,28 @@ def test_sigkill_after_the_warm_start_then_in_a_checkpoint_write(
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
     assert "leftover temporaries" in capsys.readouterr().err
     assert_complete(out)
+
+
+def test_sigkill_in_the_middle_of_the_warm_start_then_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # With 4 warm-start steps and a checkpoint every 2, the warm start saves sft-000001;
+    # killed after that and before it ends, the resume goes on from its step 2 (not from
+    # the start: test_train.py checks that it logs what the uninterrupted run does).
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    args = [*TINY, "--sft-steps", "4"]
+
+    def in_the_warm_start_after_its_checkpoint() -> bool:
+        return (root / "sft-000001" / "checkpoint.json").exists() and not (
+            root / "warm_start").exists()
+
+    kill_when(start(out, *args), in_the_warm_start_after_its_checkpoint)
+    assert_consistent_after_kill(out)
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert f"resuming from {root / 'sft-000001'} at warm-start step 2" in capsys.readouterr().err
+    lines = metrics(out)
+    assert [r["sft_step"] for r in lines if r["phase"] == "sft"] == [0, 1, 2, 3]
+    assert [r["step"] for r in lines if r["phase"] == "grpo"] == [0, 1, 2, 3]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "latest", "step-000001", "step-000003", "warm_start"]

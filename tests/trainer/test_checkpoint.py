@@ -18,10 +18,12 @@ from prefixgym.trainer.checkpoint import (
     ForeignCheckpointError,
     LoopState,
     find_checkpoint,
+    in_warm_start,
     load_checkpoint,
     numerics_changes,
     prune_checkpoints,
     remove_leftovers,
+    remove_warm_start_steps,
     save_checkpoint,
 )
 from prefixgym.trainer.config import TrainConfig, run_identity
@@ -169,6 +171,30 @@ def test_pruning_keeps_the_newest_step_checkpoints_the_one_just_written_and_the_
     assert find_checkpoint(tmp_path, IDENTITY).path == older  # `latest` names it
 
 
+def test_the_warm_starts_own_checkpoints_come_last_and_go_when_it_ends(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    client = FileClient(7)
+    sft = [save_checkpoint(tmp_path, client, LoopState(next_step=0, next_sft_step=n),  # type: ignore[arg-type]
+                           IDENTITY) for n in (2, 10, 4)]
+    assert [p.name for p in sft] == ["sft-000001", "sft-000009", "sft-000003"]
+    assert not (root / "latest").exists()  # `latest` names step checkpoints only
+    assert prune_checkpoints(root, 2, sft[-1]) == ["sft-000001"]
+    found = find_checkpoint(tmp_path, IDENTITY)
+    assert found.path == sft[1] and load_checkpoint(sft[1], client).next_sft_step == 10  # type: ignore[arg-type]
+    assert in_warm_start(sft[1]) and not in_warm_start(root / WARM_START)
+    warm = save(tmp_path, None)
+    assert find_checkpoint(tmp_path, IDENTITY).path == warm  # the warm start's end wins
+    assert remove_warm_start_steps(root) == ["sft-000009", "sft-000003"]
+    assert sorted(p.name for p in root.iterdir()) == [WARM_START]
+
+
+def test_a_loop_state_saved_before_warm_starts_resumed_has_ended_its_warm_start() -> None:
+    saved = {"next_step": 3, "evals": [], "usage": {}, "sft_usage": {}, "wall_s": 1.0}
+    assert LoopState.from_json(json.dumps(saved), Path("loop.json")).next_sft_step is None
+    state = LoopState(next_step=0, next_sft_step=5)
+    assert LoopState.from_json(state.to_json(), Path("loop.json")) == state
+
+
 def test_a_partial_last_metrics_line_is_dropped_and_truncation_rewrites_it(
     tmp_path: Path,
 ) -> None:
@@ -181,6 +207,18 @@ def test_a_partial_last_metrics_line_is_dropped_and_truncation_rewrites_it(
     log.truncate_after(1)
     assert log.path.read_text() == ('{"step": 0, "phase": "grpo"}\n'
                                     '{"step": 1, "phase": "grpo"}\n')
+
+
+def test_truncation_in_the_warm_start_keeps_the_first_evaluation_and_its_steps_to_there(
+    tmp_path: Path,
+) -> None:
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"step": 0, "phase": "eval", "when": "before training"})
+    for sft_step in range(4):
+        log.write({"step": 0, "phase": "sft", "sft_step": sft_step})
+    log.truncate_in_warm_start(1)
+    assert [(r["phase"], r.get("sft_step")) for r in log.read()] == [
+        ("eval", None), ("sft", 0), ("sft", 1)]
 
 
 def test_a_bad_metrics_line_elsewhere_is_an_error_naming_file_and_line(tmp_path: Path) -> None:

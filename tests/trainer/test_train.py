@@ -152,6 +152,60 @@ def test_same_run_same_metrics_and_resume_continues_exactly(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("numerics", DTYPES, ids=str)
+def test_a_warm_start_killed_after_a_checkpoint_resumes_exactly(tmp_path, monkeypatch, capsys,
+                                                                numerics):
+    """The warm start checkpoints every `checkpoint_every` steps: a run killed after its
+    step 5 was saved resumes there and logs what the uninterrupted run did, every line
+    (the first evaluation, the warm start's, the evaluations and GRPO steps after), and
+    counts the same usage; the warm start's own checkpoints go once it has ended."""
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+
+    def run(out, resume=False):
+        train(TrainConfig(**{**SMALL, "eval_episodes": 2, "sft_steps": 7}, eval_on_start=True,
+                          steps=2, checkpoint_every=2, keep_checkpoints=1,
+                          out=str(tmp_path / out), resume=resume, compute_dtype=numerics.name))
+
+    def lines(out):
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith("time/")}
+                for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+
+    run("a")
+    save = run_module.save_checkpoint
+    kept = []
+
+    def save_then_die(out, training, state, *args, **kwargs):
+        root = out / "checkpoints"
+        kept.append(sorted(p.name for p in root.iterdir()) if root.exists() else [])
+        path = save(out, training, state, *args, **kwargs)
+        if state.next_sft_step == 6:
+            raise Killed
+        return path
+
+    with monkeypatch.context() as patch:
+        patch.setattr(run_module, "save_checkpoint", save_then_die)
+        with pytest.raises(Killed):
+            run("c")
+    assert kept == [[], ["sft-000001"], ["sft-000003"]]  # keep_checkpoints=1 holds here too
+    assert [r.get("sft_step") for r in lines("c")][-1] == 5
+    capsys.readouterr()
+    run("c", resume=True)
+    assert f"resuming from {tmp_path / 'c' / 'checkpoints' / 'sft-000005'} at warm-start " \
+           "step 6" in capsys.readouterr().err
+    a, c = lines("a"), lines("c")
+    assert [r["sft_step"] for r in c if r["phase"] == "sft"] == list(range(7))
+    assert [r["when"] for r in c if r["phase"] == "eval"] == [
+        "before training", "after warm start", "GRPO"]
+    assert a == c
+    for name in ("warm_start", "step-000001"):
+        saved = [json.loads((tmp_path / out / "checkpoints" / name / "loop.json").read_text())
+                 for out in ("a", "c")]
+        assert [(s["usage"], s["sft_usage"]) for s in saved[:1]] == \
+            [(s["usage"], s["sft_usage"]) for s in saved[1:]]
+    assert sorted(p.name for p in (tmp_path / "c" / "checkpoints").iterdir()) == [
+        "latest", "step-000001", "warm_start"]
+
+
+@pytest.mark.parametrize("numerics", DTYPES, ids=str)
 def test_a_resume_on_another_thread_count_says_when_bits_will_differ(
         tmp_path, monkeypatch, capsys, numerics, thread_count_restored):
     """bf16 rounds by thread count, fp32 (MKL) does not: resumed on 1 thread after 2,

@@ -21,6 +21,7 @@ This module knows processes and pipes; what a render is belongs to `jinja_render
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -151,6 +152,16 @@ class _Worker:
 
 _lock = threading.Lock()
 _worker: _Worker | None = None
+
+
+@atexit.register
+def _stop_worker() -> None:
+    """The worker ends with its parent (it would see the pipe close, but a spawned one
+    would outlive the interpreter's last look at its child processes)."""
+    global _worker
+    if _worker is not None:
+        _worker.kill()
+        _worker = None
 
 
 def render(template: str, messages: list[JSONObject], add_generation_prompt: bool,
