@@ -16,7 +16,7 @@
 4) `optim_step` applies AdamW to the accumulated gradients and zeroes them
    (`optimizer.py`, also for what a non-finite gradient norm or weight does: by
    default the update is skipped and counted; NaN/inf weights are never published
-   or saved).
+   or saved, nor finite ones whose forward overflows: `_checked`).
 
 What trains is given: by default every parameter of the model that requires grad
 (full training); a LoRA client (`EngineService.create_lora_training_client`) passes
@@ -70,6 +70,8 @@ from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepO
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
+PROBE_TOKENS = 8
+"""Positions of the forward that saves and publishes check the weights with."""
 SamplerT = TypeVar("SamplerT", bound=SamplingClient)
 """What `publish` returns: the service's SamplingClient (this wing never imports it)."""
 
@@ -195,7 +197,7 @@ class TrainingClient(Generic[SamplerT]):
                 "this TrainingClient has no publish callable; create it with "
                 "LocalService.create_training_client() to sample from trained weights"
             )
-        return self._submit(self._publish).result()
+        return self._submit(self._checked, "publishing weights", self._publish).result()
 
     def save_weights_for_sampler(self, name: str | os.PathLike[str]) -> APIFuture[str]:
         """Write the trained weights where a sampler can load them (a LoRA client: a
@@ -207,14 +209,20 @@ class TrainingClient(Generic[SamplerT]):
             )
         if not os.fspath(name):
             raise ValueError("save_weights_for_sampler needs a non-empty name")
-        return self._submit(self._save_for_sampler, os.fspath(name))
+        save, path = self._save_for_sampler, os.fspath(name)
+        return self._submit(self._checked, f"saving weights for a sampler to {path}",
+                            lambda: save(path))
 
     def save_state(self, path: str | os.PathLike[str]) -> APIFuture[str]:
         """Save weights, optimizer state, step and RNG states to directory `path`, atomically.
 
         Gradients accumulated since the last `optim_step` are not saved. Returns once saved.
+        Like every save and publish, refuses (ValueError) weights nothing could sample
+        from (`_checked`).
         """
-        self._submit(self._save_state, os.fspath(path)).result()
+        where = os.fspath(path)
+        self._submit(self._checked, f"saving a checkpoint to {where}",
+                     lambda: self._save_state(where)).result()
         return APIFuture.completed(os.fspath(path))
 
     def load_state(
@@ -284,6 +292,32 @@ class TrainingClient(Generic[SamplerT]):
         out = merged_output(first, linear, value, user_metrics)
         self.ledger.add(out.usage)
         return out
+
+    def _checked(self, doing: str, then: Callable[[], T]) -> T:
+        """`then()`, once a forward of the weights on a few tokens gives finite logits
+        (what the sampler checks of every token it samples); ValueError "not <doing>:
+        ..." otherwise, naming a NaN or inf weight, or the largest one when all are
+        finite but too large to survive a forward (an update of learning rate 1e30).
+        Costs one forward of PROBE_TOKENS positions, about one decode step."""
+        config = self.model.config
+        n = min(PROBE_TOKENS, config.vocab_size, config.max_seq_len)
+        device = self.model.output_weight.device
+        ids = torch.linspace(0, config.vocab_size - 1, n, device=device).round().long()
+        with torch.no_grad(), autocast_for(self.model, self.options.compute_dtype)():
+            logits = self.model(ids.unsqueeze(0))
+        if not bool(torch.isfinite(logits).all()):
+            names = named(self.model, self._params)
+            bad = nonfinite_tensor(zip(names, self._params, strict=True))
+            if bad is not None:
+                raise ValueError(f"not {doing}: {bad} holds NaN or inf values")
+            with torch.no_grad():
+                size, name = max((float(p.abs().max()), n)
+                                 for n, p in zip(names, self._params, strict=True) if p.numel())
+            raise ValueError(
+                f"not {doing}: every weight is finite, but a forward of them overflows (its "
+                f"logits are not finite), so nothing could sample from them; the largest is "
+                f"{size:.3g}, in {name} (a learning rate too large?)")
+        return then()
 
     def _save_state(self, path: str) -> None:
         state = {

@@ -1,6 +1,7 @@
 """A non-finite update is never applied: a gradient norm that overflows skips the
 update (weights and Adam moments untouched, counted in the metrics) or raises when
-asked to; weights that an update made NaN/inf are never published, saved or sampled."""
+asked to; weights that an update made NaN/inf, or so large that a forward overflows,
+are never published, saved or sampled."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from prefixgym.engine.checkpoint_io import nonfinite_tensor
 from prefixgym.engine.model import ModelConfig, Transformer, init_weights
 from prefixgym.engine.service import EngineService
 from prefixgym.engine.trainer.options import TrainerOptions
@@ -106,6 +108,42 @@ def test_weights_an_update_made_nonfinite_are_never_published_or_saved(tmp_path:
         with pytest.raises(ValueError, match="holds NaN or inf"):
             client.save_state(tmp_path / "ckpt")
         assert not (tmp_path / "ckpt" / "manifest.json").exists()
+
+
+LARGEST = r"every weight is finite, but a forward of them overflows .* the largest is [\d.]+e\+30, in "
+
+
+def test_finite_weights_whose_forward_overflows_are_never_published_or_saved(
+        tmp_path: Path) -> None:
+    # lr=1e30: the update is finite (so applied), every weight near 1e30, and the next
+    # forward overflows: nothing could sample from them, so nothing saves them.
+    with EngineService(make_model(), thread_tuning=False) as service:
+        client = service.create_training_client()
+        client.forward_backward(batch(), "ppo").result()
+        client.optim_step(AdamParams(learning_rate=1e30)).result()
+        assert not nonfinite_tensor(client.model.named_parameters())
+        version = service.weights_version
+        with pytest.raises(ValueError, match="not publishing weights: " + LARGEST):
+            client.save_weights_and_get_sampling_client()
+        assert service.weights_version == version
+        with pytest.raises(ValueError, match=f"not saving a checkpoint to {tmp_path / 'c'}: "
+                                             + LARGEST):
+            client.save_state(tmp_path / "c")
+        assert not (tmp_path / "c").exists()
+
+
+def test_lora_adapters_whose_forward_overflows_are_not_saved_for_a_sampler(
+        tmp_path: Path) -> None:
+    with EngineService(make_model(), thread_tuning=False) as service:
+        client = service.create_lora_training_client(rank=2, seed=0)
+        client.forward_backward(batch(), "ppo").result()
+        ok = client.save_weights_for_sampler(str(tmp_path / "ok")).result()
+        assert Path(ok).is_dir()
+        client.optim_step(AdamParams(learning_rate=1e30)).result()
+        with pytest.raises(ValueError, match=r"not saving weights for a sampler to .*: "
+                                             r"every weight is finite, .* in \S+lora_\w+ "):
+            client.save_weights_for_sampler(str(tmp_path / "adapter")).result()
+        assert not (tmp_path / "adapter").exists()
 
 
 def test_a_lora_publish_checks_the_adapters_and_refuses_nan_in_them() -> None:
