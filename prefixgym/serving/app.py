@@ -6,10 +6,11 @@ With an API key configured, every route but /health wants `Authorization: Bearer
 (401 otherwise), as OpenAI-compatible servers do.
 
 A completion request goes:
-  1) read the body, refusing one larger than `max_body_bytes` (413);
-  2) parse JSON (refusing bodies nested deeper than `MAX_JSON_DEPTH`) and check
-     fields and this server's limits (400; unknown model 404); text is tokenized
-     only when it could fit in `max_request_tokens`;
+  1) read the body, refusing one not labelled `application/json` (415) or larger
+     than `max_body_bytes` (413) (`bodies.py`, as every route with a body does);
+  2) parse JSON (400 "request body is not valid JSON: ...", or nested deeper than
+     `MAX_JSON_DEPTH`) and check fields and this server's limits (400; unknown
+     model 404); text is tokenized only when it could fit in `max_request_tokens`;
   3) submit to the engine and *await* its future, so the event loop keeps serving
      while the engine thread prefills and decodes (engine ValueError -> 400);
   4) answer in OpenAI's shape, plus what RL needs: each choice's sampled `token_ids`
@@ -28,7 +29,6 @@ training.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -41,13 +41,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.engine.service import EngineService
+from prefixgym.serving.bodies import BodyError, parse_json_object, read_body
 from prefixgym.serving.config import ServeConfig
 from prefixgym.serving.protocol import (
-    MAX_JSON_DEPTH,
     CompletionRequest,
     describe_validation_error,
     error_body,
-    json_depth,
 )
 from prefixgym.serving.weights import ServedWeights, WeightsError, add_weight_routes
 from prefixgym.types import JSONObject, SampleResponse
@@ -88,6 +87,11 @@ def create_app(
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         return JSONResponse(error_body(e.message, e.kind, e.param, e.status), e.status)
 
+    @app.exception_handler(BodyError)
+    async def _body_error(_: Request, e: BodyError) -> JSONResponse:
+        return JSONResponse(error_body(e.message, "invalid_request_error", None, e.status),
+                            e.status)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(e.detail), "invalid_request_error", None,
@@ -107,7 +111,7 @@ def create_app(
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
                            None, "authentication_error")
 
-    add_weight_routes(app, weights, authorize)
+    add_weight_routes(app, weights, authorize, config.max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -127,8 +131,8 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
         authorize(request)
-        # 1) bounded body
-        body = await _read_body(request, config.max_body_bytes)
+        # 1) a bounded body labelled JSON
+        body = await read_body(request, config.max_body_bytes)
         # 2) parse and check
         req = await run_in_threadpool(_parse, body)
         if not weights.serves(req.model):
@@ -172,22 +176,6 @@ def create_app(
     return app
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise APIError(400, f"Content-Length {declared!r} is not a number")
-        if int(declared) > limit:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _longest_token(tokenizer: PreTrainedTokenizerBase | None) -> int:
     """The most characters one token stands for: a text of more than N times this
     cannot tokenize into N tokens (a tokenizer whose normalizer deletes characters
@@ -198,16 +186,7 @@ def _longest_token(tokenizer: PreTrainedTokenizerBase | None) -> int:
 
 
 def _parse(body: bytes) -> CompletionRequest:
-    depth = json_depth(body)
-    if depth > MAX_JSON_DEPTH:
-        raise APIError(400, f"request body nests {depth} levels deep; the limit is "
-                            f"{MAX_JSON_DEPTH}")
-    try:
-        payload = json.loads(body)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an int of 5000 digits
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(payload, dict):
-        raise APIError(400, f"request body must be a JSON object, got {type(payload).__name__}")
+    payload = parse_json_object(body)
     try:
         return CompletionRequest.model_validate(payload)
     except ValidationError as e:

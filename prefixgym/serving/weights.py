@@ -42,6 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from prefixgym.engine.model.hf_checkpoint import load_hf_checkpoint
 from prefixgym.engine.sampler.sampling import SamplingClient
 from prefixgym.engine.service import EngineService
+from prefixgym.serving.bodies import BodyError, parse_json_object, read_body
 from prefixgym.types import JSONObject
 
 DEFAULT_LABEL = "default"
@@ -172,18 +173,16 @@ def readable_directory(path: str, param: str) -> Path:
 
 
 def add_weight_routes(app: FastAPI, weights: ServedWeights,
-                      authorize: Callable[[Request], None]) -> None:
+                      authorize: Callable[[Request], None], max_body_bytes: int) -> None:
     """The routes of the module docstring, on `app`; each first calls `authorize`
-    (the app's API-key check), so no one without the key changes what is served."""
+    (the app's API-key check), so no one without the key changes what is served.
+    Bodies are read as every route reads them (`bodies.py`: 415, 413, 400)."""
 
     async def body_of(request: Request) -> JSONObject:
         try:
-            payload = await request.json()
-        except ValueError:
-            raise WeightsError(400, "request body is not valid JSON") from None
-        if not isinstance(payload, dict):
-            raise WeightsError(400, "request body must be a JSON object")
-        return payload
+            return parse_json_object(await read_body(request, max_body_bytes))
+        except BodyError as e:
+            raise WeightsError(e.status, e.message) from None
 
     def text_field(body: JSONObject, key: str, required: bool = True) -> str | None:
         value = body.get(key)

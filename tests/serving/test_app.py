@@ -117,7 +117,8 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, payload, stat
 def test_malformed_and_oversized_bodies(server) -> None:
     bad_json = post(server, content=b'{"prompt": [1, 2', headers={"content-type": "application/json"})
     assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
-    huge = post(server, content=b"[" + b"1," * 40_000 + b"1]")
+    huge = post(server, content=b"[" + b"1," * 40_000 + b"1]",
+                headers={"content-type": "application/json"})
     assert huge.status_code == 413 and "limit" in huge.json()["error"]["message"]
     assert httpx.get(f"{server.url}/v1/nothing").status_code == 404
     assert post(server, {"prompt": [1, 2, 3], "max_tokens": 1}).status_code == 200

@@ -50,6 +50,59 @@ def test_hostile_bodies_are_one_line_4xx(server: Any, body: bytes, param: str | 
     assert post(server, json={"prompt": [1, 2, 3], "max_tokens": 1}).status_code == 200
 
 
+BODY_ROUTES = ["/v1/completions", "/update_weights_from_disk", "/v1/load_lora_adapter",
+               "/load_lora_adapter", "/v1/unload_lora_adapter", "/unload_lora_adapter"]
+
+
+def body_error(reply: httpx.Response, status: int) -> str:
+    """The one-line message of a body refused with `status`, in the route's own shape
+    (OpenAI's error object; SGLang's success-false answer on its weights route)."""
+    assert reply.status_code == status, reply.text
+    answer = reply.json()
+    message = str(answer["error"]["message"] if "error" in answer else answer["message"])
+    assert "\n" not in message and "codec" not in message
+    return message
+
+
+@pytest.mark.parametrize("route", BODY_ROUTES)
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_body_not_labelled_json_is_415_on_every_route(server: Any, route: str,
+                                                        content_type: str | None) -> None:
+    headers = {} if content_type is None else {"content-type": content_type}
+    reply = httpx.post(f"{server.url}{route}", content=b'{"prompt": [1], "max_tokens": 1}',
+                       headers=headers, timeout=30)
+    message = body_error(reply, 415)
+    assert "must be JSON sent with Content-Type: application/json" in message
+    assert (content_type or "no Content-Type") in message
+
+
+@pytest.mark.parametrize("route", BODY_ROUTES)
+@pytest.mark.parametrize(("body", "reason"), [
+    ('{"prompt": [1]}'.encode("utf-16-be"), "it is not UTF-8 text (a NUL byte at offset 0: "
+                                            "UTF-16?)"),
+    ('{"prompt": [1]}'.encode("utf-16"), "it is not UTF-8 text (byte 0xff at offset 0)"),
+    (b"\xc3\x28", "it is not UTF-8 text (byte 0xc3 at offset 0)"),
+    (b"", "it is empty"),
+    (b'{"prompt": [1, 2', "Expecting"),
+    (b"prompt=1", "Expecting value: line 1 column 1"),
+])
+def test_a_body_that_is_not_json_is_400_saying_so_on_every_route(
+        server: Any, route: str, body: bytes, reason: str) -> None:
+    for content_type in ("application/json", "application/json; charset=utf-8"):
+        reply = httpx.post(f"{server.url}{route}", content=body, timeout=30,
+                           headers={"content-type": content_type})
+        message = body_error(reply, 400)
+        assert message.startswith("request body is not valid JSON: ") and reason in message
+    assert post(server, json={"prompt": [1, 2, 3], "max_tokens": 1}).status_code == 200
+
+
+def test_a_vendor_json_type_is_json(server: Any) -> None:
+    reply = post(server, content=b'{"prompt": [1, 2], "max_tokens": 1}',
+                 headers={"content-type": "application/vnd.api+json"})
+    assert reply.status_code == 200, reply.text
+
+
 def test_a_text_prompt_that_cannot_fit_is_refused_before_tokenizing(server: Any) -> None:
     # the limit is 1000 tokens; no token of the built-in tokenizer is 13+ characters... x 1000
     reply = post(server, json={"prompt": "word " * 3000, "max_tokens": 1})
