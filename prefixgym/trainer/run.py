@@ -240,6 +240,7 @@ class Run:
             mark_latest(path)  # a damaged `latest` names what was resumed from again
             if state.next_sft_step is None:
                 self.log.truncate_after(state.next_step - 1)
+                remove_warm_start_steps(path.parent)  # (a kill between saving warm_start and this)
                 where = f"GRPO step {state.next_step}"
             else:
                 self.log.truncate_in_warm_start(state.next_sft_step - 1)
