@@ -236,10 +236,9 @@ class HFTemplateFormat:
         conversation with a reasoning reply, and kept (the findings in
         `template_mismatch`) when every turn then extends the last. ValueError when the
         template renders none of the probes or runs away."""
-        specials: dict[str, Any] = dict(self.tokenizer.special_tokens_map)
-        report = probe_template(self.chat_template, specials.get("bos_token"),
-                                specials.get("eos_token"), origin="chat template",
-                                variables={**specials, **self.template_kwargs})
+        renderer = self._renderer  # the probes render as every turn does
+        report = probe_template(self.chat_template, renderer.bos_token, renderer.eos_token,
+                                origin="chat template", variables=renderer.variables)
         runaway = next((f.message for f in report.findings if f.rule == "PG113"), None)
         if runaway is not None:
             raise ValueError(f"chat template: {runaway}")

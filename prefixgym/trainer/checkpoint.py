@@ -163,7 +163,7 @@ def prune_checkpoints(root: Path, keep: int, written: Path) -> list[str]:
     Returns the names deleted."""
     if keep <= 0:
         return []
-    pattern = _SFT_NAME if _SFT_NAME.fullmatch(written.name) else _STEP_NAME
+    pattern = _SFT_NAME if in_warm_start(written) else _STEP_NAME
     old = [n for n in step_checkpoints(root, pattern)[keep:] if n != written.name]
     _delete(root, old)
     return old

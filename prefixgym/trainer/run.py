@@ -323,7 +323,7 @@ class Run:
         state, ref_sampler = self.start(base_usage, t_start)
         # what this process adds goes on top of what the checkpoint had counted
         base_usage, t_start = self.clients.usage(), time.perf_counter()
-        prior_usage, prior_wall = state.usage, state.wall_s
+        self._prior = (state.usage, state.wall_s)
         sampler = self.training.save_weights_and_get_sampling_client()
         pipeline = StepPipeline(
             lambda s, step: collect(s, self.tokenizer, self.envs, c, step, self.rollout_config,
@@ -356,8 +356,7 @@ class Run:
                         pipeline.wait()
                     self.evaluate(sampler, state.next_step, "GRPO", state)
                 if state.next_step % c.checkpoint_every == 0 or state.next_step == c.steps:
-                    state.usage = prior_usage + (self.clients.usage() - base_usage)
-                    state.wall_s = prior_wall + time.perf_counter() - t_start
+                    self.account(state, base_usage, t_start)
                     self.checkpoint(state)
                 progress.update(1, reward=f"{metrics['reward/mean']:.2f}",
                                 hit=f"{usage.cache_hit_rate:.0%}")
@@ -367,10 +366,9 @@ class Run:
             if self.log.tracker is not None:
                 self.log.tracker.close()
         # 4) report
-        state.usage = prior_usage + (self.clients.usage() - base_usage)
-        wall = prior_wall + time.perf_counter() - t_start
+        self.account(state, base_usage, t_start)
         if self.main:
             write_report(self.out, f"prefixgym train: {c.env}", asdict(c), state.usage,
-                         state.sft_usage, state.evals, wall, self.clients.numerics)
+                         state.sft_usage, state.evals, state.wall_s, self.clients.numerics)
             write_plots(self.out, self.log.read())
         return RunResult(self.out, state.evals, state.usage)

@@ -27,7 +27,11 @@ from typing import Any
 
 from prefixgym.engine.model.config import ModelConfig
 
-__all__ = ["FAMILIES", "Family", "family_named", "family_of_model_type", "module_shapes"]
+__all__ = ["FAMILIES", "LAYERS", "Family", "family_named", "family_of_model_type",
+           "module_shapes"]
+
+LAYERS = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")
+"""Our projections of each block, each one or more HF modules (`Family.hf_modules`)."""
 
 Knobs = Callable[[Callable[[str, Any], Any]], dict[str, Any]]
 """(read(field, default) -> value) -> the family's ModelConfig fields."""
@@ -50,8 +54,7 @@ class Family:
     """Whether transformers' code for it rotates a partial width (`partial_rotary_factor`)."""
 
     def hf_modules(self, ours: str) -> tuple[str, ...]:
-        """Our layer ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down") -> its HF
-        modules, in row order."""
+        """Our layer (one of LAYERS) -> its HF modules, in row order."""
         return {"attn.wqkv": self.qkv, "attn.wo": ("self_attn.o_proj",),
                 "mlp.w_gate_up": self.gate_up, "mlp.w_down": ("mlp.down_proj",)}[ours]
 

@@ -27,7 +27,7 @@ from prefixgym.engine import malloc_tuning
 from prefixgym.engine.checkpoint_io import nonfinite_tensor
 from prefixgym.engine.model.config import ModelConfig
 from prefixgym.engine.model.decoder import Transformer
-from prefixgym.engine.model.families import family_named, module_shapes
+from prefixgym.engine.model.families import LAYERS, family_named, module_shapes
 from prefixgym.engine.model.hf_config import config_from_hf, read_raw_config
 
 __all__ = ["load_hf_checkpoint"]
@@ -96,7 +96,7 @@ def _state_dict_from_hf(
         hf, ours = f"layers.{i}.", f"layers.{i}."
         sd[ours + "attn_norm.weight"] = get(hf + family.norms[0] + ".weight", C)
         sd[ours + "mlp_norm.weight"] = get(hf + family.norms[1] + ".weight", C)
-        for layer in ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down"):
+        for layer in LAYERS:
             parts = module_shapes(config, layer)
             sd[ours + layer + ".weight"] = torch.cat(
                 [get(hf + module + ".weight", *shape) for module, shape in parts])

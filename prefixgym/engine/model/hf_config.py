@@ -109,10 +109,10 @@ def config_from_hf(
     if cfg.get("head_dim") is not None and read.int("head_dim") * n_heads != dim:
         head_dim_override = read.int("head_dim")
     head_dim = head_dim_override or (dim // n_heads if n_heads else 0)
-    # 4)
-    theta, scaling, rotary_dim, exact_positions = _rope(read, family, head_dim)
-    # 5)
     max_positions = read.int("max_position_embeddings", default=2048) or 2048
+    # 4)
+    theta, scaling, rotary_dim, exact_positions = _rope(read, family, head_dim, max_positions)
+    # 5)
     window = cfg.get("sliding_window") if family.name == "phi3" else None
     if window is not None:
         exact_positions = min(exact_positions or window, read.int("sliding_window"))
@@ -143,7 +143,7 @@ def config_from_hf(
         raise read.error(str(err)) from None
 
 
-def _rope(read: _Reader, family: Family, head_dim: int
+def _rope(read: _Reader, family: Family, head_dim: int, max_positions: int
           ) -> tuple[float, RopeScaling, int | None, int]:
     """(rope_theta, the scaling, the rotary width or None, the positions up to which it
     is exact, 0 for all) from either config layout."""
@@ -168,7 +168,6 @@ def _rope(read: _Reader, family: Family, head_dim: int
                          f"{family.name} rotates every dim, so these numbers are undefined")
     original = read.int("original_max_position_embeddings",
                         read.int("original_max_position_embeddings", 0), source=merged)
-    max_positions = read.int("max_position_embeddings", default=2048) or 2048
 
     def factor(default: float | None = None) -> float:
         value = read.float("factor", 0.0, source=merged) or default

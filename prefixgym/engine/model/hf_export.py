@@ -25,7 +25,7 @@ import torch
 
 from prefixgym.engine.model.config import ModelConfig, RopeScaling
 from prefixgym.engine.model.decoder import Transformer
-from prefixgym.engine.model.families import family_named, module_shapes
+from prefixgym.engine.model.families import LAYERS, family_named, module_shapes
 from prefixgym.files import write_dir_atomically
 
 __all__ = ["hf_config", "hf_state_dict", "save_hf_checkpoint"]
@@ -57,7 +57,7 @@ def hf_config(model: Transformer) -> dict[str, object]:
         "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu", "rope_scaling": None,
-        "torch_dtype": str(model.tok_embeddings.weight.dtype).removeprefix("torch."),
+        "torch_dtype": dtype,
     }
     if not qwen2:
         out["attention_bias"] = cfg.qkv_bias
@@ -81,7 +81,7 @@ def hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
         out[hf + family.norms[0] + ".weight"] = sd[ours + "attn_norm.weight"]
         out[hf + family.norms[1] + ".weight"] = sd[ours + "mlp_norm.weight"]
-        for layer in ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down"):
+        for layer in LAYERS:
             parts = module_shapes(cfg, layer)
             widths = [shape[0] for _, shape in parts]
             for kind in ("weight", "bias") if biased.get(layer) else ("weight",):

@@ -30,7 +30,7 @@ import safetensors.torch
 import torch
 
 from prefixgym.engine.model.decoder import Transformer
-from prefixgym.engine.model.families import family_named, module_shapes
+from prefixgym.engine.model.families import LAYERS, family_named, module_shapes
 from prefixgym.engine.model.lora import HEAD, LoraSpec, lora_adapters
 from prefixgym.files import write_dir_atomically, write_text_atomically
 
@@ -41,7 +41,6 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 Tensor = torch.Tensor
 
-_LAYERS = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight$")
 _HEAD_KEY = re.compile(r"^base_model\.model\.lm_head\.lora_([AB])\.weight$")
@@ -145,7 +144,7 @@ def read_adapter(directory: str | os.PathLike[str], model: Transformer
     # 1) every tensor: a known module of an existing layer, with the right shape
     shapes = {"lm_head": (config.dim, config.vocab_size)}  # HF module -> (fan_in, fan_out)
     ours_of: dict[str, tuple[str, int]] = {}  # HF module -> (our layer, its part)
-    for our_layer in _LAYERS:
+    for our_layer in LAYERS:
         for part, (module, (fan_out, fan_in)) in enumerate(module_shapes(config, our_layer)):
             shapes[module] = (fan_in, fan_out)
             ours_of[module] = (our_layer, part)
