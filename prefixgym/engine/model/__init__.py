@@ -1,7 +1,7 @@
 """The model wing: what a model is and how it gets in and out.
 
 `config.py` (ModelConfig and the presets), `layers.py` (RMSNorm, RoPE, attention,
-SwiGLU, the block), `decoder.py` (the Transformer, its init), `loading.py` (a model by
+the gated MLP, the block), `decoder.py` (the Transformer, its init), `loading.py` (a model by
 preset name or checkpoint directory), `hf_checkpoint.py` / `hf_export.py` (Hugging
 Face directories in and out), `lora.py` (adapters inside the linear layers) and
 `peft_format.py` (those adapters in PEFT's files). It knows tensors and files, never

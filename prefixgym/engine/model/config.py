@@ -16,10 +16,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["PRESETS", "QK_NORMS", "ROPE_KINDS", "ModelConfig", "RopeScaling"]
+__all__ = ["ACTIVATIONS", "NORM_PLACEMENTS", "PRESETS", "QK_NORMS", "ROPE_KINDS", "ModelConfig",
+           "RopeScaling"]
 
 ROPE_KINDS = ("default", "linear", "yarn", "longrope", "llama3")
 QK_NORMS = ("none", "head", "all_heads")
+NORM_PLACEMENTS = ("pre", "post", "both")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class ModelConfig:
     n_kv_heads: int
     """Key/value heads per layer; `n_heads` must be a multiple of it (GQA)."""
     hidden_dim: int
-    """Width of the SwiGLU MLP (HF `intermediate_size`)."""
+    """Width of the gated MLP (HF `intermediate_size`)."""
     max_seq_len: int = 2048
     """Longest position the RoPE tables cover; positions must be below it."""
     rope_theta: float = 10000.0
@@ -103,16 +106,46 @@ class ModelConfig:
     qk_norm: str = "none"
     """RMSNorm of queries and keys before RoPE: "head" (Qwen3: over each head's width),
     "all_heads" (OLMo 2: over all heads' widths at once) or "none"."""
-    post_norms: bool = False
-    """Norms after each sublayer, on its output (OLMo 2), instead of before, on its input."""
+    norms: str = "pre"
+    """Where each sublayer's norm sits: "pre" (on its input: Llama), "post" (on its
+    output: OLMo 2) or "both" (a norm on each side: Gemma 2/3)."""
+    norm_offset: bool = False
+    """RMSNorms scale by (1 + weight) and round after scaling (Gemma); the weights are
+    stored as the checkpoint holds them."""
+    activation: str = "silu"
+    """The MLP gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma)."""
     embedding_multiplier: float = 1.0
-    """Scales the token embeddings (Granite)."""
+    """Scales the token embeddings (Granite; Gemma's sqrt(dim))."""
+    embedding_multiplier_rounded: bool = False
+    """The multiplier is first rounded to the weights' dtype (Gemma keeps it as a tensor
+    of that dtype; Granite multiplies by the float)."""
     residual_multiplier: float = 1.0
     """Scales each sublayer's output before it joins the residual stream (Granite)."""
     attention_scale: float | None = None
     """The attention logits' scale; None: 1/sqrt(head_dim) (Granite sets its own)."""
     logit_divisor: float = 1.0
     """Divides the output logits (Granite's logits_scaling)."""
+    attention_softcap: float | None = None
+    """Attention scores become cap * tanh(score / cap) before the mask (Gemma 2)."""
+    final_softcap: float | None = None
+    """Output logits become cap * tanh(logit / cap) (Gemma 2)."""
+    layer_windows: tuple[int, ...] | None = None
+    """Per layer, how many keys a query sees, itself included (a sliding window: key
+    positions in (p - window, p]), or 0 for every earlier key; None: 0 everywhere."""
+    local_rope_theta: float | None = None
+    """The RoPE base of the windowed layers when theirs differs (Gemma 3, OLMo 3); their
+    RoPE is then unscaled. None: every layer uses `rope_theta` and `rope_scaling`."""
+    num_experts: int = 0
+    """Experts of each mixture-of-experts MLP (Qwen3-MoE); 0: every MLP is dense."""
+    experts_per_token: int = 0
+    """How many experts the router picks for each token (HF `num_experts_per_tok`)."""
+    expert_hidden_dim: int = 0
+    """Width of each expert's gated MLP (HF `moe_intermediate_size`)."""
+    moe_layers: tuple[bool, ...] | None = None
+    """Per layer, whether its MLP is the mixture (else a dense one of `hidden_dim`);
+    None: every layer's, when there are experts."""
+    normalize_router_weights: bool = False
+    """The picked experts' probabilities are divided by their sum (HF `norm_topk_prob`)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -154,6 +187,33 @@ class ModelConfig:
         if self.rope_layers is not None and len(self.rope_layers) != self.n_layers:
             raise ValueError(f"ModelConfig.rope_layers has {len(self.rope_layers)} entries for "
                              f"{self.n_layers} layers")
+        if self.norms not in NORM_PLACEMENTS:
+            raise ValueError(f"ModelConfig.norms must be one of {NORM_PLACEMENTS}, got "
+                             f"{self.norms!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.activation must be one of {ACTIVATIONS}, got "
+                             f"{self.activation!r}")
+        for name in ("attention_softcap", "final_softcap", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"ModelConfig.{name} must be positive or None, got {value!r}")
+        if self.layer_windows is not None:
+            if len(self.layer_windows) != self.n_layers:
+                raise ValueError(f"ModelConfig.layer_windows has {len(self.layer_windows)} "
+                                 f"entries for {self.n_layers} layers")
+            if any(not isinstance(w, int) or isinstance(w, bool) or w < 0
+                   for w in self.layer_windows):
+                raise ValueError(f"ModelConfig.layer_windows must hold ints >= 0 (0: no "
+                                 f"window), got {self.layer_windows!r}")
+        if self.num_experts:
+            if not 0 < self.experts_per_token <= self.num_experts or self.expert_hidden_dim < 1:
+                raise ValueError(f"ModelConfig with {self.num_experts} experts needs "
+                                 f"experts_per_token in [1, {self.num_experts}] and "
+                                 f"expert_hidden_dim >= 1, got {self.experts_per_token} and "
+                                 f"{self.expert_hidden_dim}")
+            if self.moe_layers is not None and len(self.moe_layers) != self.n_layers:
+                raise ValueError(f"ModelConfig.moe_layers has {len(self.moe_layers)} entries "
+                                 f"for {self.n_layers} layers")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"ModelConfig.qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         for name in ("embedding_multiplier", "residual_multiplier", "logit_divisor"):
@@ -179,6 +239,26 @@ class ModelConfig:
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers is None or self.rope_layers[layer]
+
+    def window(self, layer: int) -> int:
+        """The layer's sliding window in keys, or 0 when it sees every earlier key (a
+        window as long as the context is none)."""
+        w = 0 if self.layer_windows is None else self.layer_windows[layer]
+        return 0 if w >= self.max_seq_len else w
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """`window(layer)` of every layer."""
+        return tuple(self.window(i) for i in range(self.n_layers))
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether the layer's MLP is a mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether the layer rotates with the windowed layers' own RoPE tables."""
+        return (self.local_rope_theta is not None and self.layer_windows is not None
+                and self.layer_windows[layer] > 0)
 
     @property
     def kv_elements_per_position(self) -> int:

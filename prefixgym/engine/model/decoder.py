@@ -20,6 +20,7 @@ to the `KVView` owner (the scheduler), tokens to the tokenizer.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from prefixgym.engine.model.config import ModelConfig
+from prefixgym.engine.model.config import ModelConfig, RopeScaling
 from prefixgym.engine.model.layers import Block, KVView, RMSNorm
 from prefixgym.engine.model.rope import rope_tables
 
@@ -40,13 +41,15 @@ class Transformer(nn.Module):
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    local_rope_cos: torch.Tensor | None
+    local_rope_sin: torch.Tensor | None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         self.output: nn.Linear | None = (
             None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         )
@@ -69,6 +72,13 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.config, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        local: tuple[torch.Tensor | None, ...] = (None, None)
+        if self.config.local_rope_theta is not None:  # the windowed layers' own (Gemma 3)
+            local = rope_tables(dataclasses.replace(
+                self.config, rope_theta=self.config.local_rope_theta,
+                rope_scaling=RopeScaling()), dtype, device)
+        self.register_buffer("local_rope_cos", local[0], persistent=False)
+        self.register_buffer("local_rope_sin", local[1], persistent=False)
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -132,8 +142,7 @@ class Transformer(nn.Module):
         if positions_B_T is None:
             if T > cfg.max_seq_len:
                 raise ValueError(f"sequence length {T} exceeds max_seq_len={cfg.max_seq_len}")
-            cos = self.rope_cos[:T]  # (T, D) broadcasts over (B, H)
-            sin = self.rope_sin[:T]
+            positions_B_T = torch.arange(T, device=tokens_B_T.device)  # (T,): broadcasts
         else:
             if positions_B_T.shape != tokens_B_T.shape:
                 raise ValueError(
@@ -145,14 +154,21 @@ class Transformer(nn.Module):
                 raise ValueError(
                     f"position out of range [0, {cfg.max_seq_len}): min {int(plo)}, max {int(phi)}"
                 )
-            cos = self.rope_cos[positions_B_T].unsqueeze(1)  # (B, 1, T, D)
-            sin = self.rope_sin[positions_B_T].unsqueeze(1)
+            positions_B_T = positions_B_T.unsqueeze(1)  # (B, 1, T): broadcasts over heads
+        rope = (self.rope_cos[positions_B_T], self.rope_sin[positions_B_T])  # (B, 1, T, D)
+        local_rope = rope
+        if self.local_rope_cos is not None and self.local_rope_sin is not None:
+            local_rope = (self.local_rope_cos[positions_B_T], self.local_rope_sin[positions_B_T])
 
         h = self.tok_embeddings(tokens_B_T)  # (B, T, C)
         if cfg.embedding_multiplier != 1.0:
-            h = h * cfg.embedding_multiplier
+            multiplier: float | torch.Tensor = cfg.embedding_multiplier
+            if cfg.embedding_multiplier_rounded:  # Gemma: a tensor in the weights' dtype
+                multiplier = torch.tensor(multiplier, device=h.device).to(h.dtype)  # via fp32
+            h = h * multiplier
         checkpointed = recompute and torch.is_grad_enabled()
         for layer in self.layers:
+            cos, sin = local_rope if layer.attn.local_rope else rope  # type: ignore[union-attr]
             if checkpointed:
                 h = checkpoint(layer, h, cos, sin, kv, use_reentrant=False,
                                preserve_rng_state=False)  # no randomness in a block
@@ -173,6 +189,9 @@ class Transformer(nn.Module):
             logits = logits + self.head_adapter(h_N_C)
         if self.config.logit_divisor != 1.0:  # Granite's logits_scaling
             logits = logits / self.config.logit_divisor
+        if self.config.final_softcap is not None:  # Gemma 2
+            cap = self.config.final_softcap
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
     def clone_for_inference(self, dtype: torch.dtype | None = None) -> Transformer:
@@ -211,13 +230,13 @@ def count_parameters(model: nn.Module, non_embedding: bool = False) -> int:
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int = 0) -> None:
     """Normal(0, 0.02) init, residual output projections scaled by 1/sqrt(2 n_layers),
-    biases zero, norms one. Uses its own generator: the global RNG is untouched."""
+    biases zero, norms one (Gemma's offset norms zero). Uses its own generator: the global RNG is untouched."""
     gen = torch.Generator().manual_seed(seed)
     std = 0.02
     residual_std = std / math.sqrt(2 * model.config.n_layers)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            param.fill_(0.0 if model.config.norm_offset else 1.0)  # (1 + w) norms: w = 0
         elif name.endswith(".bias"):
             param.zero_()
         else:

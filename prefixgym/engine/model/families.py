@@ -3,15 +3,26 @@
 the decoder knobs its config sets (`config.py`). One decoder serves them all; a family
 is a converter, not a model (litgpt's `Config`, transformers' modular files).
 
-| family  | differs from Llama by                                                   |
-|---------|-------------------------------------------------------------------------|
-| llama   | (RoPE scaling: linear, dynamic, yarn, longrope, llama3: `hf_config.py`) |
-| qwen2   | q/k/v biases                                                            |
-| qwen3   | q/k RMSNorm over each head                                              |
-| phi3    | fused qkv_proj and gate_up_proj; partial rotary; a window (`hf_config`) |
-| smollm3 | layers without RoPE (`no_rope_layers`)                                  |
-| olmo2   | norms after each sublayer; q/k RMSNorm over all heads                   |
-| granite | embedding, attention, residual and logit multipliers                   |
+| family    | differs from Llama by                                                |
+|-----------|----------------------------------------------------------------------|
+| llama     | (RoPE scaling: linear, dynamic, yarn, longrope, llama3: `hf_config`) |
+| qwen2     | q/k/v biases                                                         |
+| qwen3     | q/k RMSNorm over each head                                           |
+| qwen3_moe | Qwen3's, mixtures of experts for MLPs (`mlp_only_layers` and         |
+|           | `decoder_sparse_step` pick which layers)                             |
+| phi3      | fused qkv_proj and gate_up_proj; partial rotary; a window everywhere |
+| smollm3   | layers without RoPE (`no_rope_layers`)                               |
+| olmo2     | norms after each sublayer; q/k RMSNorm over all heads                |
+| olmo3     | OLMo 2's, with windows by `layer_types` and their own RoPE           |
+| granite   | embedding, attention, residual and logit multipliers                 |
+| mistral   | a window on every layer                                              |
+| gemma2    | norms on both sides, (1 + w) norms, GeGLU, scaled embeddings,        |
+|           | soft-capped attention and logits, windows by `layer_types`           |
+| gemma3    | Gemma 2's (no soft-caps by default), q/k norms, the windowed layers' |
+|           | own RoPE base                                                        |
+
+Which layers have a sliding window, and which RoPE they use, `hf_config.py` reads
+(`Family.windows` says how the family's transformers code picks them).
 
 `hf_config.py` reads a config.json into a `ModelConfig` through these; `hf_checkpoint.py`
 and `hf_export.py` move tensors in and out by their names; `lora.py` and
@@ -27,14 +38,19 @@ from typing import Any
 
 from prefixgym.engine.model.config import ModelConfig
 
-__all__ = ["FAMILIES", "LAYERS", "Family", "family_named", "family_of_model_type",
-           "module_shapes"]
+__all__ = ["FAMILIES", "LAYERS", "NORMS", "Family", "family_named", "family_of_model_type",
+           "EXPERT_MODULES", "block_norms", "module_shapes"]
 
 LAYERS = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")
 """Our projections of each block, each one or more HF modules (`Family.hf_modules`)."""
 
+NORMS = ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm")
+"""Our norms of each block, in the order of `Family.norms` (the last two with
+`ModelConfig.norms == "both"` only)."""
+
 Knobs = Callable[[Callable[[str, Any], Any]], dict[str, Any]]
-"""(read(field, default) -> value) -> the family's ModelConfig fields."""
+"""(read(field, default) -> value, default when the field is absent) -> the family's
+ModelConfig fields."""
 
 
 @dataclass(frozen=True)
@@ -47,11 +63,23 @@ class Family:
     """The modules whose output rows, in order, make our `attn.wqkv`."""
     gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
     """The modules whose output rows, in order, make our `mlp.w_gate_up`."""
-    norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")
-    """The norms our `attn_norm` and `mlp_norm` are (before or after each sublayer)."""
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    """The HF norms our NORMS are, in order (before or after each sublayer)."""
     knobs: Knobs = lambda read: {}  # noqa: E731
     partial_rotary: bool = False
     """Whether transformers' code for it rotates a partial width (`partial_rotary_factor`)."""
+    windows: str = "none"
+    """Which layers transformers' code gives `sliding_window`: "none", "all" (Mistral,
+    Phi-3) or "layer_types" (those marked "sliding_attention": Gemma, OLMo 3)."""
+    window_pattern: int = 0
+    """Without `layer_types`: layer i is windowed unless (i + 1) is a multiple of this
+    (transformers' default for the family; Gemma 3 reads `sliding_window_pattern`)."""
+    activation_field: str = "hidden_act"
+    """The config field naming the MLP's activation."""
+    tied_by_default: bool = False
+    """`tie_word_embeddings` when config.json leaves it out."""
+    experts: bool = False
+    """Whether its MLPs may be mixtures of experts (`num_experts` is read, not refused)."""
 
     def hf_modules(self, ours: str) -> tuple[str, ...]:
         """Our layer (one of LAYERS) -> its HF modules, in row order."""
@@ -78,6 +106,39 @@ def _granite(read: Callable[[str, Any], Any]) -> dict[str, Any]:
             "logit_divisor": float(read("logits_scaling", 1.0))}
 
 
+def _gemma(read: Callable[[str, Any], Any]) -> dict[str, Any]:
+    return {**_biases(read), "norms": "both", "norm_offset": True,
+            "embedding_multiplier": float(read("hidden_size", 1)) ** 0.5,
+            "embedding_multiplier_rounded": True,
+            "attention_scale": float(read("query_pre_attn_scalar", 256)) ** -0.5}
+
+
+def _gemma2(read: Callable[[str, Any], Any]) -> dict[str, Any]:
+    return {**_gemma(read), "attention_softcap": read("attn_logit_softcapping", 50.0),
+            "final_softcap": read("final_logit_softcapping", 30.0)}
+
+
+def _gemma3(read: Callable[[str, Any], Any]) -> dict[str, Any]:
+    return {**_gemma(read), "qk_norm": "head",
+            "attention_softcap": read("attn_logit_softcapping", None),
+            "final_softcap": read("final_logit_softcapping", None)}
+
+
+def _qwen3_moe(read: Callable[[str, Any], Any]) -> dict[str, Any]:
+    n_layers, step = int(read("num_hidden_layers", 0)), int(read("decoder_sparse_step", 1) or 1)
+    dense = set(read("mlp_only_layers", None) or ())
+    return {**_biases(read), "qk_norm": "head",
+            "num_experts": int(read("num_experts", read("num_local_experts", 0)) or 0),
+            "experts_per_token": int(read("num_experts_per_tok", 0) or 0),
+            "expert_hidden_dim": int(read("moe_intermediate_size", 0) or 0),
+            "normalize_router_weights": bool(read("norm_topk_prob", False)),
+            "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))}
+
+
+_GEMMA_NORMS = ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                "post_feedforward_layernorm")
+_OLMO_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama",), "LlamaForCausalLM", knobs=_biases),
     Family("qwen2", ("qwen2",), "Qwen2ForCausalLM",
@@ -85,12 +146,23 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", ("qwen3",), "Qwen3ForCausalLM",
            knobs=lambda read: {**_biases(read), "qk_norm": "head"}),
     Family("phi3", ("phi3",), "Phi3ForCausalLM", qkv=("self_attn.qkv_proj",),
-           gate_up=("mlp.gate_up_proj",), partial_rotary=True),
+           gate_up=("mlp.gate_up_proj",), partial_rotary=True, windows="all"),
     Family("smollm3", ("smollm3",), "SmolLM3ForCausalLM", knobs=_smollm3),
-    Family("olmo2", ("olmo2",), "Olmo2ForCausalLM",
-           norms=("post_attention_layernorm", "post_feedforward_layernorm"),
-           knobs=lambda read: {**_biases(read), "post_norms": True, "qk_norm": "all_heads"}),
+    Family("olmo2", ("olmo2",), "Olmo2ForCausalLM", norms=_OLMO_NORMS,
+           knobs=lambda read: {**_biases(read), "norms": "post", "qk_norm": "all_heads"}),
+    Family("olmo3", ("olmo3",), "Olmo3ForCausalLM", norms=_OLMO_NORMS, windows="layer_types",
+           window_pattern=4,
+           knobs=lambda read: {**_biases(read), "norms": "post", "qk_norm": "all_heads"}),
+    Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", knobs=_qwen3_moe, windows="all",
+           experts=True),
     Family("granite", ("granite",), "GraniteForCausalLM", knobs=_granite),
+    Family("mistral", ("mistral",), "MistralForCausalLM", windows="all", knobs=_biases),
+    Family("gemma2", ("gemma2",), "Gemma2ForCausalLM", norms=_GEMMA_NORMS, knobs=_gemma2,
+           windows="layer_types", window_pattern=2, activation_field="hidden_activation",
+           tied_by_default=True),
+    Family("gemma3", ("gemma3_text",), "Gemma3ForCausalLM", norms=_GEMMA_NORMS,
+           knobs=_gemma3, windows="layer_types", window_pattern=6,
+           activation_field="hidden_activation", tied_by_default=True),
 )
 
 
@@ -110,6 +182,20 @@ def family_of_model_type(model_type: object) -> Family | None:
 
 
 SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
+
+
+def block_norms(config: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """(our norm, its HF name) of each block's norms, for this config's family."""
+    family = family_named(config.family)
+    ours = NORMS if config.norms == "both" else NORMS[:2]
+    return tuple(zip(ours, family.norms, strict=True))
+
+
+EXPERT_MODULES = ("gate_proj", "up_proj", "down_proj")
+"""Each expert's modules in a checkpoint that stores them one by one
+(`mlp.experts.{e}.gate_proj.weight`, ...); transformers 5 stacks them in memory as
+`mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, and our `MixtureOfExperts`
+does the same."""
 
 
 def module_shapes(config: ModelConfig, ours: str) -> tuple[tuple[str, tuple[int, ...]], ...]:

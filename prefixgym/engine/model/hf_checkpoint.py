@@ -27,7 +27,7 @@ from prefixgym.engine import malloc_tuning
 from prefixgym.engine.checkpoint_io import nonfinite_tensor
 from prefixgym.engine.model.config import ModelConfig
 from prefixgym.engine.model.decoder import Transformer
-from prefixgym.engine.model.families import LAYERS, family_named, module_shapes
+from prefixgym.engine.model.families import EXPERT_MODULES, LAYERS, block_norms, module_shapes
 from prefixgym.engine.model.hf_config import config_from_hf, read_raw_config
 
 __all__ = ["load_hf_checkpoint"]
@@ -82,7 +82,6 @@ def _state_dict_from_hf(
     """The family's HF tensor names -> our layout (fused q/k/v and gate/up)."""
     prefix = "model." if "model.embed_tokens.weight" in index else ""
     C, V = config.dim, config.vocab_size
-    family = family_named(config.family)
 
     def get(name: str, *shape: int) -> torch.Tensor:
         return index.get(prefix + name, tuple(shape), dtype)
@@ -94,9 +93,14 @@ def _state_dict_from_hf(
     biased = {"attn.wqkv": config.qkv_bias, "attn.wo": config.out_bias}
     for i in range(config.n_layers):
         hf, ours = f"layers.{i}.", f"layers.{i}."
-        sd[ours + "attn_norm.weight"] = get(hf + family.norms[0] + ".weight", C)
-        sd[ours + "mlp_norm.weight"] = get(hf + family.norms[1] + ".weight", C)
+        for norm, hf_norm in block_norms(config):
+            sd[ours + norm + ".weight"] = get(hf + hf_norm + ".weight", C)
+        moe = config.is_moe(i)
+        if moe:
+            sd.update(_experts(index, prefix + hf + "mlp.", ours + "mlp.", config, dtype))
         for layer in LAYERS:
+            if moe and layer.startswith("mlp."):
+                continue
             parts = module_shapes(config, layer)
             sd[ours + layer + ".weight"] = torch.cat(
                 [get(hf + module + ".weight", *shape) for module, shape in parts])
@@ -112,6 +116,27 @@ def _state_dict_from_hf(
     if not config.tie_embeddings:
         sd["output.weight"] = index.get("lm_head.weight", (V, C), dtype)
     return sd
+
+
+def _experts(index: _TensorIndex, hf: str, ours: str, config: ModelConfig, dtype: torch.dtype
+             ) -> dict[str, torch.Tensor]:
+    """One mixture's router and stacked experts, from either layout a checkpoint may
+    hold: stacked (`experts.gate_up_proj`, `experts.down_proj`) or one module per
+    expert (`experts.{e}.gate_proj.weight`, ...: what transformers saves and the Hub
+    holds)."""
+    E, C, F = config.num_experts, config.dim, config.expert_hidden_dim
+    out = {ours + "router.weight": index.get(hf + "gate.weight", (E, C), dtype)}
+    if hf + "experts.gate_up_proj" in index:
+        out[ours + "w_gate_up"] = index.get(hf + "experts.gate_up_proj", (E, 2 * F, C), dtype)
+        out[ours + "w_down"] = index.get(hf + "experts.down_proj", (E, C, F), dtype)
+        return out
+    gate, up, down = EXPERT_MODULES
+    out[ours + "w_gate_up"] = torch.stack([torch.cat((
+        index.get(f"{hf}experts.{e}.{gate}.weight", (F, C), dtype),
+        index.get(f"{hf}experts.{e}.{up}.weight", (F, C), dtype))) for e in range(E)])
+    out[ours + "w_down"] = torch.stack([index.get(f"{hf}experts.{e}.{down}.weight", (C, F), dtype)
+                                        for e in range(E)])
+    return out
 
 
 def load_hf_checkpoint(

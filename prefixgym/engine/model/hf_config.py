@@ -3,19 +3,22 @@ RoPE and the family's knobs -- or one line naming the field we cannot honour.
 
 1) The family from `model_type` (`families.py`); an unknown one is refused with the
    supported list.
-2) Fields no family here computes are refused when set: soft-capping, experts, a
-   sliding window switched on, MLP biases, activations other than SiLU (part 2 of the
-   families work adds windows and experts).
+2) Fields no family here computes are refused when set: experts, MLP biases,
+   bidirectional attention, activations other than SiLU and tanh GeLU, and soft-caps
+   or windows in a family whose transformers code does not apply them the same way.
 3) The shape, with every field type-checked (a list where an int belongs is refused,
    never coerced).
 4) RoPE, from transformers 5.x's `rope_parameters` or 4.x's `rope_scaling` and
    top-level fields: plain, linear, dynamic, yarn, longrope, llama3; a partial rotary
-   width where the family's transformers code applies one.
-5) `max_seq_len`: the checkpoint's `max_position_embeddings`, capped at 32768 unless
+   width where the family's transformers code applies one; with one set of parameters
+   per layer kind (5.x's {"full_attention": ..., "sliding_attention": ...}, 4.x's
+   `rope_local_base_freq`), the windowed layers' own plain RoPE base.
+5) Sliding windows: per layer, `sliding_window` where the family's code applies it
+   (every layer, or those `layer_types` marks "sliding_attention").
+6) `max_seq_len`: the checkpoint's `max_position_embeddings`, capped at 32768 unless
    asked, and at the positions where our numbers are transformers' exactly: "dynamic"
    RoPE changes its base past `max_position_embeddings`, "longrope" switches to its long
-   factors past `original_max_position_embeddings`, and Phi-3's sliding window starts
-   to cut past `sliding_window` positions.
+   factors past `original_max_position_embeddings`.
 
 This module knows config fields; no tensors (`hf_checkpoint.py`).
 """
@@ -37,14 +40,17 @@ __all__ = ["DEFAULT_MAX_SEQ_LEN_CAP", "config_from_hf", "read_hf_config"]
 DEFAULT_MAX_SEQ_LEN_CAP = 32768
 """Checkpoints often claim 32k-128k positions; the RoPE tables stop here unless asked."""
 _UNSUPPORTED = {  # field -> (its value is a problem when, why)
-    "attn_logit_softcapping": (lambda v: v is not None, "attention logit soft-capping"),
-    "final_logit_softcapping": (lambda v: v is not None, "final logit soft-capping"),
     "num_experts": (lambda v: bool(v), "mixtures of experts"),
     "num_local_experts": (lambda v: bool(v), "mixtures of experts"),
     "n_routed_experts": (lambda v: bool(v), "mixtures of experts"),
     "use_sliding_window": (lambda v: bool(v), "sliding-window attention"),
     "mlp_bias": (lambda v: bool(v), "MLP biases"),
+    "use_bidirectional_attention": (lambda v: bool(v), "bidirectional attention"),
 }
+_SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
+"""Read by the Gemma knobs; refused in every other family."""
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class _Reader:
@@ -56,9 +62,9 @@ class _Reader:
     def error(self, message: str) -> ValueError:
         return ValueError(f"{self.path}: {message}")
 
-    def raw(self, key: str, default: Any = None) -> Any:  # a JSON value, not yet validated
-        value = self.cfg.get(key)
-        return default if value is None else value
+    def field(self, key: str, default: Any = None) -> Any:
+        """The field as config.json has it (null included), `default` when absent."""
+        return self.cfg[key] if key in self.cfg else default
 
     def int(self, key: str, default: int | None = None, source: JSONObject | None = None) -> int:
         value = (source if source is not None else self.cfg).get(key)
@@ -83,7 +89,7 @@ class _Reader:
 def config_from_hf(
     cfg: JSONObject, path: Path | str = "config.json", max_seq_len: int | None = None
 ) -> ModelConfig:
-    """Steps 1-5: `cfg` (a parsed config.json) as a `ModelConfig`; ValueError naming the
+    """Steps 1-6: `cfg` (a parsed config.json) as a `ModelConfig`; ValueError naming the
     file and field where a family here cannot compute it exactly."""
     read = _Reader(cfg, Path(path))
     # 1)
@@ -93,16 +99,20 @@ def config_from_hf(
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     # 2)
     for key, (bad, what) in _UNSUPPORTED.items():
+        if what == "mixtures of experts" and family.experts:
+            continue
         if key in cfg and bad(cfg[key]):
             raise read.error(f"{key}={cfg[key]!r}: {what} is not supported for "
                              f"{family.name} checkpoints yet")
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise read.error(f"unsupported hidden_act {act!r}; only 'silu' is supported")
-    layer_types = cfg.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise read.error("layer_types other than 'full_attention' (sliding windows) are not "
-                         "supported yet")
+    gemma = family.name.startswith("gemma")
+    for key in () if gemma else _SOFTCAPS:
+        if cfg.get(key) is not None:
+            raise read.error(f"{key}={cfg[key]!r}: soft-capping is not supported for "
+                             f"{family.name} checkpoints")
+    act = cfg.get(family.activation_field, "gelu_pytorch_tanh" if gemma else "silu")
+    if act not in _ACTIVATIONS:
+        raise read.error(f"unsupported {family.activation_field} {act!r}; supported: "
+                         f"{', '.join(_ACTIVATIONS)}")
     # 3)
     dim, n_heads = read.int("hidden_size"), read.int("num_attention_heads")
     head_dim_override = None
@@ -110,49 +120,108 @@ def config_from_hf(
         head_dim_override = read.int("head_dim")
     head_dim = head_dim_override or (dim // n_heads if n_heads else 0)
     max_positions = read.int("max_position_embeddings", default=2048) or 2048
+    n_layers = read.int("num_hidden_layers")
     # 4)
-    theta, scaling, rotary_dim, exact_positions = _rope(read, family, head_dim, max_positions)
+    global_rope, local_rope = _rope_specs(read)
+    theta, scaling, rotary_dim, exact_positions = _rope(read, global_rope, family, head_dim,
+                                                        max_positions)
+    local_theta = None
+    if local_rope is not None:
+        local_theta, local_scaling, _, _ = _rope(read, local_rope, family, head_dim,
+                                                 max_positions)
+        if local_scaling != RopeScaling():
+            raise read.error("a scaled RoPE on the sliding-window layers is not supported")
+        if local_theta == theta and scaling == RopeScaling():
+            local_theta = None  # the same tables
     # 5)
-    window = cfg.get("sliding_window") if family.name == "phi3" else None
-    if window is not None:
-        exact_positions = min(exact_positions or window, read.int("sliding_window"))
+    windows = _windows(read, family, n_layers)
+    # 6)
     if max_seq_len is None:
         max_seq_len = min(max_positions, DEFAULT_MAX_SEQ_LEN_CAP, exact_positions or max_positions)
     elif exact_positions and max_seq_len > exact_positions:
         raise read.error(f"max_seq_len={max_seq_len}: past {exact_positions} positions this "
-                         "checkpoint's RoPE or window computes otherwise than here")
+                         "checkpoint's RoPE computes otherwise than here")
     try:
         return ModelConfig(
             vocab_size=read.int("vocab_size"),
             dim=dim,
-            n_layers=read.int("num_hidden_layers"),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=read.int("num_key_value_heads", default=n_heads) or n_heads,
             hidden_dim=read.int("intermediate_size"),
             max_seq_len=max_seq_len,
             rope_theta=theta,
             norm_eps=read.float("rms_norm_eps", 1e-6),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
             head_dim_override=head_dim_override,
             family=family.name,
             rope_scaling=scaling,
             rotary_dim=rotary_dim,
-            **family.knobs(read.raw),
+            activation=_ACTIVATIONS[act],
+            layer_windows=windows,
+            local_rope_theta=local_theta,
+            **family.knobs(read.field),
         )
     except (ValueError, TypeError) as err:
         raise read.error(str(err)) from None
 
 
-def _rope(read: _Reader, family: Family, head_dim: int, max_positions: int
-          ) -> tuple[float, RopeScaling, int | None, int]:
-    """(rope_theta, the scaling, the rotary width or None, the positions up to which it
-    is exact, 0 for all) from either config layout."""
+def _windows(read: _Reader, family: Family, n_layers: int) -> tuple[int, ...] | None:
+    """Step 5: each layer's window (0: none), or None when no layer has one."""
+    window = read.cfg.get("sliding_window")
+    types = read.cfg.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != n_layers):
+        raise read.error(f"layer_types must be a list of {n_layers} strings, got {types!r}")
+    for kind in types or ():
+        if kind not in _LAYER_TYPES:
+            raise read.error(f"layer_types entry {kind!r} is not supported; supported: "
+                             f"{', '.join(_LAYER_TYPES)}")
+    if window is None or family.windows == "none":
+        if types is not None and family.windows == "none" and "sliding_attention" in types \
+                and window is not None:
+            raise read.error(f"sliding windows are not supported for {family.name} "
+                             "checkpoints (transformers' code does not apply them)")
+        return None
+    size = read.int("sliding_window")
+    if size < 1:
+        raise read.error(f"sliding_window must be at least 1, got {size}")
+    if family.windows == "all":
+        return (size,) * n_layers
+    if types is None:  # an older config.json: the family's default pattern
+        every = read.int("sliding_window_pattern", family.window_pattern)
+        if every < 1:
+            raise read.error(f"sliding_window_pattern must be at least 1, got {every}")
+        types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                 for i in range(n_layers)]
+    return tuple(size if kind == "sliding_attention" else 0 for kind in types)
+
+
+def _rope_specs(read: _Reader) -> tuple[JSONObject, JSONObject | None]:
+    """The RoPE fields of the full-attention layers, merged flat (4.x's `rope_scaling`
+    and top-level fields, then 5.x's `rope_parameters`, which win), and those of the
+    sliding-window layers when they have their own (else None)."""
     merged: JSONObject = {}
-    for field in ("rope_scaling", "rope_parameters"):  # 4.x, then 5.x (which wins)
+    local: JSONObject | None = None
+    for field in ("rope_scaling", "rope_parameters"):
         spec = read.cfg.get(field)
         if spec is not None and not isinstance(spec, dict):
             raise read.error(f"{field} must be an object or null, got {spec!r}")
+        if spec and any(kind in spec for kind in _LAYER_TYPES):  # one set per layer kind
+            full, local = spec.get("full_attention"), spec.get("sliding_attention")
+            for kind, value in (("full_attention", full), ("sliding_attention", local)):
+                if value is not None and not isinstance(value, dict):
+                    raise read.error(f"{field}.{kind} must be an object, got {value!r}")
+            spec = full
         merged.update(spec or {})
+    if "rope_local_base_freq" in read.cfg and local is None:  # 4.x Gemma 3
+        local = {"rope_type": "default", "rope_theta": read.float("rope_local_base_freq", 1.0)}
+    return merged, local
+
+
+def _rope(read: _Reader, merged: JSONObject, family: Family, head_dim: int,
+          max_positions: int) -> tuple[float, RopeScaling, int | None, int]:
+    """(rope_theta, the scaling, the rotary width or None, the positions up to which it
+    is exact, 0 for all) from one layer kind's merged RoPE fields."""
     theta = read.float("rope_theta", read.float("rope_theta", 10000.0), source=merged)
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     where = "rope_parameters" if read.cfg.get("rope_parameters") else "rope_scaling"

@@ -15,6 +15,7 @@ writes no tokenizer and no training state (those are `checkpoint_io`'s).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -23,9 +24,9 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from prefixgym.engine.model.config import ModelConfig, RopeScaling
+from prefixgym.engine.model.config import ModelConfig
 from prefixgym.engine.model.decoder import Transformer
-from prefixgym.engine.model.families import LAYERS, family_named, module_shapes
+from prefixgym.engine.model.families import EXPERT_MODULES, LAYERS, block_norms, module_shapes
 from prefixgym.files import write_dir_atomically
 
 __all__ = ["hf_config", "hf_state_dict", "save_hf_checkpoint"]
@@ -39,10 +40,12 @@ def hf_config(model: Transformer) -> dict[str, object]:
         return {**model.hf_config, "dtype": dtype,
                 **({"torch_dtype": dtype} if "torch_dtype" in model.hf_config else {})}
     cfg = model.config
-    plain = (cfg.family in ("llama", "qwen2") and cfg.rope_scaling == RopeScaling()
-             and cfg.rotary_dim is None and cfg.rope_layers is None and cfg.qk_norm == "none"
-             and not cfg.post_norms and cfg.attention_scale is None
-             and cfg.embedding_multiplier == cfg.residual_multiplier == cfg.logit_divisor == 1.0)
+    plain = dataclasses.replace(  # the fields a Llama/Qwen2 config.json below writes
+        ModelConfig(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
+                    cfg.hidden_dim), max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta,
+        norm_eps=cfg.norm_eps, tie_embeddings=cfg.tie_embeddings, qkv_bias=cfg.qkv_bias,
+        out_bias=cfg.out_bias, head_dim_override=cfg.head_dim_override,
+        family=cfg.family) == cfg and cfg.family in ("llama", "qwen2")
     if not plain:
         raise ValueError(f"this {cfg.family} model has no config.json to write back (it was "
                          "not loaded from a checkpoint directory), and a Llama/Qwen2 one "
@@ -70,7 +73,6 @@ def hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]
                   ) -> dict[str, torch.Tensor]:
     """Tensors named as our state dict (weights, or their gradients) -> the family's HF
     names, our fused rows split into its modules (every tensor a contiguous CPU copy)."""
-    family = family_named(cfg.family)
     sd = {k: v.detach().to("cpu") for k, v in tensors.items()}
     out = {
         "model.embed_tokens.weight": sd["tok_embeddings.weight"],
@@ -79,9 +81,14 @@ def hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]
     biased = {"attn.wqkv": cfg.qkv_bias, "attn.wo": cfg.out_bias}
     for i in range(cfg.n_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
-        out[hf + family.norms[0] + ".weight"] = sd[ours + "attn_norm.weight"]
-        out[hf + family.norms[1] + ".weight"] = sd[ours + "mlp_norm.weight"]
+        for norm, hf_norm in block_norms(cfg):
+            out[hf + hf_norm + ".weight"] = sd[ours + norm + ".weight"]
+        moe = cfg.is_moe(i)
+        if moe:
+            out.update(_experts(sd, ours + "mlp.", hf + "mlp.", cfg))
         for layer in LAYERS:
+            if moe and layer.startswith("mlp."):
+                continue
             parts = module_shapes(cfg, layer)
             widths = [shape[0] for _, shape in parts]
             for kind in ("weight", "bias") if biased.get(layer) else ("weight",):
@@ -93,6 +100,20 @@ def hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["output.weight"]
     return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def _experts(sd: Mapping[str, torch.Tensor], ours: str, hf: str, cfg: ModelConfig
+             ) -> dict[str, torch.Tensor]:
+    """One mixture's router and experts, one module per expert (transformers' layout on
+    disk)."""
+    gate, up, down = EXPERT_MODULES
+    out = {hf + "gate.weight": sd[ours + "router.weight"]}
+    for e in range(cfg.num_experts):
+        g, u = sd[ours + "w_gate_up"][e].chunk(2)
+        out[f"{hf}experts.{e}.{gate}.weight"] = g
+        out[f"{hf}experts.{e}.{up}.weight"] = u
+        out[f"{hf}experts.{e}.{down}.weight"] = sd[ours + "w_down"][e]
+    return out
 
 
 def save_hf_checkpoint(model: Transformer, directory: str | os.PathLike[str]) -> Path:

@@ -1,12 +1,14 @@
-"""The decoder's building blocks: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""The decoder's building blocks: RMSNorm, RoPE, grouped-query attention, a gated MLP.
 
-`Block` is one decoder layer, its norms before each sublayer (or, with `post_norms`,
-after it: OLMo 2), each sublayer's output scaled by `residual_multiplier` (Granite);
+`Block` is one decoder layer, its norms before each sublayer (or after it: OLMo 2, or
+both: Gemma), each sublayer's output scaled by `residual_multiplier` (Granite);
 its `Attention` normalises queries and keys where the config says (Qwen3 per head,
 OLMo 2 over all heads), rotates them with the caller's cos/sin tables (the first
 `rotary_width` dims; not at all in a layer without RoPE: SmolLM3) and either attends
-causally over the forward's own tokens or hands the new keys/values to a `KVView` and
-attends to whatever the view returns.
+causally over the forward's own tokens (within its sliding window, if it has one) or
+hands the new keys/values to a `KVView` and attends to whatever the view returns,
+under the view's mask for that layer. Scores that are soft-capped (Gemma 2) take the
+plain matmul-softmax path, which SDPA cannot express.
 A bf16/fp16 model whose keys/values the caller keeps in fp32 (the scheduler does)
 attends in fp32: on CPU, SDPA's fp32 kernel is as fast as its bf16 one at prefill and
 several times faster for one-query decode steps, and the scores stay exact.
@@ -27,7 +29,9 @@ from torch import nn
 
 from prefixgym.engine.model.config import ModelConfig
 
-__all__ = ["Attention", "Block", "KVView", "RMSNorm", "SwiGLU"]
+__all__ = ["Attention", "Block", "GatedMLP", "KVView", "MixtureOfExperts", "RMSNorm",
+           "causal_window_mask",
+           "window_allows"]
 
 
 class KVView(Protocol):
@@ -45,6 +49,10 @@ class KVView(Protocol):
     which lets the attention kernel skip the masked half, or, for one query per row
     (T == 1), when every row sees every key returned. The returned keys/values may
     be float32 for a bf16/fp16 model; attention then runs in float32.
+
+    A layer with a sliding window (`ModelConfig.window`) gets a mask that also hides the
+    keys at or before its query's position minus the window (`window_allows`); the view
+    knows each layer's window from the config it was built for.
     """
 
     def update(
@@ -54,8 +62,26 @@ class KVView(Protocol):
         ...
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF-exact RMSNorm: normalise in fp32, cast back, then scale."""
+def window_allows(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """bool, broadcast of (..., T, 1) against (..., 1, Tk): True where a key lies within
+    the query's window, positions (q - window, q] (transformers' sliding_window_overlay),
+    without the causal half (key <= query), which the caller's mask has."""
+    return key_pos.unsqueeze(-2) > query_pos.unsqueeze(-1) - window
+
+
+def causal_window_mask(T: int, window: int, device: torch.device) -> torch.Tensor:
+    """(T, T) bool: query t sees keys (t - window, t]."""
+    pos = torch.arange(T, device=device)
+    return (pos.unsqueeze(0) <= pos.unsqueeze(1)) & window_allows(pos, pos, window)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
+              ) -> torch.Tensor:
+    """HF-exact RMSNorm: normalise in fp32, cast back, then scale; with `offset`
+    (Gemma), scale by 1 + weight in fp32, then cast."""
+    if offset:
+        return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * (1.0 + weight.float())
+                ).to(x.dtype)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     # fused fp32 norm: bit-identical to HF's x * rsqrt(mean(x^2) + eps) (checked), fewer ops
@@ -63,13 +89,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        # Gemma's weight is an offset from 1: its identity is 0
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps, self.offset)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,7 +119,11 @@ class Attention(nn.Module):
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
         self.rope = config.uses_rope(layer_idx)
+        self.local_rope = config.uses_local_rope(layer_idx)
+        """Whether it rotates with the windowed layers' own tables (`Transformer`'s pick)."""
+        self.window = config.window(layer_idx)
         self.scale = config.attention_scale  # None: SDPA's 1/sqrt(head_dim)
+        self.softcap = config.attention_softcap
         self.qk_norm = config.qk_norm
         qkv_out = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
         # q, k and v in one matmul; rows ordered [q | k | v] like HF's three projections.
@@ -100,8 +131,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.out_bias)
         if config.qk_norm != "none":
             heads = (config.n_heads, config.n_kv_heads) if config.qk_norm == "all_heads" else (1, 1)
-            self.q_norm = RMSNorm(heads[0] * config.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(heads[1] * config.head_dim, config.norm_eps)
+            self.q_norm = RMSNorm(heads[0] * config.head_dim, config.norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(heads[1] * config.head_dim, config.norm_eps, config.norm_offset)
 
     def forward(
         self, x_B_T_C: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | None
@@ -120,48 +151,128 @@ class Attention(nn.Module):
             qk = _apply_rope(qk, cos, sin)  # rotate q and k in one op
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
         if kv is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H,
-                                               scale=self.scale)
+            mask = None  # plain causal, unless the window cuts within this forward
+            if self.window and T > self.window:
+                mask = causal_window_mask(T, self.window, x_B_T_C.device)
+            y = self._attend(q, k, v, mask, causal=mask is None)
         else:
             k_all, v_all, mask = kv.update(self.layer_idx, k, v)
             q_attn = q if k_all.dtype == q.dtype else q.to(k_all.dtype)  # fp32 KV: attend in fp32
             causal = mask is None and T > 1  # (one query and no mask: every key)
-            y = F.scaled_dot_product_attention(
-                q_attn, k_all, v_all, attn_mask=mask, is_causal=causal, enable_gqa=Hkv != H,
-                scale=self.scale,
-            ).to(q.dtype)
+            y = self._attend(q_attn, k_all, v_all, mask, causal).to(q.dtype)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """softmax(scale q k^T, masked) v, by SDPA; soft-capped scores by the plain ops
+        transformers' eager attention uses (scores in q's dtype, softmax in fp32)."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                  enable_gqa=k.shape[1] != q.shape[1],
+                                                  scale=self.scale)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            T = q.shape[2]
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        if mask is not None and mask.dtype == torch.bool:
+            scores = scores.masked_fill(mask.logical_not(), float("-inf"))
+        elif mask is not None:
+            scores = scores + mask
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, v)
 
-class SwiGLU(nn.Module):
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (SiLU) or GeGLU (tanh GeLU: Gemma)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         # gate and up in one matmul; rows ordered [gate | up].
         self.w_gate_up = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)
         self.w_down = nn.Linear(config.hidden_dim, config.dim, bias=False)
+        self.gelu = config.activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w_down(act * up)
+
+
+class MixtureOfExperts(nn.Module):
+    """A router picks `experts_per_token` of `num_experts` gated MLPs for each token and
+    adds their outputs, weighted by the router's probabilities (softmax over every
+    expert in fp32, the top k, renormalised when the config says): Qwen3-MoE's
+    routing, with transformers' ops in its order, so the same experts win, ties
+    included, and each token's experts are summed in ascending expert order.
+
+    The experts' weights are stacked: `w_gate_up` (E, 2F, C), rows [gate | up] per
+    expert, and `w_down` (E, C, F), as transformers 5 holds them."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        E, C, F_ = config.num_experts, config.dim, config.expert_hidden_dim
+        self.top_k = config.experts_per_token
+        self.normalize = config.normalize_router_weights
+        self.router = nn.Linear(C, E, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(E, 2 * F_, C))
+        self.w_down = nn.Parameter(torch.empty(E, C, F_))
+        self.gelu = config.activation == "gelu_tanh"
+
+    def route(self, x_N_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights (N, k) in x's dtype, expert ids (N, k)) of each token."""
+        probs = torch.softmax(self.router(x_N_C), dim=-1, dtype=torch.float32)
+        top, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(x_N_C.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_N_C = x.reshape(-1, x.shape[-1])
+        weights_N_k, experts_N_k = self.route(x_N_C)
+        out = torch.zeros_like(x_N_C)
+        for e in torch.unique(experts_N_k).tolist():  # ascending
+            slot, token = torch.where(experts_N_k.T == e)  # transformers' row order
+            gate, up = F.linear(x_N_C[token], self.w_gate_up[e]).chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            y = F.linear(act * up, self.w_down[e]) * weights_N_k[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out.view(x.shape)
 
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        eps, offset = config.norm_eps, config.norm_offset
+        self.attn_norm = RMSNorm(config.dim, eps, offset)
         self.attn = Attention(config, layer_idx)
-        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = SwiGLU(config)
-        self.post_norms = config.post_norms
+        self.mlp_norm = RMSNorm(config.dim, eps, offset)
+        self.mlp: GatedMLP | MixtureOfExperts = (
+            MixtureOfExperts(config) if config.is_moe(layer_idx) else GatedMLP(config))
+        if config.norms == "both":  # Gemma: a second norm on each sublayer's output
+            self.attn_post_norm = RMSNorm(config.dim, eps, offset)
+            self.mlp_post_norm = RMSNorm(config.dim, eps, offset)
+        self.norms = config.norms
         self.residual_multiplier = config.residual_multiplier
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | None
     ) -> torch.Tensor:
-        if self.post_norms:  # OLMo 2: each norm on its sublayer's output
+        if self.norms == "post":  # OLMo 2: each norm on its sublayer's output
             attn = self.attn_norm(self.attn(h, cos, sin, kv))
         else:
             attn = self.attn(self.attn_norm(h), cos, sin, kv)
+            if self.norms == "both":
+                attn = self.attn_post_norm(attn)
         h = h + (attn if self.residual_multiplier == 1.0 else attn * self.residual_multiplier)
-        mlp = self.mlp_norm(self.mlp(h)) if self.post_norms else self.mlp(self.mlp_norm(h))
+        if self.norms == "post":
+            mlp = self.mlp_norm(self.mlp(h))
+        else:
+            mlp = self.mlp(self.mlp_norm(h))
+            if self.norms == "both":
+                mlp = self.mlp_post_norm(mlp)
         return h + (mlp if self.residual_multiplier == 1.0 else mlp * self.residual_multiplier)

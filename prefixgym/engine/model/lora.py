@@ -37,7 +37,7 @@ from torch import nn
 
 from prefixgym.engine.model.decoder import Transformer
 from prefixgym.engine.model.families import module_shapes
-from prefixgym.engine.model.layers import Block
+from prefixgym.engine.model.layers import Block, GatedMLP
 
 __all__ = [
     "LoraAdapter", "LoraLinear", "LoraSpec", "add_lora", "adapter_module", "frozen_copy",
@@ -148,7 +148,7 @@ def _targets(model: Transformer, spec: LoraSpec) -> dict[str, tuple[nn.Module, s
         if spec.train_attn:
             found[f"layers.{i}.attn.wqkv"] = (block.attn, "wqkv", parts("attn.wqkv"))
             found[f"layers.{i}.attn.wo"] = (block.attn, "wo", parts("attn.wo"))
-        if spec.train_mlp:
+        if spec.train_mlp and isinstance(block.mlp, GatedMLP):  # (experts: attention only)
             found[f"layers.{i}.mlp.w_gate_up"] = (block.mlp, "w_gate_up", parts("mlp.w_gate_up"))
             found[f"layers.{i}.mlp.w_down"] = (block.mlp, "w_down", parts("mlp.w_down"))
     return found

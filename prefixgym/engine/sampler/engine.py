@@ -82,7 +82,7 @@ class Engine:
             raise ValueError(f"cache_bytes={options.cache_bytes} holds {num_blocks} KV blocks "
                              f"of {block_bytes} bytes; the engine needs at least 2")
         pool = KVPool(config.n_layers, config.n_kv_heads, config.head_dim, num_blocks,
-                      options.block_size, kv_dtype, device)
+                      options.block_size, kv_dtype, device, windows=config.windows)
         cache = PrefixCache(num_blocks, options.block_size, block_bytes,
                             indexing=options.prefix_cache)
         self.options = options

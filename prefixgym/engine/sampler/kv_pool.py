@@ -10,8 +10,10 @@ table[p // block_size]. Block 0 is never handed out: it pads short tables (maske
 at their positions through their tables, then gathers each row's blocks, in table
 order, into one contiguous (R, n_kv_heads, Tk, head_dim) tensor per layer -- the
 layout SDPA reads fastest on CPU (docs/benchmarks.md, "Decode") -- under an additive
-mask: key position <= the query's position. Indices and the mask are built once per
-forward and shared by every layer.
+mask: key position <= the query's position, and, in a layer with a sliding window,
+key position > the query's position minus the window (`layers.window_allows`).
+Indices are built once per forward and shared by every layer; each distinct window's
+mask once, on its first layer.
 
 This module knows nothing of requests, tokens, refcounts or the prefix cache: which
 block is free is the cache's business (prefix_cache.py); this moves tensors.
@@ -22,6 +24,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from prefixgym.engine.model.layers import window_allows
 
 
 class KVPool:
@@ -34,8 +38,11 @@ class KVPool:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        windows: tuple[int, ...] = (),
     ) -> None:
         self.num_blocks, self.block_size, self.n_kv_heads = num_blocks, block_size, n_kv_heads
+        self.windows = windows or (0,) * n_layers
+        """Per layer, its sliding window in keys (`ModelConfig.windows`; 0: none)."""
         self.dtype, self.device = dtype, device
         # empty, not zeros: pages are touched only when used; a block is zeroed on its
         # first allocation (`zero`), so stale or padding keys are always finite
@@ -82,12 +89,11 @@ class PagedView:
         self.gather_rows = _block_rows(pool, table_R_nb)
         query_pos_R_T = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(T, device=dev)
         self.positions_R_T = query_pos_R_T
-        self.mask = None
+        self.masks: dict[int, torch.Tensor | None] = {0: None}  # by window; None: causal
         if not self.causal:
             key_pos = torch.arange(self.num_keys, device=dev)
-            allowed = (key_pos <= query_pos_R_T.unsqueeze(2)).unsqueeze(1)  # (R, 1, T, Tk)
-            self.mask = torch.zeros(allowed.shape, dtype=pool.dtype, device=dev).masked_fill_(
-                allowed.logical_not(), float("-inf"))
+            self._allowed = key_pos <= query_pos_R_T.unsqueeze(2)  # (R, T, Tk)
+            self.masks[0] = _additive(self._allowed.unsqueeze(1), pool.dtype)
         # write targets: the valid (row, t) cells, as flat (head, block, offset) slots
         valid_R_T = torch.arange(T, device=dev) < torch.tensor(lengths, device=dev).unsqueeze(1)
         self.src_M = valid_R_T.flatten().nonzero().squeeze(1)  # into the flattened (R*T)
@@ -108,12 +114,31 @@ class PagedView:
             new_Hkv_M_D = new.transpose(0, 1).reshape(Hkv, R * T, D)[:, self.src_M]
             layer.view(-1, D).index_copy_(0, self.slot_index,
                                           new_Hkv_M_D.reshape(-1, D).to(layer.dtype))
+        mask = self._mask(self.pool.windows[layer_idx], T)
         if self.causal:
-            return k_R_Hkv_T_D.to(self.pool.dtype), v_R_Hkv_T_D.to(self.pool.dtype), None
+            return k_R_Hkv_T_D.to(self.pool.dtype), v_R_Hkv_T_D.to(self.pool.dtype), mask
         Tk = self.num_keys
         k_all = k_layer.index_select(0, self.gather_rows).view(R, Hkv, Tk, D)
         v_all = v_layer.index_select(0, self.gather_rows).view(R, Hkv, Tk, D)
-        return k_all, v_all, self.mask
+        return k_all, v_all, mask
+
+    def _mask(self, window: int, T: int) -> torch.Tensor | None:
+        """The mask of a layer with this window (0: none), made on first use."""
+        if window not in self.masks:
+            if self.causal:  # own keys only, every row at positions 0..T-1
+                pos = torch.arange(T, device=self.pool.device)
+                allowed = (pos <= pos.unsqueeze(1)) & window_allows(pos, pos, window)
+            else:
+                keys = torch.arange(self.num_keys, device=self.pool.device)
+                allowed = self._allowed & window_allows(self.positions_R_T, keys, window)
+            self.masks[window] = _additive(allowed.unsqueeze(-3), self.pool.dtype)
+        return self.masks[window]
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        allowed.logical_not(), float("-inf"))
 
 
 def _table_tensor(pool: KVPool, tables: list[list[int]], nb: int) -> torch.Tensor:
@@ -174,11 +199,11 @@ class DecodeView:
         self.last_index_R = None
         # rows at one position see every key: no mask (the same result, bit for bit,
         # as an all-zero one, and a cheaper attention step)
-        self.mask: torch.Tensor | None = None
+        self.masks: dict[int, torch.Tensor | None] = {0: None}  # by window
+        self._pos_B = pos_B
         if min(positions) != max(positions):
             allowed = torch.arange(self.num_keys, device=dev) <= pos_B.unsqueeze(1)
-            self.mask = torch.zeros((B, 1, 1, self.num_keys), dtype=pool.dtype, device=dev)
-            self.mask.masked_fill_(allowed.logical_not()[:, None, None], float("-inf"))
+            self.masks[0] = _additive(allowed[:, None, None], pool.dtype)
         blocks = torch.tensor([t[p // bs] for t, p in zip(tables, positions)], device=dev)
         slot_B = blocks * bs + pos_B % bs
         heads = torch.arange(Hkv, device=dev)
@@ -197,4 +222,14 @@ class DecodeView:
             pool_layer.view(-1, D).index_copy_(0, self.pool_index, new_N_D)
             ws_layer.view(-1, D).index_copy_(0, self.ws_index, new_N_D)
         Tk = self.num_keys
-        return ws_k[:, :, :Tk], ws_v[:, :, :Tk], self.mask
+        return ws_k[:, :, :Tk], ws_v[:, :, :Tk], self._mask(self.pool.windows[layer_idx])
+
+    def _mask(self, window: int) -> torch.Tensor | None:
+        """The mask of a layer with this window (0: none), made on first use."""
+        if window not in self.masks:
+            keys = torch.arange(self.num_keys, device=self.pool.device)
+            pos_B = self._pos_B
+            allowed = (keys <= pos_B.unsqueeze(1)) & window_allows(pos_B.unsqueeze(1), keys,
+                                                                    window)[:, 0]
+            self.masks[window] = _additive(allowed[:, None, None], self.pool.dtype)
+        return self.masks[window]

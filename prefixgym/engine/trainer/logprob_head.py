@@ -76,7 +76,7 @@ def target_logprobs(
                           for h, t in zip(h_N_C.split(n_rows), targets_N.split(n_rows))])
     if head_is_frozen(model):
         out: Tensor = _FrozenHead.apply(h_N_C, model.output_weight, targets_N, n_rows,
-                                        model.config.logit_divisor)
+                                        model.config.logit_divisor, model.config.final_softcap)
         return out
     if h_N_C.shape[0] <= n_rows:  # one chunk: recomputing it would lower no peak
         return _chunk_logprobs(model, h_N_C, targets_N)
@@ -96,28 +96,34 @@ class _FrozenHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h_N_C: Tensor, weight_V_C: Tensor, targets_N: Tensor,
-                rows: int, divisor: float) -> Tensor:
+                rows: int, divisor: float, softcap: float | None) -> Tensor:
         logprobs: list[Tensor] = []
         d_h: list[Tensor] = []
         for h, t in zip(h_N_C.split(rows), targets_N.split(rows)):
             logits = F.linear(h, weight_V_C)
             if divisor != 1.0:  # the model's logit divisor, as `Transformer.head` divides
                 logits = logits / divisor
+            capped = None
+            if softcap is not None:  # and its soft-cap, cap * tanh(logits / cap)
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
             logp_n_V = torch.log_softmax(logits.float(), dim=1)
             logprobs.append(logp_n_V.gather(1, t[:, None]).squeeze(1))
             # d logprob / d logits = onehot(t) - softmax, built in place over the logprobs
             d_logits = logp_n_V.exp_().neg_()
             d_logits.scatter_add_(1, t[:, None], torch.ones_like(t, dtype=d_logits.dtype)[:, None])
+            if capped is not None:  # through the cap: d tanh = 1 - tanh^2
+                d_logits.mul_(1.0 - capped.float().square())
             d_h_n = torch.matmul(d_logits.to(weight_V_C.dtype), weight_V_C)
             d_h.append((d_h_n / divisor if divisor != 1.0 else d_h_n).to(h_N_C.dtype))
         ctx.save_for_backward(torch.cat(d_h))
         return torch.cat(logprobs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
         (d_h_N_C,) = ctx.saved_tensors
         grad_N = grads[0]
-        return (grad_N[:, None].to(d_h_N_C.dtype) * d_h_N_C), None, None, None, None
+        return (grad_N[:, None].to(d_h_N_C.dtype) * d_h_N_C), None, None, None, None, None
 
 
 @dataclass

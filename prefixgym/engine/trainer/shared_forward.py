@@ -3,7 +3,8 @@
 1) Run the plan's waves in order through `Transformer.forward` with a `TrieKV`: in
    every attention layer it keeps the wave's keys/values (when a later wave reads
    them) and hands the layer the wave's context rows, gathered from earlier waves,
-   followed by the wave's own keys under a mask (context: all visible; own: causal).
+   followed by the wave's own keys under a mask (context: all visible; own: causal;
+   in a layer with a sliding window, only the keys within it).
    The gathered keys/values stay in the autograd graph of the waves that computed
    them, so the gradient of a shared position flows back through it once, summed
    over the branches that read it.
@@ -30,6 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from prefixgym.engine.model import ModelConfig, Transformer
+from prefixgym.engine.model.layers import window_allows
 from prefixgym.engine.trainer.logprob_head import HeadRows
 from prefixgym.engine.trainer.prefix_trie import TriePlan, Wave
 
@@ -84,12 +86,34 @@ class TrieKV:
     `Transformer.hidden(recompute=True)`): the second call reads the pieces the first
     one saw and stores nothing, so it returns the same keys/values."""
 
-    def __init__(self, store: _KVStore, wave: Wave, device: torch.device) -> None:
+    def __init__(self, store: _KVStore, wave: Wave, device: torch.device,
+                 windows: tuple[int, ...] = ()) -> None:
         self.store = store
         self.stored = wave.stored
         self.context_N_A = None if wave.context_N_A is None else wave.context_N_A.to(device)
-        self.mask = None if wave.mask_N_1_L_K is None else wave.mask_N_1_L_K.to(device)
+        self.windows = windows
+        self.positions_N_L = wave.positions_N_L.to(device)
+        mask = None if wave.mask_N_1_L_K is None else wave.mask_N_1_L_K.to(device)
+        self.masks: dict[int, Tensor | None] = {0: mask}  # by window; None: plain causal
         self._pieces_seen: dict[int, int] = {}  # layer -> store pieces at its first call
+
+    def _mask(self, window: int) -> Tensor | None:
+        """The mask of a layer with this window (0: none): context row a holds position
+        a, own key l position `positions_N_L[l]`."""
+        if window not in self.masks:
+            own = self.positions_N_L  # (N, L)
+            base = self.masks[0]
+            if base is None or self.context_N_A is None:  # own keys only
+                L = own.shape[1]
+                base = torch.ones(L, L, dtype=torch.bool, device=own.device).tril()
+                keys = own
+            else:
+                A = self.context_N_A.shape[1]
+                context = torch.arange(A, device=own.device).expand(own.shape[0], A)
+                keys = torch.cat((context, own), dim=1)
+            within = window_allows(own, keys, window).unsqueeze(1)  # (N, 1, L, K)
+            self.masks[window] = base & within
+        return self.masks[window]
 
     def update(
         self, layer_idx: int, k_N_Hkv_L_D: Tensor, v_N_Hkv_L_D: Tensor
@@ -97,12 +121,13 @@ class TrieKV:
         first_call = layer_idx not in self._pieces_seen
         pieces = self._pieces_seen.setdefault(layer_idx, len(self.store.k[layer_idx]))
         out: tuple[Tensor, Tensor, Tensor | None]
+        mask = self._mask(self.windows[layer_idx] if self.windows else 0)
         if self.context_N_A is None:
-            out = (k_N_Hkv_L_D, v_N_Hkv_L_D, None)
+            out = (k_N_Hkv_L_D, v_N_Hkv_L_D, mask)
         else:
             k_ctx, v_ctx = self.store.gather(layer_idx, self.context_N_A, pieces)
             out = (torch.cat((k_ctx, k_N_Hkv_L_D), dim=2),
-                   torch.cat((v_ctx, v_N_Hkv_L_D), dim=2), self.mask)
+                   torch.cat((v_ctx, v_N_Hkv_L_D), dim=2), mask)
         if self.stored and first_call:
             self.store.add(layer_idx, k_N_Hkv_L_D, v_N_Hkv_L_D)
         return out
@@ -125,7 +150,7 @@ def _wave_forwards(
     in order, every wave attending to the keys/values of the waves it reads."""
     store = _KVStore(model.config.n_layers)
     for wave in plan.waves:
-        kv = TrieKV(store, wave, device)
+        kv = TrieKV(store, wave, device, model.config.windows)
         tokens, positions = wave.tokens_N_L.to(device), wave.positions_N_L.to(device)
         with autocast():
             yield wave, forward(tokens, positions, kv, recompute=recompute)

@@ -128,7 +128,12 @@ def edit_config(directory: Path, **changes: Any) -> None:
          "rope_parameters of type 'yarn' needs 'original_max_position_embeddings'"),
         ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}},
          "unsupported rope_parameters type 'su'"),
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0: attention logit soft"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0: soft-capping is not "
+                                           "supported for llama"),
+        ({"layer_types": ["chunked_attention", "full_attention"]},
+         "layer_types entry 'chunked_attention' is not supported"),
+        ({"layer_types": ["full_attention"]}, "layer_types must be a list of 2 strings"),
+        ({"use_bidirectional_attention": True}, "bidirectional attention"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"hidden_size": None}, "'hidden_size' is missing"),

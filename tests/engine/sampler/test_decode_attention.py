@@ -121,12 +121,12 @@ def test_decode_rows_at_one_position_attend_without_a_mask_bit_for_bit() -> None
         model(tokens[:, :8], prefill.positions_R_T, kv=prefill, last_only=True)
         workspace = DecodeWorkspace(pool, rows, tables, 9)
         view = DecodeView(pool, workspace, tables, [8, 8, 8])
-        assert view.mask is None
+        assert view.masks[0] is None
         unmasked = model(tokens[:, 8:], view.positions_R_T, kv=view, last_only=True)
-        view.mask = torch.zeros(3, 1, 1, 9)
+        view.masks[0] = torch.zeros(3, 1, 1, 9)
         masked = model(tokens[:, 8:], view.positions_R_T, kv=view, last_only=True)
         full = model(tokens)[:, 8]
-        uneven = DecodeView(pool, workspace, tables, [8, 7, 8]).mask
+        uneven = DecodeView(pool, workspace, tables, [8, 7, 8]).masks[0]
     assert torch.equal(unmasked, masked)
     torch.testing.assert_close(unmasked[:, 0], full, atol=1e-5, rtol=0)
     assert uneven is not None and torch.isinf(uneven[1, 0, 0, 8]) and uneven[0].eq(0).all()

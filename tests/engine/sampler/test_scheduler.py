@@ -1,8 +1,12 @@
-"""The engine: cache reuse, shared prefill, prompt logprobs, versions, seeds, stops, errors."""
+"""The engine: cache reuse, shared prefill, prompt logprobs, versions, seeds, stops, errors.
+
+The cache's property tests run twice: on full attention, and on a model whose first layer
+has a sliding window shorter than a block and its own RoPE base (Gemma 3's layout)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Iterator
 
@@ -13,10 +17,11 @@ from hypothesis import strategies as st
 
 from prefixgym.engine.model import ModelConfig, Transformer
 from prefixgym.local_service import LocalService
-from prefixgym.types import ModelInput, SampleRequest, SamplingParams
+from prefixgym.types import ModelInput, SampleRequest, SampleResponse, SamplingParams
 
 SMALL = ModelConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                     hidden_dim=128, max_seq_len=512)
+WINDOWED = dataclasses.replace(SMALL, layer_windows=(7, 0), local_rope_theta=500.0)
 BS = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -31,6 +36,14 @@ def service() -> Iterator[LocalService]:
 def uncached() -> Iterator[LocalService]:
     with LocalService(SMALL, seed=0, block_size=BS, prefix_cache=False) as svc:
         yield svc
+
+
+@pytest.fixture(scope="module")
+def windowed() -> Iterator[tuple[LocalService, LocalService]]:
+    """A windowed model's engine with its prefix cache, and one without."""
+    with LocalService(WINDOWED, seed=0, block_size=BS) as cached, \
+            LocalService(WINDOWED, seed=0, block_size=BS, prefix_cache=False) as plain:
+        yield cached, plain
 
 
 def full_forward_logprobs(model: Transformer, tokens: list[int]) -> list[float | None]:
@@ -60,6 +73,31 @@ tokens = st.lists(st.integers(1, 4000), min_size=1, max_size=40)
 def test_cached_and_uncached_agree_and_turns_hit_the_cache(
     service: LocalService, uncached: LocalService, first: list[int], extra: list[list[int]]
 ) -> None:
+    check_turns(service, uncached, first, extra)
+
+
+@settings(max_examples=6, derandomize=True, deadline=None)
+@given(first=st.lists(st.integers(1, 4000), min_size=1, max_size=60),
+       extra=st.lists(tokens, min_size=1, max_size=3))
+def test_with_sliding_windows_cached_and_uncached_agree_and_turns_hit_the_cache(
+    windowed: tuple[LocalService, LocalService], first: list[int], extra: list[list[int]]
+) -> None:
+    turns = check_turns(*windowed, first, extra)
+    model = windowed[0].train_model
+    for prompt, resp in turns:  # decode steps give the plain forward's logprobs
+        seq = resp.sequences[0]
+        full = full_forward_logprobs(model, prompt + seq.tokens)
+        assert seq.logprobs == pytest.approx(full[len(prompt):], abs=1e-4)
+    prompt = first + extra[0]
+    with torch.no_grad():  # the window is exercised: a model without it answers otherwise
+        unwindowed = Transformer(SMALL)
+        unwindowed.load_state_dict(model.state_dict())
+    if len(prompt) > 7:
+        assert full_forward_logprobs(unwindowed, prompt) != full_forward_logprobs(model, prompt)
+
+
+def check_turns(service: LocalService, uncached: LocalService, first: list[int],
+                extra: list[list[int]]) -> list[tuple[list[int], SampleResponse]]:
     cached_turns = run_turns(service, first, extra, GREEDY)
     plain_turns = run_turns(uncached, first, extra, GREEDY)
     previous_shared = 0
@@ -72,6 +110,7 @@ def test_cached_and_uncached_agree_and_turns_hit_the_cache(
         assert a.usage.prefill_cached_tokens >= previous_shared - 1
         previous_shared = len(prompt) + len(a.sequences[0].tokens)
     service.check_cache_integrity()
+    return cached_turns
 
 
 @settings(max_examples=5, derandomize=True, deadline=None)
@@ -82,6 +121,22 @@ def test_cached_and_uncached_agree_when_prompts_diverge_inside_blocks(
     service: LocalService, uncached: LocalService, base: list[int],
     cuts: list[tuple[int, list[int], int]]
 ) -> None:
+    check_diverging(service, uncached, base, cuts)
+
+
+@settings(max_examples=5, derandomize=True, deadline=None)
+@given(base=st.lists(st.integers(1, 4000), min_size=20, max_size=60),
+       cuts=st.lists(st.tuples(st.integers(0, 60), tokens, st.integers(1, 3)),
+                     min_size=2, max_size=6))
+def test_with_sliding_windows_cached_and_uncached_agree_when_prompts_diverge(
+    windowed: tuple[LocalService, LocalService], base: list[int],
+    cuts: list[tuple[int, list[int], int]]
+) -> None:
+    check_diverging(*windowed, base, cuts)
+
+
+def check_diverging(service: LocalService, uncached: LocalService, base: list[int],
+                    cuts: list[tuple[int, list[int], int]]) -> None:
     """Prompts that share a prefix of any length (so hits end mid-block, on full and on
     partial blocks), G samples each, in two rounds submitted atomically: the cache
     changes nothing but the counts."""

@@ -8,6 +8,8 @@ only; test_bf16_shared_stays_within_the_bf16_drift checks bf16 on peaked predict
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -22,12 +24,15 @@ from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, ModelInput
 CONFIG = ModelConfig(
     vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=48
 )
+WINDOWED = dataclasses.replace(  # a window shorter than the datums, its own RoPE, soft-caps
+    CONFIG, layer_windows=(5, 0), local_rope_theta=300.0, attention_softcap=4.0,
+    norms="both", norm_offset=True)
 NUMERICS = from_environment()
 REL = 1e-5  # fp32: shared vs plain differ by summation order only
 
 
-def make_model(seed: int = 0) -> Transformer:
-    model = Transformer(CONFIG)
+def make_model(seed: int = 0, config: ModelConfig = CONFIG) -> Transformer:
+    model = Transformer(config)
     init_weights(model, seed)
     return model
 
@@ -64,8 +69,9 @@ def group(prompt_len: int = 12, reply_lens: tuple[int, ...] = (5, 9, 3, 7), seed
 
 
 def run(datums: list[Datum], loss_fn: str, share: bool, backward: bool = True,
-        **kwargs: object) -> tuple[ForwardBackwardOutput, dict[str, torch.Tensor | None]]:
-    client = TrainingClient(make_model(), TrainerOptions(  # type: ignore[arg-type]
+        config: ModelConfig = CONFIG, **kwargs: object
+        ) -> tuple[ForwardBackwardOutput, dict[str, torch.Tensor | None]]:
+    client = TrainingClient(make_model(config=config), TrainerOptions(  # type: ignore[arg-type]
         share_prefixes=share, compute_dtype=NUMERICS.dtype, **kwargs))
     call = client.forward_backward if backward else client.forward
     out = call(datums, loss_fn).result()
@@ -89,11 +95,11 @@ def assert_same_logprobs(a: list[float], b: list[float], datums: list[Datum], wh
     assert err <= atol, f"{what}: |diff| {err:.3g} > {atol:.3g}"
 
 
-def assert_same_training(datums: list[Datum], loss_fn: str = "ppo",
+def assert_same_training(datums: list[Datum], loss_fn: str = "ppo", config: ModelConfig = CONFIG,
                          **kwargs: object) -> ForwardBackwardOutput:
     rel = NUMERICS.rel(REL, CONFIG.n_layers)
-    shared, shared_grads = run(datums, loss_fn, True, **kwargs)
-    plain, plain_grads = run(datums, loss_fn, False, **kwargs)
+    shared, shared_grads = run(datums, loss_fn, True, config=config, **kwargs)
+    plain, plain_grads = run(datums, loss_fn, False, config=config, **kwargs)
     loss = torch.tensor(shared.metrics["loss"])
     assert_rel_close(loss, torch.tensor(plain.metrics["loss"]), rel, "loss")
     for i, (a, b) in enumerate(zip(shared.loss_fn_outputs, plain.loss_fn_outputs, strict=True)):
@@ -263,6 +269,16 @@ def test_any_datums_with_shared_prefixes_train_exactly(case: tuple[list[list[int
     if budget == 8192:
         distinct = len({tuple(t[: k + 1]) for t in tokens for k in range(len(t))})
         assert out.usage.train_computed_tokens == distinct
+
+
+@given(datum_sets(), st.integers(0, 2**16))
+def test_with_sliding_windows_any_datums_with_shared_prefixes_train_exactly(
+        case: tuple[list[list[int]], int], seed: int) -> None:
+    """Windowed layers see the same keys through the trie's context rows as in a plain
+    forward (positions past the window are masked in both)."""
+    tokens, budget = case
+    datums = [make_datum(t, len(t) // 2, seed + i) for i, t in enumerate(tokens)]
+    assert_same_training(datums, "ppo", config=WINDOWED, max_tokens_per_forward=budget)
 
 
 def test_repeated_calls_give_the_same_gradient_bits() -> None:

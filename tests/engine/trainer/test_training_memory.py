@@ -6,6 +6,7 @@ The chunked head's and LoRA's comparisons run in the test dtype (tests/numerics.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from prefixgym.types import Datum, ForwardBackwardOutput, ModelInput
 
 CONFIG = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
                      max_seq_len=48)
+CAPPED = dataclasses.replace(CONFIG, final_softcap=1.5, logit_divisor=0.5)  # Gemma 2's head
 REL = 5e-6  # fp32: matmuls and gradient sums split by chunk
 NUMERICS = from_environment()
 REL_TEST_DTYPE = NUMERICS.rel(REL, CONFIG.n_layers)  # bf16: tests/numerics.py
@@ -135,12 +137,14 @@ def test_bf16_autocast_recompute_exact_and_chunked_head_close() -> None:
     assert_same(chunked, plain, 2e-2)  # bf16 matmuls rounded in another order
 
 
+@pytest.mark.parametrize("config", [CONFIG, CAPPED], ids=["plain", "softcapped"])
 @pytest.mark.parametrize("train_unembed", [False, True])
-def test_lora_with_and_without_the_head_adapter(train_unembed: bool) -> None:
-    """A frozen head (the fast path: d logprob / d h computed in forward) and a head
-    adapter (chunks recomputed in backward): the plain path's adapter gradients."""
+def test_lora_with_and_without_the_head_adapter(train_unembed: bool, config: ModelConfig) -> None:
+    """A frozen head (the fast path: d logprob / d h computed in forward, through a
+    soft-cap where the model has one) and a head adapter (chunks recomputed in
+    backward): the plain path's adapter gradients."""
     def lora_run(**kwargs: object) -> tuple[ForwardBackwardOutput, Grads]:
-        with EngineService(CONFIG, thread_tuning=False) as svc:
+        with EngineService(config, thread_tuning=False) as svc:
             client = svc.create_lora_training_client(  # type: ignore[arg-type]
                 rank=4, train_unembed=train_unembed, compute_dtype=NUMERICS.dtype, **kwargs)
             with torch.no_grad():  # B starts at zero: make every adapter matter
