@@ -4,8 +4,10 @@ the same weights, one run.
 For each family (docs/models.md) transformers builds a random-init model of one
 mid-size shape (4 layers, hidden 512, 8 heads, 2 KV heads, MLP 1536, vocabulary 8192;
 the family's own knobs on top: Llama 3's RoPE scaling, Qwen3's q/k norms, Phi-3's fused
-projections, SmolLM3's layer without RoPE, OLMo 2's post-norms, Granite's multipliers),
-saves it, and both sides run it from that directory, fp32:
+projections, SmolLM3's layer without RoPE, OLMo 2's post-norms, Granite's multipliers,
+Mistral's 256-position window, Gemma 2's and 3's and OLMo 3's alternating windows,
+Qwen3-MoE's 8 experts of width 384, 2 per token), saves it, and both sides run it from
+that directory, fp32:
 
   prefill  a GRPO group's prompts: 8 prompts of 512 tokens sharing a 448-token prefix
            (a system prompt and a task), one token sampled after each.
@@ -19,17 +21,24 @@ saves it, and both sides run it from that directory, fp32:
            HF                `generate` on the prompt repeated 8 times, KV cache on,
                              min_new_tokens=max_new_tokens=64
 
+  train    (ours only, `--train`) one LoRA (rank 16, attention and MLPs) GRPO step: a
+           `forward_backward` of the 8 prefill prompts with 64-token replies under
+           "importance_sampling", then `optim_step`, in a fresh process: its seconds and
+           the process's peak RSS (weights and all).
+
 Throughput is prompt tokens (prefill) or new tokens (decode) per second of the whole
 call; each figure is the best of `--repeats` timed calls after one warm-up, the two
 sides alternating, so load hits both alike. Ratios > 1 mean ours is faster.
 
     .venv/bin/python bench/bench_families.py              # every family, 3 repeats
     .venv/bin/python bench/bench_families.py --families qwen3 phi3 --repeats 5
+    .venv/bin/python bench/bench_families.py --families llama3 qwen3_moe --train
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import tempfile
 import time
 from collections.abc import Callable
@@ -61,7 +70,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo2": ("Olmo2", {}),
     "granite": ("Granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                             "attention_multiplier": 0.0156, "logits_scaling": 8.0}),
+    "mistral": ("Mistral", {"sliding_window": 256}),
+    "olmo3": ("Olmo3", {"sliding_window": 256}),  # layers 1-3 windowed, 4 global
+    "gemma2": ("Gemma2", {"sliding_window": 256, "head_dim": 64, "query_pre_attn_scalar": 64}),
+    "gemma3": ("Gemma3Text", {"sliding_window": 256, "head_dim": 64, "query_pre_attn_scalar": 64,
+                              "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}),
+    "qwen3_moe": ("Qwen3Moe", {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 384, "norm_topk_prob": True}),
 }
+MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3Moe": "Qwen3MoeForCausalLM"}
 GROUP, PROMPT, SHARED = 8, 512, 448
 DECODE_PROMPT, NEW = 128, 64
 
@@ -84,7 +101,8 @@ def ids(n: int, seed: int) -> list[int]:
 def run_family(name: str, directory: Path, repeats: int) -> dict[str, float]:
     arch, overrides = FAMILIES[name]
     torch.manual_seed(0)
-    hf = getattr(tf, f"{arch}ForCausalLM")(getattr(tf, f"{arch}Config")(**{**SHAPE, **overrides}))
+    config = getattr(tf, f"{arch}Config")(**{**SHAPE, **overrides})
+    hf = getattr(tf, MODEL_CLASSES.get(arch, f"{arch}ForCausalLM"))(config)
     hf.save_pretrained(directory, safe_serialization=True)
     load_tokenizer().save_pretrained(directory)  # the engine reads the directory's tokenizer
     hf.eval()
@@ -136,11 +154,37 @@ def run_family(name: str, directory: Path, repeats: int) -> dict[str, float]:
     return out
 
 
+def train_step(directory: str) -> tuple[float, float]:
+    """(seconds of one LoRA GRPO step, peak RSS in GiB of this process): run in a fresh one."""
+    import resource
+
+    common.setup_threads(2)
+    shared = ids(SHARED, 1)
+    datums = []
+    for i in range(GROUP):
+        tokens = shared + ids(PROMPT - SHARED + 64, 10 + i)
+        n = len(tokens) - 1
+        weights = [0.0] * (PROMPT - 1) + [1.0] * (n - PROMPT + 1)
+        datums.append(pg.Datum(model_input=pg.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": tokens[1:], "weights": weights, "logprobs": [-1.0] * n,
+            "advantages": [(i % 3 - 1) * w for w in weights]}))
+    with LocalService(directory, seed=0) as svc:
+        client = svc.create_lora_training_client(rank=16)
+        client.forward_backward(datums[:2], "importance_sampling").result()  # warm-up
+        client.optim_step(pg.AdamParams(learning_rate=1e-4)).result()
+        t0 = time.perf_counter()
+        client.forward_backward(datums, "importance_sampling").result()
+        client.optim_step(pg.AdamParams(learning_rate=1e-4)).result()
+        seconds = time.perf_counter() - t0
+    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--families", nargs="*", default=sorted(FAMILIES))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--train", action="store_true", help="also time a LoRA GRPO step")
     a = p.parse_args()
     tf.utils.logging.disable_progress_bar()
     common.setup_threads(a.threads)
@@ -149,16 +193,24 @@ def main() -> None:
           f"{SHAPE['hidden_size']}, MLP {SHAPE['intermediate_size']}, vocab {SHAPE['vocab_size']}; "
           f"prefill {GROUP} x {PROMPT} tokens sharing {SHARED}; decode {GROUP} x {NEW} new "
           f"tokens after {DECODE_PROMPT}; best of {a.repeats}")
-    print(f"\n{'family':<8} {'prefill tok/s: ours-off':>24} {'ours-on':>9} {'HF':>9} "
+    print(f"\n{'family':<9} {'prefill tok/s: ours-off':>23} {'ours-on':>9} {'HF':>9} "
           f"{'off/HF':>7} {'on/HF':>7}   {'decode tok/s: ours':>19} {'HF':>8} {'ours/HF':>8}")
     tokens = GROUP * PROMPT
+    steps = []
     for name in a.families:
         with tempfile.TemporaryDirectory() as d:
             r = run_family(name, Path(d), a.repeats)
+            if a.train:
+                with multiprocessing.get_context("spawn").Pool(1) as pool:
+                    steps.append((name, *pool.apply(train_step, (d,))))
         off, on, hf = tokens / r["ours_off"], tokens / r["ours_on"], tokens / r["hf"]
         dec, hf_dec = GROUP * NEW / r["ours_decode"], GROUP * NEW / r["hf_decode"]
-        print(f"{name:<8} {off:24,.0f} {on:9,.0f} {hf:9,.0f} {off / hf:6.2f}x {on / hf:6.2f}x"
+        print(f"{name:<9} {off:23,.0f} {on:9,.0f} {hf:9,.0f} {off / hf:6.2f}x {on / hf:6.2f}x"
               f"   {dec:19,.0f} {hf_dec:8,.0f} {dec / hf_dec:7.2f}x", flush=True)
+    if steps:
+        print(f"\n{'family':<9} {'LoRA GRPO step (8 x 576 positions), s':>38} {'peak RSS GiB':>13}")
+        for name, seconds, rss in steps:
+            print(f"{name:<9} {seconds:38.2f} {rss:13.2f}")
 
 
 if __name__ == "__main__":
