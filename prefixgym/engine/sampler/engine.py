@@ -97,8 +97,10 @@ class Engine:
         self._stats_lock = threading.Lock()  # guards the scheduler between steps
         # padded positions per prefill forward: 2048 ran tiny 8x512 prefills ~10% faster
         # than one 4096-position forward (bench_prefill.py), smaller ones fit the caches
+        windows = config.windows  # every layer windowed: what no window reads is freed
         self.scheduler = Scheduler(cache, decode, ledger, options.max_running,
-                                   max_prefill_tokens)
+                                   max_prefill_tokens,
+                                   release_window=max(windows) if all(windows) else 0)
         # the engine thread's forwards pick their torch thread count by timing (threads.py);
         # a bf16/fp16 model's matmuls on CPU run in oneDNN, whose rounding changes with the
         # thread count (docs/architecture.md "Determinism"): a deterministic engine keeps one

@@ -18,7 +18,7 @@ token prefix (`Match.tail_block`), whose positions the caller copies into a bloc
 its own, since a cached block is never written.
 
 Contract -- reads (no change to refcounts, LRU order, reservations or statistics):
-`match`, `can_reserve`, `stats`, `check_integrity`, `len()`. Changes: `reserve` /
+`match`, `can_reserve`, `is_indexed`, `stats`, `check_integrity`, `len()`. Changes: `reserve` /
 `unreserve` (blocks promised to admitted sequences, so decoding never runs out),
 `allocate` (takes one reserved block, evicting if needed), `acquire` / `release`
 (refcounts; an unindexed block whose last reference goes is free again), `insert`
@@ -137,6 +137,9 @@ class PrefixCache:
             return None  # absent, or a hash collision
         return entry
 
+    def is_indexed(self, block: int) -> bool:
+        return block in self._entry_of
+
     def stats(self) -> dict[str, int]:
         return {
             "block_size": self.block_size,
@@ -251,7 +254,9 @@ class PrefixCache:
         part-filled one. A block whose prefix is cached already, in another block, stays
         unindexed; a writer that runs on indexes nothing after it, since an entry it holds
         under one it does not would make that one unevictable (`can_reserve` counts every
-        unreferenced block as evictable)."""
+        unreferenced block as evictable). A table entry 0 is a block its writer dropped
+        (outside every window, indexed first): indexing goes on below it while its entry
+        is still cached, and stops where it was evicted."""
         if not self.indexing:
             return
         bs, parent = self.block_size, _ROOT
@@ -259,7 +264,10 @@ class PrefixCache:
         for i, start in enumerate(range(0, end, bs)):  # a partial block comes last
             block_tokens = tuple(tokens[start : min(start + bs, end)])
             key = _key(version, parent, block_tokens)
-            if key not in self._index:
+            if table[i] == 0:  # dropped by its writer
+                if self._verified(version, parent, block_tokens) is None:
+                    return
+            elif key not in self._index:
                 if table[i] in self._entry_of:
                     return  # the block is cached under another prefix (cannot happen; be safe)
                 entry = Entry(key, parent, version, block_tokens, table[i])

@@ -98,6 +98,7 @@ class Continuation:
     request: Request
     rng: random.Random
     table: list[int] = field(default_factory=list)  # block ids, position p in table[p // bs]
+    dropped: int = 0  # its first blocks, released when no window saw them (0 in `table`)
     reserved: int = 0  # blocks promised to it, not yet allocated
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

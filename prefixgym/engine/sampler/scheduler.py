@@ -18,6 +18,14 @@ The wave is prefilled in chunks of similar uncached length (prompt-logprob and
 zero-token requests alone). A request's G samples share its prompt's full blocks;
 each gets its own copy of a part-filled last block.
 
+A model whose every layer has a sliding window (`release_window`: the widest) never
+reads a position again once the next query is that far past it: before each decode
+step a sequence drops its blocks that fell out of it, first indexing them in the cache
+(a later turn that extends the conversation still hits them while they stay cached),
+then releasing its references (the table keeps 0 there: block 0 is masked padding).
+It drops them only while the block after them is not one the cache indexes, which
+would leave a referenced entry under an unreferenced parent (`PrefixCache.insert`).
+
 Errors travel: `fail(requests, error)` fails those requests' futures and frees what
 they hold; `handling` names the requests the step in progress touches (the batch's,
 or the one being admitted), whom an error in scheduling, running or postprocessing
@@ -87,8 +95,10 @@ class Scheduler:
     def __init__(
         self, cache: PrefixCache, decode: Callable[[list[int]], str] | None,
         ledger: UsageLedger | None, max_running: int, max_prefill_tokens: int,
+        release_window: int = 0,
     ) -> None:
         self.cache = cache
+        self.release_window = release_window  # 0: some layer sees every position
         self._decode = decode
         self._ledger = ledger
         self.max_running = max_running
@@ -101,7 +111,8 @@ class Scheduler:
         self._turn = 0
         self.counters = dict.fromkeys(
             ("prefill_calls", "prefill_positions", "decode_steps", "decoded_tokens",
-             "max_batch_size", "requests_completed", "requests_failed"), 0)
+             "max_batch_size", "requests_completed", "requests_failed",
+             "window_dropped_blocks"), 0)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self._chunks or any(self.running.values()))
@@ -118,7 +129,7 @@ class Scheduler:
         refs: dict[int, int] = {}
         promised = 0
         for req in self.in_flight():
-            for block in req.tail_pin + [b for s in req.sequences for b in s.table]:
+            for block in req.tail_pin + [b for s in req.sequences for b in s.table if b]:
                 refs[block] = refs.get(block, 0) + 1
             for seq in req.sequences:
                 if seq.reserved < 0:
@@ -224,12 +235,30 @@ class Scheduler:
         batch = Batch("decode", seqs[0].request.model, version, seqs)
         bs = self.cache.block_size
         for seq in seqs:
+            if self.release_window:
+                self._drop_outside_window(seq)
             if seq.kv_len == len(seq.table) * bs:  # its next position starts a block
                 seq.table.append(self._allocate(seq, batch))
             batch.tables.append(seq.table)
             batch.starts.append(seq.kv_len)
             batch.tokens.append(seq.tokens[-1:])
         return batch
+
+    def _drop_outside_window(self, seq: Continuation) -> None:
+        """Index, then release, the sequence's blocks every position of which lies at or
+        before its next query's position minus the window (no layer reads them again)."""
+        bs = self.cache.block_size
+        dead = min((seq.kv_len - self.release_window + 1) // bs, len(seq.table))
+        if dead <= seq.dropped or (dead < len(seq.table)
+                                   and self.cache.is_indexed(seq.table[dead])):
+            return
+        req = seq.request
+        self.cache.insert(req.prompt + seq.tokens, req.version, seq.table, dead * bs,
+                          finished=False)
+        self.cache.release(seq.table[seq.dropped : dead])
+        seq.table[seq.dropped : dead] = [0] * (dead - seq.dropped)
+        self.counters["window_dropped_blocks"] += dead - seq.dropped
+        seq.dropped = dead
 
     def _allocate(self, seq: Continuation, batch: Batch) -> int:
         seq.reserved -= 1
@@ -302,7 +331,7 @@ class Scheduler:
             req.future.set_result(response)
 
     def _free(self, seq: Continuation) -> None:
-        self.cache.release(seq.table)
+        self.cache.release(b for b in seq.table if b)
         self.cache.unreserve(seq.reserved)
         seq.table, seq.reserved = [], 0
 

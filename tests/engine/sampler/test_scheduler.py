@@ -6,6 +6,7 @@ has a sliding window shorter than a block and its own RoPE base (Gemma 3's layou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from prefixgym.types import ModelInput, SampleRequest, SampleResponse, SamplingP
 SMALL = ModelConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                     hidden_dim=128, max_seq_len=512)
 WINDOWED = dataclasses.replace(SMALL, layer_windows=(7, 0), local_rope_theta=500.0)
+ALL_WINDOWED = dataclasses.replace(SMALL, layer_windows=(20, 12))  # blocks fall out of both
 BS = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -43,6 +45,15 @@ def windowed() -> Iterator[tuple[LocalService, LocalService]]:
     """A windowed model's engine with its prefix cache, and one without."""
     with LocalService(WINDOWED, seed=0, block_size=BS) as cached, \
             LocalService(WINDOWED, seed=0, block_size=BS, prefix_cache=False) as plain:
+        yield cached, plain
+
+
+@pytest.fixture(scope="module")
+def all_windowed() -> Iterator[tuple[LocalService, LocalService]]:
+    """A model whose every layer is windowed: sequences drop the blocks no window reads."""
+    small = {"block_size": BS, "cache_bytes": 1 << 22}  # 256 blocks: cheap integrity checks
+    with LocalService(ALL_WINDOWED, seed=0, **small) as cached, \
+            LocalService(ALL_WINDOWED, seed=0, prefix_cache=False, **small) as plain:
         yield cached, plain
 
 
@@ -96,10 +107,76 @@ def test_with_sliding_windows_cached_and_uncached_agree_and_turns_hit_the_cache(
         assert full_forward_logprobs(unwindowed, prompt) != full_forward_logprobs(model, prompt)
 
 
+LONG = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+@contextlib.contextmanager
+def integrity_checked_every_step(svc: LocalService) -> Iterator[list[str]]:
+    """The cache's invariants checked after every engine step, on the engine thread
+    (while sequences run, not only once they are done); the broken ones are listed."""
+    engine, broken = svc.engine, []
+    step = engine.step
+
+    def checked_step() -> None:
+        step()
+        try:
+            engine.scheduler.check_integrity()
+        except AssertionError as error:
+            broken.append(str(error))
+
+    engine.step = checked_step  # type: ignore[method-assign]
+    try:
+        yield broken
+    finally:
+        engine.step = step  # type: ignore[method-assign]
+
+
+@settings(max_examples=6, derandomize=True, deadline=None)
+@given(first=st.lists(st.integers(1, 4000), min_size=1, max_size=60),
+       extra=st.lists(tokens, min_size=1, max_size=3))
+def test_blocks_no_window_reads_are_dropped_and_turns_still_hit_the_cache(
+    all_windowed: tuple[LocalService, LocalService], first: list[int], extra: list[list[int]]
+) -> None:
+    """Replies of 40 tokens on a window of 20: each sequence drops blocks as it decodes
+    (indexing them first), and the next turn, which extends it, still hits them."""
+    cached, plain = all_windowed
+    before = cached.engine_stats()["window_dropped_blocks"]
+    with integrity_checked_every_step(cached) as broken:
+        turns = check_turns(cached, plain, first, extra, LONG)
+    assert broken == []
+    assert cached.engine_stats()["window_dropped_blocks"] > before
+    for prompt, resp in turns:
+        seq = resp.sequences[0]
+        full = full_forward_logprobs(cached.train_model, prompt + seq.tokens)
+        assert seq.logprobs == pytest.approx(full[len(prompt):], abs=1e-4)
+
+
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_without_the_cache_every_block_out_of_the_window_is_freed(
+        all_windowed: tuple[LocalService, LocalService], num_samples: int) -> None:
+    _, plain = all_windowed
+    P, N, W = 37, 60, 20
+    prompt = list(range(5, 5 + P))
+    before = plain.engine_stats()["window_dropped_blocks"]
+    resp = plain.create_sampling_client(stop_at_end_of_turn=False).sample(
+        prompt, num_samples=num_samples, sampling_params=SamplingParams(
+            max_tokens=N, temperature=1.0, seed=3)).result()
+    last_kv_len = P + N - 2  # the last decode step's position
+    dead = (last_kv_len - W + 1) // BS  # blocks entirely at or before it minus the window
+    shared = P // BS  # the samples' shared prompt blocks count once per sample too
+    assert plain.engine_stats()["window_dropped_blocks"] - before == num_samples * dead
+    assert dead > shared
+    for seq in resp.sequences:
+        full = full_forward_logprobs(plain.train_model, prompt + seq.tokens)
+        assert seq.logprobs == pytest.approx(full[P:], abs=1e-4)
+    plain.check_cache_integrity()
+
+
 def check_turns(service: LocalService, uncached: LocalService, first: list[int],
-                extra: list[list[int]]) -> list[tuple[list[int], SampleResponse]]:
-    cached_turns = run_turns(service, first, extra, GREEDY)
-    plain_turns = run_turns(uncached, first, extra, GREEDY)
+                extra: list[list[int]], params: SamplingParams = GREEDY
+                ) -> list[tuple[list[int], SampleResponse]]:
+    cached_turns = run_turns(service, first, extra, params)
+    plain_turns = run_turns(uncached, first, extra, params)
     previous_shared = 0
     for (prompt, a), (_, b) in zip(cached_turns, plain_turns):
         assert a.sequences[0].tokens == b.sequences[0].tokens
