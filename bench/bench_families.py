@@ -6,7 +6,8 @@ mid-size shape (4 layers, hidden 512, 8 heads, 2 KV heads, MLP 1536, vocabulary 
 the family's own knobs on top: Llama 3's RoPE scaling, Qwen3's q/k norms, Phi-3's fused
 projections, SmolLM3's layer without RoPE, OLMo 2's post-norms, Granite's multipliers,
 Mistral's 256-position window, Gemma 2's and 3's and OLMo 3's alternating windows,
-Qwen3-MoE's 8 experts of width 384, 2 per token), saves it, and both sides run it from
+Qwen3-MoE's and gpt-oss's 8 experts of width 384, 2 per token, gpt-oss's alternating
+128-position windows and attention sinks), saves it, and both sides run it from
 that directory, fp32:
 
   prefill  a GRPO group's prompts: 8 prompts of 512 tokens sharing a 448-token prefix
@@ -77,6 +78,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                               "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}),
     "qwen3_moe": ("Qwen3Moe", {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
                                "moe_intermediate_size": 384, "norm_topk_prob": True}),
+    "gpt_oss": ("GptOss", {"head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2,
+                           "intermediate_size": 384, "sliding_window": 128,
+                           "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0,
+                                               "factor": 4.0, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 1024}}),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3Moe": "Qwen3MoeForCausalLM"}
 GROUP, PROMPT, SHARED = 8, 512, 448

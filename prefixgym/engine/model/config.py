@@ -16,13 +16,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["ACTIVATIONS", "NORM_PLACEMENTS", "PRESETS", "QK_NORMS", "ROPE_KINDS", "ModelConfig",
-           "RopeScaling"]
+__all__ = ["ACTIVATIONS", "NORM_PLACEMENTS", "PRESETS", "QK_NORMS", "ROPE_KINDS", "ROUTERS",
+           "ModelConfig", "RopeScaling"]
 
 ROPE_KINDS = ("default", "linear", "yarn", "longrope", "llama3")
 QK_NORMS = ("none", "head", "all_heads")
 NORM_PLACEMENTS = ("pre", "post", "both")
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
+ROUTERS = ("softmax_topk", "topk_softmax")
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,13 @@ class ModelConfig:
     """RMSNorms scale by (1 + weight) and round after scaling (Gemma); the weights are
     stored as the checkpoint holds them."""
     activation: str = "silu"
-    """The MLP gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma)."""
+    """The MLP gate's activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU: Gemma) or
+    "clamped_swiglu" (gpt-oss: gate clamped above at `swiglu_limit`, up within
+    +-limit, (up + 1) * gate * sigmoid(alpha * gate))."""
+    swiglu_alpha: float = 1.702
+    """clamped_swiglu's sigmoid slope."""
+    swiglu_limit: float = 7.0
+    """clamped_swiglu's clamp."""
     embedding_multiplier: float = 1.0
     """Scales the token embeddings (Granite; Gemma's sqrt(dim))."""
     embedding_multiplier_rounded: bool = False
@@ -146,6 +153,17 @@ class ModelConfig:
     None: every layer's, when there are experts."""
     normalize_router_weights: bool = False
     """The picked experts' probabilities are divided by their sum (HF `norm_topk_prob`)."""
+    router: str = "softmax_topk"
+    """How experts are picked and weighted: "softmax_topk" (a softmax over every expert,
+    in fp32, then the top k: Qwen3-MoE) or "topk_softmax" (the top k logits, then a
+    softmax over those: gpt-oss)."""
+    router_bias: bool = False
+    """The router has a bias (gpt-oss)."""
+    expert_bias: bool = False
+    """Each expert's projections have biases (gpt-oss)."""
+    attention_sinks: bool = False
+    """Each head has a learned logit that joins its softmax and takes a share of the
+    attention without a value (gpt-oss)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -190,10 +208,13 @@ class ModelConfig:
         if self.norms not in NORM_PLACEMENTS:
             raise ValueError(f"ModelConfig.norms must be one of {NORM_PLACEMENTS}, got "
                              f"{self.norms!r}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"ModelConfig.router must be one of {ROUTERS}, got {self.router!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"ModelConfig.activation must be one of {ACTIVATIONS}, got "
                              f"{self.activation!r}")
-        for name in ("attention_softcap", "final_softcap", "local_rope_theta"):
+        for name in ("attention_softcap", "final_softcap", "local_rope_theta", "swiglu_alpha",
+                     "swiglu_limit"):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"ModelConfig.{name} must be positive or None, got {value!r}")

@@ -16,6 +16,8 @@ is a converter, not a model (litgpt's `Config`, transformers' modular files).
 | olmo3     | OLMo 2's, with windows by `layer_types` and their own RoPE           |
 | granite   | embedding, attention, residual and logit multipliers                 |
 | mistral   | a window on every layer                                              |
+| gpt_oss   | experts with biases, a biased top-k-then-softmax router, clamped     |
+|           | SwiGLU, attention sinks, windows by `layer_types`, MXFP4 experts     |
 | gemma2    | norms on both sides, (1 + w) norms, GeGLU, scaled embeddings,        |
 |           | soft-capped attention and logits, windows by `layer_types`           |
 | gemma3    | Gemma 2's (no soft-caps by default), q/k norms, the windowed layers' |
@@ -78,8 +80,12 @@ class Family:
     """The config field naming the MLP's activation."""
     tied_by_default: bool = False
     """`tie_word_embeddings` when config.json leaves it out."""
-    experts: bool = False
-    """Whether its MLPs may be mixtures of experts (`num_experts` is read, not refused)."""
+    experts: str = ""
+    """How its checkpoints store experts, if it has them ("" : it has none):
+    "per_expert" (`mlp.gate` router, `mlp.experts.{e}.gate_proj.weight`, ... or stacked:
+    Qwen3-MoE) or "gpt_oss" (`mlp.router` with a bias, `mlp.experts.gate_up_proj` of
+    (E, C, 2F) with gate and up interleaved, `down_proj` (E, F, C), their biases; or
+    MXFP4 `_blocks` and `_scales` in their place)."""
 
     def hf_modules(self, ours: str) -> tuple[str, ...]:
         """Our layer (one of LAYERS) -> its HF modules, in row order."""
@@ -135,6 +141,18 @@ def _qwen3_moe(read: Callable[[str, Any], Any]) -> dict[str, Any]:
             "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))}
 
 
+def _gpt_oss(read: Callable[[str, Any], Any]) -> dict[str, Any]:
+    width = int(read("intermediate_size", 0) or 0)
+    bias = bool(read("attention_bias", True))
+    return {"qkv_bias": bias, "out_bias": bias, "activation": "clamped_swiglu",
+            "swiglu_alpha": float(read("swiglu_alpha", 1.702)),
+            "swiglu_limit": float(read("swiglu_limit", 7.0)),
+            "num_experts": int(read("num_local_experts", 0) or 0),
+            "experts_per_token": int(read("num_experts_per_tok", 0) or 0),
+            "expert_hidden_dim": width, "router": "topk_softmax", "router_bias": True,
+            "expert_bias": True, "attention_sinks": True}
+
+
 _GEMMA_NORMS = ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
                 "post_feedforward_layernorm")
 _OLMO_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
@@ -154,8 +172,10 @@ FAMILIES: tuple[Family, ...] = (
            window_pattern=4,
            knobs=lambda read: {**_biases(read), "norms": "post", "qk_norm": "all_heads"}),
     Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", knobs=_qwen3_moe, windows="all",
-           experts=True),
+           experts="per_expert"),
     Family("granite", ("granite",), "GraniteForCausalLM", knobs=_granite),
+    Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", knobs=_gpt_oss, windows="layer_types",
+           window_pattern=2, experts="gpt_oss"),
     Family("mistral", ("mistral",), "MistralForCausalLM", windows="all", knobs=_biases),
     Family("gemma2", ("gemma2",), "Gemma2ForCausalLM", norms=_GEMMA_NORMS, knobs=_gemma2,
            windows="layer_types", window_pattern=2, activation_field="hidden_activation",

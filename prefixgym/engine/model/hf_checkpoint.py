@@ -27,7 +27,13 @@ from prefixgym.engine import malloc_tuning
 from prefixgym.engine.checkpoint_io import nonfinite_tensor
 from prefixgym.engine.model.config import ModelConfig
 from prefixgym.engine.model.decoder import Transformer
-from prefixgym.engine.model.families import EXPERT_MODULES, LAYERS, block_norms, module_shapes
+from prefixgym.engine.model.families import (
+    EXPERT_MODULES,
+    LAYERS,
+    block_norms,
+    family_named,
+    module_shapes,
+)
 from prefixgym.engine.model.hf_config import config_from_hf, read_raw_config
 
 __all__ = ["load_hf_checkpoint"]
@@ -52,15 +58,40 @@ class _TensorIndex:
     def __contains__(self, key: str) -> bool:
         return key in self.where
 
-    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def quantized(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The MXFP4 tensor `key` (`key_blocks` and `key_scales`), dequantized to `shape`."""
+        *lead, cols = shape
+        if cols % 32:
+            raise ValueError(f"{key}: MXFP4 needs a width divisible by 32, got {cols}")
+        blocks = self._read(key + "_blocks", (*lead, cols // 32, 16), torch.uint8)
+        scales = self._read(key + "_scales", (*lead, cols // 32), torch.uint8)
+        converted = dequantize_mxfp4(blocks, scales).to(dtype)
+        if nonfinite_tensor([(key, converted)]) is not None:
+            raise ValueError(f"{self.where[key + '_blocks']}: tensor {key!r} overflows to inf "
+                             f"in {dtype}")
+        return converted
+
+    def _load(self, key: str) -> tuple[torch.Tensor, Path]:
+        """The stored tensor `key` as it is, and its file."""
         if key not in self.where:
             raise ValueError(f"checkpoint tensor {key!r} is missing (looked in {self.files})")
         file = self.where[key]
         try:
             with safe_open(str(file), framework="pt") as f:
-                tensor = f.get_tensor(key)
+                return f.get_tensor(key), file
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{file}: cannot read tensor {key!r}: {e}") from None
+
+    def _read(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The stored tensor `key`, which must have this shape and dtype."""
+        tensor, file = self._load(key)
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(f"{file}: tensor {key!r} is {tensor.dtype} {tuple(tensor.shape)}, "
+                             f"expected {dtype} {shape}")
+        return tensor
+
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        tensor, file = self._load(key)
         if tuple(tensor.shape) != shape:
             raise ValueError(
                 f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}"
@@ -97,7 +128,11 @@ def _state_dict_from_hf(
             sd[ours + norm + ".weight"] = get(hf + hf_norm + ".weight", C)
         moe = config.is_moe(i)
         if moe:
-            sd.update(_experts(index, prefix + hf + "mlp.", ours + "mlp.", config, dtype))
+            experts = _gpt_oss_experts if family_named(config.family).experts == "gpt_oss" \
+                else _experts
+            sd.update(experts(index, prefix + hf + "mlp.", ours + "mlp.", config, dtype))
+        if config.attention_sinks:
+            sd[ours + "attn.sinks"] = get(hf + "self_attn.sinks", config.n_heads)
         for layer in LAYERS:
             if moe and layer.startswith("mlp."):
                 continue
@@ -136,6 +171,44 @@ def _experts(index: _TensorIndex, hf: str, ours: str, config: ModelConfig, dtype
         index.get(f"{hf}experts.{e}.{up}.weight", (F, C), dtype))) for e in range(E)])
     out[ours + "w_down"] = torch.stack([index.get(f"{hf}experts.{e}.{down}.weight", (C, F), dtype)
                                         for e in range(E)])
+    return out
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""MXFP4's 4-bit values (e2m1), by code: bit 3 the sign."""
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 to float32: `blocks` (..., G, 16) uint8, two 4-bit codes a byte (the low
+    nibble first), and `scales` (..., G) uint8, a power of two each (biased by 127)
+    for the 32 values of its group -> (..., G * 32). Exact: every value is a small
+    binary fraction times a power of two."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # (..., G, 16, 2)
+    values = lut[codes].flatten(-2)  # (..., G, 32)
+    exponents = scales.to(torch.int32) - 127
+    return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2)
+
+
+def _gpt_oss_experts(index: _TensorIndex, hf: str, ours: str, config: ModelConfig,
+                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """gpt-oss's router (with its bias) and experts, dense or MXFP4: its gate and up
+    columns interleaved (gate even, up odd) become our [gate | up] rows."""
+    E, C, F = config.num_experts, config.dim, config.expert_hidden_dim
+    out = {ours + "router.weight": index.get(hf + "router.weight", (E, C), dtype),
+           ours + "router.bias": index.get(hf + "router.bias", (E,), dtype)}
+    if hf + "experts.gate_up_proj_blocks" in index:
+        gate_up = index.quantized(hf + "experts.gate_up_proj", (E, 2 * F, C), dtype)
+        down = index.quantized(hf + "experts.down_proj", (E, C, F), dtype)
+    else:  # stored transposed: x @ W
+        gate_up = index.get(hf + "experts.gate_up_proj", (E, C, 2 * F), dtype).transpose(1, 2)
+        down = index.get(hf + "experts.down_proj", (E, F, C), dtype).transpose(1, 2)
+    bias = index.get(hf + "experts.gate_up_proj_bias", (E, 2 * F), dtype)
+    out[ours + "w_gate_up"] = torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1)
+    out[ours + "b_gate_up"] = torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1)
+    out[ours + "w_down"] = down.contiguous()
+    out[ours + "b_down"] = index.get(hf + "experts.down_proj_bias", (E, C), dtype)
     return out
 
 

@@ -104,6 +104,12 @@ def config_from_hf(
         if key in cfg and bad(cfg[key]):
             raise read.error(f"{key}={cfg[key]!r}: {what} is not supported for "
                              f"{family.name} checkpoints yet")
+    quant = cfg.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        if not (family.experts == "gpt_oss" and method == "mxfp4"):
+            raise read.error(f"quantization_config (quant_method {method!r}): quantized "
+                             f"checkpoints are not supported (gpt-oss's MXFP4 experts are)")
     gemma = family.name.startswith("gemma")
     for key in () if gemma else _SOFTCAPS:
         if cfg.get(key) is not None:
@@ -142,7 +148,8 @@ def config_from_hf(
         raise read.error(f"max_seq_len={max_seq_len}: past {exact_positions} positions this "
                          "checkpoint's RoPE computes otherwise than here")
     try:
-        return ModelConfig(
+        return ModelConfig(**{  # the family's knobs last: they may name the activation
+            "activation": _ACTIVATIONS[act], **dict(
             vocab_size=read.int("vocab_size"),
             dim=dim,
             n_layers=n_layers,
@@ -157,11 +164,9 @@ def config_from_hf(
             family=family.name,
             rope_scaling=scaling,
             rotary_dim=rotary_dim,
-            activation=_ACTIVATIONS[act],
             layer_windows=windows,
-            local_rope_theta=local_theta,
-            **family.knobs(read.field),
-        )
+            local_rope_theta=local_theta),
+            **family.knobs(read.field)})
     except (ValueError, TypeError) as err:
         raise read.error(str(err)) from None
 

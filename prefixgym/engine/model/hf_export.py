@@ -26,7 +26,13 @@ import torch
 
 from prefixgym.engine.model.config import ModelConfig
 from prefixgym.engine.model.decoder import Transformer
-from prefixgym.engine.model.families import EXPERT_MODULES, LAYERS, block_norms, module_shapes
+from prefixgym.engine.model.families import (
+    EXPERT_MODULES,
+    LAYERS,
+    block_norms,
+    family_named,
+    module_shapes,
+)
 from prefixgym.files import write_dir_atomically
 
 __all__ = ["hf_config", "hf_state_dict", "save_hf_checkpoint"]
@@ -36,8 +42,9 @@ def hf_config(model: Transformer) -> dict[str, object]:
     """The config.json `hf_config.config_from_hf` reads back into this model's config: the
     one it was loaded from (its dtype brought up to date), or one written for a preset."""
     dtype = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
-    if model.hf_config is not None:
-        return {**model.hf_config, "dtype": dtype,
+    if model.hf_config is not None:  # (its experts are written dense: MXFP4 is not kept)
+        loaded = {k: v for k, v in model.hf_config.items() if k != "quantization_config"}
+        return {**loaded, "dtype": dtype,
                 **({"torch_dtype": dtype} if "torch_dtype" in model.hf_config else {})}
     cfg = model.config
     plain = dataclasses.replace(  # the fields a Llama/Qwen2 config.json below writes
@@ -85,7 +92,11 @@ def hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]
             out[hf + hf_norm + ".weight"] = sd[ours + norm + ".weight"]
         moe = cfg.is_moe(i)
         if moe:
-            out.update(_experts(sd, ours + "mlp.", hf + "mlp.", cfg))
+            experts = _gpt_oss_experts if family_named(cfg.family).experts == "gpt_oss" \
+                else _experts
+            out.update(experts(sd, ours + "mlp.", hf + "mlp.", cfg))
+        if cfg.attention_sinks:
+            out[hf + "self_attn.sinks"] = sd[ours + "attn.sinks"]
         for layer in LAYERS:
             if moe and layer.startswith("mlp."):
                 continue
@@ -114,6 +125,23 @@ def _experts(sd: Mapping[str, torch.Tensor], ours: str, hf: str, cfg: ModelConfi
         out[f"{hf}experts.{e}.{up}.weight"] = u
         out[f"{hf}experts.{e}.{down}.weight"] = sd[ours + "w_down"][e]
     return out
+
+
+def _gpt_oss_experts(sd: Mapping[str, torch.Tensor], ours: str, hf: str, cfg: ModelConfig
+                     ) -> dict[str, torch.Tensor]:
+    """gpt-oss's router and experts, dense, as transformers holds them: (E, C, 2F) with
+    gate and up interleaved, (E, F, C), and their biases."""
+
+    def interleave(gate_up: torch.Tensor) -> torch.Tensor:  # [gate | up] -> g0 u0 g1 u1...
+        gate, up = gate_up.chunk(2, dim=1)
+        return torch.stack((gate, up), dim=2).flatten(1, 2)
+
+    return {hf + "router.weight": sd[ours + "router.weight"],
+            hf + "router.bias": sd[ours + "router.bias"],
+            hf + "experts.gate_up_proj": interleave(sd[ours + "w_gate_up"]).transpose(1, 2),
+            hf + "experts.gate_up_proj_bias": interleave(sd[ours + "b_gate_up"]),
+            hf + "experts.down_proj": sd[ours + "w_down"].transpose(1, 2),
+            hf + "experts.down_proj_bias": sd[ours + "b_down"]}
 
 
 def save_hf_checkpoint(model: Transformer, directory: str | os.PathLike[str]) -> Path:

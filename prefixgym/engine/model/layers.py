@@ -124,6 +124,8 @@ class Attention(nn.Module):
         self.window = config.window(layer_idx)
         self.scale = config.attention_scale  # None: SDPA's 1/sqrt(head_dim)
         self.softcap = config.attention_softcap
+        self.sinks: nn.Parameter | None = (
+            nn.Parameter(torch.zeros(config.n_heads)) if config.attention_sinks else None)
         self.qk_norm = config.qk_norm
         qkv_out = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
         # q, k and v in one matmul; rows ordered [q | k | v] like HF's three projections.
@@ -164,9 +166,11 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """softmax(scale q k^T, masked) v, by SDPA; soft-capped scores by the plain ops
-        transformers' eager attention uses (scores in q's dtype, softmax in fp32)."""
-        if self.softcap is None:
+        """softmax(scale q k^T, masked) v, by SDPA; soft-capped scores, or a softmax with a
+        sink logit per head (gpt-oss: it takes a share of the weight and adds no value), by
+        the plain ops transformers' eager attention uses (scores in q's dtype, softmax in
+        fp32)."""
+        if self.softcap is None and self.sinks is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                   enable_gqa=k.shape[1] != q.shape[1],
                                                   scale=self.scale)
@@ -175,7 +179,8 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         scores = torch.matmul(q, k.transpose(2, 3)) * scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if causal:
             T = q.shape[2]
             mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
@@ -183,8 +188,25 @@ class Attention(nn.Module):
             scores = scores.masked_fill(mask.logical_not(), float("-inf"))
         elif mask is not None:
             scores = scores + mask
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if self.sinks is not None:
+            B, H, T, _ = scores.shape
+            sink = self.sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+            weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1,
+                                    dtype=torch.float32)[..., :-1].to(q.dtype)
+        else:
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights, v)
+
+
+def _glu(gate: torch.Tensor, up: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The gated unit of `config.activation`: act(gate) * up, or gpt-oss's clamped one."""
+    if config.activation == "silu":
+        return F.silu(gate) * up
+    if config.activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    limit = config.swiglu_limit
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * config.swiglu_alpha))
 
 
 class GatedMLP(nn.Module):
@@ -195,39 +217,48 @@ class GatedMLP(nn.Module):
         # gate and up in one matmul; rows ordered [gate | up].
         self.w_gate_up = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)
         self.w_down = nn.Linear(config.hidden_dim, config.dim, bias=False)
-        self.gelu = config.activation == "gelu_tanh"
+        self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.w_down(act * up)
+        return self.w_down(_glu(gate, up, self.config))
 
 
 class MixtureOfExperts(nn.Module):
     """A router picks `experts_per_token` of `num_experts` gated MLPs for each token and
-    adds their outputs, weighted by the router's probabilities (softmax over every
-    expert in fp32, the top k, renormalised when the config says): Qwen3-MoE's
-    routing, with transformers' ops in its order, so the same experts win, ties
-    included, and each token's experts are summed in ascending expert order.
+    adds their outputs, weighted by the router: Qwen3-MoE's softmax over every expert in
+    fp32, then the top k (renormalised when the config says), or gpt-oss's top k logits,
+    then a softmax over them. transformers' ops in its order, so the same experts win,
+    ties included, and each token's experts are summed in ascending expert order.
 
     The experts' weights are stacked: `w_gate_up` (E, 2F, C), rows [gate | up] per
-    expert, and `w_down` (E, C, F), as transformers 5 holds them."""
+    expert, and `w_down` (E, C, F), as transformers 5 holds Qwen3-MoE's; with
+    `expert_bias`, `b_gate_up` (E, 2F) and `b_down` (E, C) too (gpt-oss's, whose
+    interleaved gate/up columns the loader puts in this order)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         E, C, F_ = config.num_experts, config.dim, config.expert_hidden_dim
+        self.config = config
         self.top_k = config.experts_per_token
-        self.normalize = config.normalize_router_weights
-        self.router = nn.Linear(C, E, bias=False)
+        self.router = nn.Linear(C, E, bias=config.router_bias)
         self.w_gate_up = nn.Parameter(torch.empty(E, 2 * F_, C))
         self.w_down = nn.Parameter(torch.empty(E, C, F_))
-        self.gelu = config.activation == "gelu_tanh"
+        self.b_gate_up: nn.Parameter | None = None
+        self.b_down: nn.Parameter | None = None
+        if config.expert_bias:
+            self.b_gate_up = nn.Parameter(torch.zeros(E, 2 * F_))
+            self.b_down = nn.Parameter(torch.zeros(E, C))
 
     def route(self, x_N_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights (N, k) in x's dtype, expert ids (N, k)) of each token."""
-        probs = torch.softmax(self.router(x_N_C), dim=-1, dtype=torch.float32)
+        logits = self.router(x_N_C)
+        if self.config.router == "topk_softmax":
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype), experts
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
+        if self.config.normalize_router_weights:
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(x_N_C.dtype), experts
 
@@ -235,12 +266,14 @@ class MixtureOfExperts(nn.Module):
         x_N_C = x.reshape(-1, x.shape[-1])
         weights_N_k, experts_N_k = self.route(x_N_C)
         out = torch.zeros_like(x_N_C)
+        b_gate_up, b_down = self.b_gate_up, self.b_down
         for e in torch.unique(experts_N_k).tolist():  # ascending
             slot, token = torch.where(experts_N_k.T == e)  # transformers' row order
-            gate, up = F.linear(x_N_C[token], self.w_gate_up[e]).chunk(2, dim=-1)
-            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-            y = F.linear(act * up, self.w_down[e]) * weights_N_k[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+            gate, up = F.linear(x_N_C[token], self.w_gate_up[e],
+                                None if b_gate_up is None else b_gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(_glu(gate, up, self.config), self.w_down[e],
+                         None if b_down is None else b_down[e])
+            out.index_add_(0, token, (y * weights_N_k[token, slot, None]).to(out.dtype))
         return out.view(x.shape)
 
 

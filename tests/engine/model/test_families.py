@@ -73,6 +73,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3Moe", MOE),
     "qwen3_moe-mixed": ("Qwen3Moe", {**MOE, "norm_topk_prob": False,  # and a dense layer
                                      "mlp_only_layers": [1]}),
+    "gpt_oss": ("GptOss", {**ALTERNATING, "num_local_experts": 4, "num_experts_per_tok": 2,
+                           "head_dim": 16, "intermediate_size": 32, "swiglu_limit": 0.6,
+                           "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
+                                               "factor": 4.0, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 128}}),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3Moe": "Qwen3MoeForCausalLM"}
 
@@ -92,8 +98,11 @@ def save_hf(directory: Path, case: str) -> torch.nn.Module:
     return model.eval()
 
 
-def on_disk(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' stacked experts in memory, one module per expert as on disk."""
+def on_disk(tensors: dict[str, torch.Tensor], case: str) -> dict[str, torch.Tensor]:
+    """transformers' tensors named as on disk: Qwen3-MoE's stacked experts in memory,
+    one module per expert (gpt-oss keeps them stacked on disk too)."""
+    if not case.startswith("qwen3_moe"):
+        return tensors
     out = {}
     for name, t in tensors.items():
         if name.endswith("mlp.experts.gate_up_proj"):
@@ -165,7 +174,7 @@ def test_training_gradients_are_transformers(case) -> None:
     loss = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
     loss.backward()
     assert out.metrics["loss:sum"] == pytest.approx(float(loss), rel=1e-5)
-    theirs = on_disk({n: p.grad for n, p in hf.named_parameters() if p.grad is not None})
+    theirs = on_disk({n: p.grad for n, p in hf.named_parameters() if p.grad is not None}, name)
     if "lm_head.weight" not in dict(hf.named_parameters()):  # tied: one tensor
         ours.pop("lm_head.weight", None)
     assert sorted(ours) == sorted(theirs)
@@ -245,3 +254,50 @@ def test_experts_tied_in_the_router_are_picked_as_transformers_picks(tmp_path: P
             torch.tensor(ids))), -1)
     assert (probs[:, 0] == probs[:, 1]).all() and (probs[:, 1] == probs[:, 2]).all()
     assert ours == pytest.approx(hf_logprobs(hf, ids), abs=1e-4)
+
+
+def mxfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., R) float rows -> MXFP4 (blocks (..., R/32, 16) uint8, scales (..., R/32)
+    uint8): per group of 32, a power of two that brings its largest value within 6, each
+    value rounded to the nearest of the 16 4-bit codes, two codes a byte (low first)."""
+    from prefixgym.engine.model.hf_checkpoint import FP4_VALUES
+
+    lut = torch.tensor(FP4_VALUES)
+    groups = rows.reshape(*rows.shape[:-1], -1, 32)
+    exponents = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))
+    codes = (groups / torch.exp2(exponents).unsqueeze(-1)).unsqueeze(-1).sub(lut).abs().argmin(-1)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponents + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantized_as_transformers_does(tmp_path: Path) -> None:
+    """A checkpoint whose experts are MXFP4 (`_blocks`, `_scales`, as OpenAI ships
+    gpt-oss) loads to the weights transformers' own dequantization gives."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = save_hf(tmp_path, "gpt_oss")
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(str(file))
+    for i, layer in enumerate(hf.model.layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            blocks, scales = mxfp4(tensors.pop(name).transpose(1, 2))  # rows as stored
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            with torch.no_grad():
+                getattr(layer.mlp.experts, proj).copy_(
+                    convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ids = tokens(129, seed=7)
+    model = load_model(str(tmp_path)).eval()
+    with torch.no_grad():
+        ours = torch.log_softmax(model(torch.tensor([ids]))[0], -1)[:-1].gather(
+            1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    assert ours == pytest.approx(hf_logprobs(hf, ids), abs=1e-4)
+    raw["quantization_config"] = {"quant_method": "gptq"}  # any other quantization: refused
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="quant_method 'gptq'"):
+        load_model(str(tmp_path))
