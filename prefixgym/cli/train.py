@@ -56,7 +56,8 @@ def trainer_options(config: TrainConfig, device: torch.device) -> TrainerOptions
         compute_dtype=compute_dtype(config, device),
         nonfinite_update="error" if config.nonfinite_update == "error" else "skip",
         share_prefixes=config.share_prefixes,
-        recompute_activations=config.recompute_activations)
+        recompute_activations=config.recompute_activations,
+        router_aux_loss_coef=config.router_aux_loss_coef)
 
 
 def build_run(config: TrainConfig, service: LocalService | None = None,

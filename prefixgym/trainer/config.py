@@ -48,7 +48,8 @@ Every other field determines results (`eval_episodes` too: evaluations before an
 after the change would not compare)."""
 
 ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine",
-                            "sft_warmup": 0.1, "sft_stages": [], "chat_template_kwargs": None}
+                            "sft_warmup": 0.1, "sft_stages": [], "chat_template_kwargs": None,
+                            "router_aux_loss_coef": 0.0}
 """Fields added after runs were saved, with the value that gives what a run saved
 without them did (it evaluated greedily, its warm start warmed up over 10% of its
 steps, decayed on the cosine and imitated one expert throughout):
@@ -190,6 +191,10 @@ class TrainConfig:
     share_prefixes: bool = True
     """Compute each token prefix shared by a training call's datums once (exact; off runs
     every datum in full, the reference path)."""
+    router_aux_loss_coef: float = 0.0
+    """A mixture-of-experts model's router load-balancing loss, times this, joins the
+    training loss (transformers' `router_aux_loss_coef`); 0 (off) as RL recipes train.
+    Must be >= 0."""
     recompute_activations: bool = False
     """Keep only each transformer block's input for backward and run the block again
     there: far less activation memory for about a third more training compute; the
@@ -274,6 +279,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {rate}")
         if min(self.kl_coef, self.temperature, self.eval_temperature) < 0:
             raise ValueError("--kl-coef, --temperature and --eval-temperature must be >= 0")
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"--router-aux-loss-coef must be >= 0, got "
+                             f"{self.router_aux_loss_coef}")
         if self.group_size < 2:
             raise ValueError(
                 f"--group-size must be at least 2 (group-relative advantages), got "

@@ -1,7 +1,7 @@
 """The model wing: what a model is and how it gets in and out.
 
-`config.py` (ModelConfig and the presets), `layers.py` (RMSNorm, RoPE, attention,
-the gated MLP, the block), `decoder.py` (the Transformer, its init), `loading.py` (a model by
+`config.py` (ModelConfig and the presets), `layers.py` (RMSNorm, RoPE, attention and
+its sliding windows, the gated MLP, the mixture of experts, the block), `decoder.py` (the Transformer, its init), `loading.py` (a model by
 preset name or checkpoint directory), `hf_checkpoint.py` / `hf_export.py` (Hugging
 Face directories in and out), `lora.py` (adapters inside the linear layers) and
 `peft_format.py` (those adapters in PEFT's files). It knows tensors and files, never
@@ -11,7 +11,8 @@ it imports neither. The names below are what the rest of the package uses.
 
 from prefixgym.engine.model.config import PRESETS, ModelConfig
 from prefixgym.engine.model.decoder import Transformer, count_parameters, init_weights
+from prefixgym.engine.model.layers import MixtureOfExperts, window_allows
 from prefixgym.engine.model.loading import load_model
 
-__all__ = ["PRESETS", "ModelConfig", "Transformer", "count_parameters", "init_weights",
-           "load_model"]
+__all__ = ["PRESETS", "MixtureOfExperts", "ModelConfig", "Transformer", "count_parameters",
+           "init_weights", "load_model", "window_allows"]

@@ -246,6 +246,9 @@ class MixtureOfExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, C, F_))
         self.b_gate_up: nn.Parameter | None = None
         self.b_down: nn.Parameter | None = None
+        self.router_logits: list[torch.Tensor] | None = None
+        """When a list, each forward appends its router logits (N, E) to it (the
+        trainer's auxiliary loss: `engine/trainer/router_loss.py`)."""
         if config.expert_bias:
             self.b_gate_up = nn.Parameter(torch.zeros(E, 2 * F_))
             self.b_down = nn.Parameter(torch.zeros(E, C))
@@ -253,6 +256,8 @@ class MixtureOfExperts(nn.Module):
     def route(self, x_N_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights (N, k) in x's dtype, expert ids (N, k)) of each token."""
         logits = self.router(x_N_C)
+        if self.router_logits is not None:
+            self.router_logits.append(logits)
         if self.config.router == "topk_softmax":
             top, experts = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype), experts

@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from prefixgym.engine.model.layers import window_allows
+from prefixgym.engine.model import window_allows
 
 
 class KVPool:

@@ -149,6 +149,7 @@ def loss_gradients(
     model: Transformer, rows: HeadRows, in_loss_B_T: Tensor, loss_of_grid: LossOfGrid,
     params: Sequence[torch.nn.Parameter],
     autocast: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    extra_loss: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Any, tuple[Tensor | None, ...]]:
     """d loss / d params, running the head's backward only on the rows whose logprob the
     loss depends on. `loss_of_grid(logprobs_B_T) -> (loss, extra)`; `in_loss_B_T` (bool)
@@ -163,7 +164,9 @@ def loss_gradients(
     3) A pair outside step 1's set with g_p != 0 (a loss whose gradient reaches cells
        outside its loss positions) has its logprob computed again, with gradient.
     4) The gradient of sum_p g_p * logprob_p over the pairs with gradient: by the chain
-       rule the loss's gradient (g is constant there), exactly.
+       rule the loss's gradient (g is constant there), exactly; plus `extra_loss`'s, a term
+       of the loss computed apart from the logprobs (the routers' balancing loss), in
+       the same backward. The returned loss does not include it.
     The head's cost: a forward on every pair and a backward on the loss pairs only
     (the pairs of step 3 get a second forward), against a backward on every pair.
     """
@@ -199,5 +202,7 @@ def loss_gradients(
     # 4)
     surrogate = sum((g_P.index_select(0, idx) * lp).sum() for idx, lp in picked)
     assert isinstance(surrogate, Tensor)  # step 1 picked at least one pair
+    if extra_loss is not None:
+        surrogate = surrogate + extra_loss
     grads = torch.autograd.grad(surrogate, params, allow_unused=True)
     return rows.to_grid(leaf_P.detach()), loss.detach(), extra, grads

@@ -10,6 +10,7 @@ gradients, up to float rounding (and bit for bit for `recompute_activations`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,9 @@ class TrainerOptions:
     activation memory for about a third more compute (`malloc_tuning.py` too)."""
     max_tokens_per_forward: int = 8192
     """Positions one forward takes (a shared prefix's context rows weighted less)."""
+    router_aux_loss_coef: float = 0.0
+    """A mixture-of-experts model's load-balancing loss, times this, joins every
+    training call's loss (`router_loss.py`); 0, the default, as RL recipes train."""
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in (torch.float32, torch.bfloat16):
@@ -48,6 +52,9 @@ class TrainerOptions:
         if self.nonfinite_update not in NONFINITE_UPDATES:
             raise ValueError(f"nonfinite_update must be one of {NONFINITE_UPDATES}, got "
                              f"{self.nonfinite_update!r}")
+        if not (self.router_aux_loss_coef >= 0 and math.isfinite(self.router_aux_loss_coef)):
+            raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got "
+                             f"{self.router_aux_loss_coef!r}")
         if self.max_tokens_per_forward < 1:
             raise ValueError(
                 f"max_tokens_per_forward must be >= 1, got {self.max_tokens_per_forward}")

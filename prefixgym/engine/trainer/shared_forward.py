@@ -30,8 +30,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from prefixgym.engine.model import ModelConfig, Transformer
-from prefixgym.engine.model.layers import window_allows
+from prefixgym.engine.model import ModelConfig, Transformer, window_allows
 from prefixgym.engine.trainer.logprob_head import HeadRows
 from prefixgym.engine.trainer.prefix_trie import TriePlan, Wave
 

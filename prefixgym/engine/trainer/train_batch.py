@@ -20,7 +20,7 @@ which input keys they read (`losses.LossSpec`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -158,7 +158,7 @@ class Chunk:
     inputs: dict[str, Tensor]  # each (B, T), zero-padded on the right
     plan: TriePlan | None = None  # how to compute them with shared prefixes, or plainly
     computed_tokens: int = 0  # positions run through the model (padding not counted)
-
+    lengths: list[int] = field(default_factory=list)  # each datum's positions
 
 def make_chunks(
     prepared: Sequence[PreparedDatum], max_tokens: int, device: torch.device
@@ -206,4 +206,5 @@ def pad_chunk(
         for k, v in inputs.items()
     }
     computed = plan.computed_tokens if plan is not None else sum(prepared[j].length for j in group)
-    return Chunk(group, tokens_B_T.to(device), on_device, plan, computed)
+    return Chunk(group, tokens_B_T.to(device), on_device, plan, computed,
+                 [prepared[j].length for j in group])

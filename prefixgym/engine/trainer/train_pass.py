@@ -10,7 +10,9 @@ validated (`train_batch.prepare_request`):
    into (B, T) batches (`train_batch.make_chunks`). Causal attention makes both equal
    to running datums one by one; padded positions get weight 0.
 2) Per chunk: forward, per-token target logprobs, the loss (a **sum** of weight x
-   per-token loss, see `losses.py`) and, with `backward`, the gradient of every
+   per-token loss, see `losses.py`; plus, for a mixture-of-experts model with
+   `router_aux_coef`, that times the routers' load-balancing loss over the chunk's
+   positions, `router_loss.py`) and, with `backward`, the gradient of every
    parameter given. With the chunked head (`chunked_head`, the default) the output
    head's backward runs only on the rows in the loss (`logprob_head.loss_gradients`:
    a prompt's rows get a forward only). `recompute` checkpoints every block
@@ -30,13 +32,13 @@ usage ledgers or futures.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from prefixgym.engine.model import Transformer
-from prefixgym.engine.trainer import logprob_head, losses
+from prefixgym.engine.trainer import logprob_head, losses, router_loss
 from prefixgym.engine.trainer.shared_forward import context_weight, plan_logprobs, plan_rows
 from prefixgym.engine.trainer.train_batch import (
     Chunk,
@@ -63,6 +65,7 @@ class PassOptions:
     chunked_head: bool
     recompute: bool
     autocast: Autocast
+    router_aux_coef: float = 0.0  # the load-balancing loss's weight (MoE models)
 
 
 @dataclass
@@ -120,20 +123,22 @@ def run_pass(
         chunks = make_chunks(prepared, options.max_tokens, device)
     result = PassResult([[] for _ in prepared], 0.0, {}, [None] * len(params) if backward else [],
                         sum(chunk.computed_tokens for chunk in chunks))
+    aux = _AuxLoss(model, options.router_aux_coef)
     for chunk in chunks:
         # 2)
         if backward:
-            with torch.enable_grad():
+            with torch.enable_grad(), aux.recording(chunk):
                 logprobs_B_T, loss, sums, chunk_grads = _chunk_gradients(
-                    model, params, chunk, spec, config, options)
+                    model, params, chunk, spec, config, options, aux)
             for k, g in enumerate(chunk_grads):
                 prev = result.grads[k]
                 if g is not None:
                     result.grads[k] = g if prev is None else prev + g
         else:
-            with torch.no_grad():
+            with torch.no_grad(), aux.recording(chunk):
                 logprobs_B_T = _logprobs(model, chunk, options)
                 loss, sums = spec.fn(logprobs_B_T, chunk.inputs, config)
+                loss, sums = aux.added(loss, sums)
         # 3)
         result.loss += float(loss.detach())
         for key, value in sums.items():
@@ -175,15 +180,63 @@ def _logprobs(model: Transformer, chunk: Chunk, options: PassOptions) -> Tensor:
 
 def _chunk_gradients(
     model: Transformer, params: Sequence[torch.nn.Parameter], chunk: Chunk,
-    spec: losses.LossSpec, config: dict[str, float], options: PassOptions,
+    spec: losses.LossSpec, config: dict[str, float], options: PassOptions, aux: _AuxLoss,
 ) -> tuple[Tensor, Tensor, dict[str, float], Sequence[Tensor | None]]:
     """(logprobs_B_T, loss, metric sums, a gradient per parameter) of one chunk."""
     if options.chunked_head:  # the head's backward only where the loss reads
-        return logprob_head.loss_gradients(
-            model, _head_rows(model, chunk, options), chunk.inputs["loss_mask"] > 0,
+        rows = _head_rows(model, chunk, options)
+        extra = aux.loss()
+        logprobs_B_T, loss, sums, grads = logprob_head.loss_gradients(
+            model, rows, chunk.inputs["loss_mask"] > 0,
             lambda logprobs_B_T: spec.fn(logprobs_B_T, chunk.inputs, config),
-            params, options.autocast)
+            params, options.autocast, extra_loss=extra)
+        loss, sums = aux.added(loss, sums, None if extra is None else extra.detach())
+        return logprobs_B_T, loss, sums, grads
     logprobs_B_T = _logprobs(model, chunk, options)
-    loss, sums = spec.fn(logprobs_B_T, chunk.inputs, config)
+    loss, sums = aux.added(*spec.fn(logprobs_B_T, chunk.inputs, config))
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     return logprobs_B_T.detach(), loss.detach(), sums, grads
+
+
+class _AuxLoss:
+    """The routers' load-balancing loss of the chunk in progress, times its weight
+    (nothing for a model without experts or a weight of 0)."""
+
+    def __init__(self, model: Transformer, coef: float) -> None:
+        cfg = model.config
+        self.model, self.coef = model, coef
+        self.moe_layers = sum(cfg.is_moe(i) for i in range(cfg.n_layers))
+        self.logits: list[Tensor] = []
+        self.valid: list[Tensor] = []
+
+    @contextlib.contextmanager
+    def recording(self, chunk: Chunk) -> Iterator[None]:
+        if not (self.coef and self.moe_layers):
+            yield
+            return
+        if chunk.plan is None:  # one forward of the right-padded datums
+            T = chunk.tokens_B_T.shape[1]
+            lengths = torch.tensor(chunk.lengths, device=chunk.tokens_B_T.device)
+            self.valid = [torch.arange(T, device=lengths.device) < lengths.unsqueeze(1)]
+        else:  # one per wave; a padding cell sits at position 0 past its row's start
+            self.valid = [(w.positions_N_L != 0) | (torch.arange(w.positions_N_L.shape[1]) == 0)
+                          for w in chunk.plan.waves]
+        with router_loss.recorded_router_logits(self.model) as logits:
+            self.logits = logits
+            yield
+        self.logits, self.valid = [], []
+
+    def loss(self) -> Tensor | None:
+        """coef x the loss of what the chunk's forwards recorded (None: nothing to add)."""
+        if not self.logits:
+            return None
+        valid = [v.to(self.logits[0].device) for v in self.valid]
+        top_k = self.model.config.experts_per_token
+        return self.coef * router_loss.load_balancing_loss(self.logits, valid, self.moe_layers,
+                                                           top_k)
+
+    def added(self, loss: Tensor, sums: dict[str, float], extra: Tensor | None = None
+              ) -> tuple[Tensor, dict[str, float]]:
+        """The loss with the weighted aux loss added (`extra`, or computed now)."""
+        extra = self.loss() if extra is None else extra
+        return (loss, sums) if extra is None else (loss + extra, sums)

@@ -262,7 +262,8 @@ class TrainingClient(Generic[SamplerT]):
         if o.recompute_activations:  # once per process; a no-op without glibc
             malloc_tuning.fix_mmap_threshold()
         options = PassOptions(o.max_tokens_per_forward, o.share_prefixes, o.chunked_head,
-                              o.recompute_activations, autocast_for(self.model, o.compute_dtype))
+                              o.recompute_activations, autocast_for(self.model, o.compute_dtype),
+                              o.router_aux_loss_coef)
         result = run_pass(self.model, self._params, prepared, spec, config, backward, options)
         staged, loss_total = result.grads, result.loss
         bad_grad = nonfinite_tensor((str(k), g) for k, g in enumerate(staged) if g is not None)

@@ -301,3 +301,51 @@ def test_gpt_oss_mxfp4_experts_are_dequantized_as_transformers_does(tmp_path: Pa
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="quant_method 'gptq'"):
         load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("chunked_head", [True, False])
+def test_the_routers_balancing_loss_is_transformers_when_asked(tmp_path: Path,
+                                                              chunked_head: bool) -> None:
+    """Off by default; with `router_aux_loss_coef` the loss and the gradients are
+    transformers' cross-entropy plus coef x its load-balancing loss, over two datums of
+    different lengths (padding left out on both sides, and through the prefix trie)."""
+    hf = save_hf(tmp_path / "hf", "qwen3_moe")
+    seqs = [tokens(97, seed=8), tokens(60, seed=9)]
+    datums = [pg.Datum(model_input=pg.ModelInput.from_ints(s[:-1]),
+                       loss_fn_inputs={"target_tokens": s[1:]}) for s in seqs]
+    coef = 0.5
+    results = {}
+    with EngineService(str(tmp_path / "hf"), thread_tuning=False) as svc:
+        for name, options in (("off", {}), ("plain", {"share_prefixes": False}),
+                              ("trie", {"share_prefixes": True})):
+            kwargs = {"chunked_head": chunked_head, **options}
+            if name != "off":
+                kwargs["router_aux_loss_coef"] = coef
+            trainer = svc.create_training_client(**kwargs)
+            out = trainer.forward_backward(datums, "cross_entropy").result()
+            results[name] = (out.metrics["loss:sum"], hf_state_dict(
+                svc.train_model.config, {n: p.grad.clone() for n, p in
+                                         svc.train_model.named_parameters()}))
+            for p in svc.train_model.parameters():
+                p.grad = None
+    width = max(len(s) for s in seqs) - 1
+    ids = torch.tensor([s[:-1] + [0] * (width - len(s) + 1) for s in seqs])
+    mask = torch.tensor([[1] * (len(s) - 1) + [0] * (width - len(s) + 1) for s in seqs])
+    hf.train()
+    out = hf(ids, attention_mask=mask, output_router_logits=True)
+    ce = sum(torch.nn.functional.cross_entropy(out.logits[b, : len(s) - 1].float(),
+                                               torch.tensor(s[1:]), reduction="sum")
+             for b, s in enumerate(seqs))
+    assert results["off"][0] == pytest.approx(float(ce), rel=1e-5)
+    total = ce + coef * out.aux_loss
+    total.backward()
+    theirs = on_disk({n: p.grad for n, p in hf.named_parameters() if p.grad is not None},
+                     "qwen3_moe")
+    for name in ("plain", "trie"):
+        loss, grads = results[name]
+        assert loss == pytest.approx(float(total), rel=1e-5), name
+        router = "model.layers.0.mlp.gate.weight"
+        assert float((grads[router] - results["off"][1][router]).abs().max()) > 1e-4
+        for key, grad in theirs.items():
+            scale = float(grad.abs().max())
+            assert float((grads[key] - grad).abs().max()) <= 1e-4 * max(scale, 1e-6), (name, key)
