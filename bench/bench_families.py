@@ -27,6 +27,15 @@ that directory, fp32:
            "importance_sampling", then `optim_step`, in a fresh process: its seconds and
            the process's peak RSS (weights and all).
 
+  fallback (`--fallback`, llama3's shape) the decision of issue 42's item 4: would a
+           path through transformers' own modeling code, our KV pool behind it (a
+           function registered in transformers' `AttentionInterface` that hands each
+           layer's keys/values to our `PagedView`/`DecodeView`, as vLLM's Transformers
+           backend does), cost little enough to ship for families we do not convert?
+           Both sides run the same views over the same pool, fp32, outside the engine:
+           a prefill of 4 x 512 positions, and 64 decode steps of 8 rows after a
+           128-token prompt; best of `--repeats`.
+
 Throughput is prompt tokens (prefill) or new tokens (decode) per second of the whole
 call; each figure is the best of `--repeats` timed calls after one warm-up, the two
 sides alternating, so load hits both alike. Ratios > 1 mean ours is faster.
@@ -34,6 +43,7 @@ sides alternating, so load hits both alike. Ratios > 1 mean ours is faster.
     .venv/bin/python bench/bench_families.py              # every family, 3 repeats
     .venv/bin/python bench/bench_families.py --families qwen3 phi3 --repeats 5
     .venv/bin/python bench/bench_families.py --families llama3 qwen3_moe --train
+    .venv/bin/python bench/bench_families.py --families --fallback
 """
 
 from __future__ import annotations
@@ -186,12 +196,86 @@ def train_step(directory: str) -> tuple[float, float]:
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+class _Row:
+    """A decode row's identity for a workspace (which keeps weak references)."""
+
+
+def fallback(directory: Path, repeats: int) -> dict[str, float]:
+    """Seconds of a prefill and of a decode run, ours vs transformers' modeling code over
+    our KV views (see the module docstring)."""
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+
+    from prefixgym.engine.model import load_model
+    from prefixgym.engine.sampler.kv_pool import DecodeView, DecodeWorkspace, KVPool
+
+    def paged(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+              **kwargs: Any) -> tuple[torch.Tensor, None]:
+        k_all, v_all, mask = kwargs["kv_view"].update(module.layer_idx, key, value)
+        q = query if k_all.dtype == query.dtype else query.to(k_all.dtype)
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                             is_causal=mask is None and q.shape[2] > 1,
+                                             enable_gqa=True, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("prefixgym_paged", paged)
+    arch, overrides = FAMILIES["llama3"]
+    torch.manual_seed(0)
+    hf = tf.LlamaForCausalLM(tf.LlamaConfig(**{**SHAPE, **overrides}))
+    hf.save_pretrained(directory, safe_serialization=True)
+    hf = tf.AutoModelForCausalLM.from_pretrained(directory,
+                                                 attn_implementation="prefixgym_paged").eval()
+    ours = load_model(str(directory)).clone_for_inference()
+    cfg = ours.config
+    bs, rows, length, steps, prompt = 16, 4, 512, 64, 128
+    pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 1 + 8 * 16 * 3, bs,
+                  torch.float32, torch.device("cpu"))
+    tables = [list(range(1 + 48 * r, 49 + 48 * r)) for r in range(8)]
+    tokens = torch.randint(3, SHAPE["vocab_size"], (8, length + steps),
+                           generator=torch.Generator().manual_seed(3))
+
+    def hf_forward(ids: torch.Tensor, positions: torch.Tensor, view: Any) -> torch.Tensor:
+        h = hf.model(input_ids=ids, position_ids=positions, kv_view=view).last_hidden_state
+        return hf.lm_head(h[:, -1:]).float()
+
+    def ours_forward(ids: torch.Tensor, positions: torch.Tensor, view: Any) -> torch.Tensor:
+        return ours(ids, positions, kv=view, last_only=True, check_inputs=False)
+
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        for name, forward in (("ours", ours_forward), ("hf", hf_forward)):
+            def prefill(forward: Callable[..., torch.Tensor] = forward) -> None:
+                view = pool.view(tables[:rows], [0] * rows, [length] * rows, length)
+                forward(tokens[:rows, :length], view.positions_R_T, view)
+
+            def decode(forward: Callable[..., torch.Tensor] = forward) -> None:
+                view = pool.view(tables, [0] * 8, [prompt] * 8, prompt)
+                forward(tokens[:, :prompt], view.positions_R_T, view)
+                seqs = [_Row() for _ in range(8)]
+                ws = DecodeWorkspace(pool, seqs, tables, prompt + steps)
+                for t in range(steps):
+                    step = DecodeView(pool, ws, tables, [prompt + t] * 8)
+                    forward(tokens[:, prompt + t : prompt + t + 1], step.positions_R_T, step)
+
+            out[name + "_prefill"], out[name + "_decode"] = best(prefill, repeats), best(
+                decode, repeats)
+        check = pool.view(tables[:1], [0], [64], 64)
+        a = ours_forward(tokens[:1, :64], check.positions_R_T, check)
+        check = pool.view(tables[:1], [0], [64], 64)
+        b = hf_forward(tokens[:1, :64], check.positions_R_T, check)
+        out["max_logit_diff"] = float((a - b).abs().max())
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--families", nargs="*", default=sorted(FAMILIES))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--train", action="store_true", help="also time a LoRA GRPO step")
+    p.add_argument("--fallback", action="store_true",
+                   help="also time transformers' modeling code over our KV pool (llama3)")
     a = p.parse_args()
     tf.utils.logging.disable_progress_bar()
     common.setup_threads(a.threads)
@@ -214,6 +298,14 @@ def main() -> None:
         dec, hf_dec = GROUP * NEW / r["ours_decode"], GROUP * NEW / r["hf_decode"]
         print(f"{name:<9} {off:23,.0f} {on:9,.0f} {hf:9,.0f} {off / hf:6.2f}x {on / hf:6.2f}x"
               f"   {dec:19,.0f} {hf_dec:8,.0f} {dec / hf_dec:7.2f}x", flush=True)
+    if a.fallback:
+        with tempfile.TemporaryDirectory() as d:
+            r = fallback(Path(d), a.repeats)
+        print(f"\nllama3 over our KV views, outside the engine (|logit diff| "
+              f"{r['max_logit_diff']:.1e}): prefill 4 x 512 ours {r['ours_prefill']:.3f} s, "
+              f"transformers' code {r['hf_prefill']:.3f} s ({r['hf_prefill'] / r['ours_prefill']:.2f}x "
+              f"ours); decode 64 steps x 8 rows ours {r['ours_decode']:.3f} s, transformers' "
+              f"code {r['hf_decode']:.3f} s ({r['hf_decode'] / r['ours_decode']:.2f}x ours)")
     if steps:
         print(f"\n{'family':<9} {'LoRA GRPO step (8 x 576 positions), s':>38} {'peak RSS GiB':>13}")
         for name, seconds, rss in steps:

@@ -9,8 +9,11 @@ subcommand is imported lazily, so `prefixgym lint ...` never pays for loading to
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 USAGE = """usage: prefixgym COMMAND [ARGS]
 
@@ -75,6 +78,18 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 }
 
 
+def _one_line(name: str, show: Any) -> Any:
+    """prefixgym's own warnings as one line, `prefixgym COMMAND: warning: MESSAGE` (not
+    Python's two, with a source line); others as Python shows them."""
+    def show_warning(message: Warning | str, category: type[Warning], filename: str,
+                     lineno: int, file: Any = None, line: str | None = None) -> None:
+        if f"{os.sep}prefixgym{os.sep}" in filename:
+            print(f"prefixgym {name}: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+    return show_warning
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -85,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if command is None:
         print(f"prefixgym: unknown command {name!r}\n\n{USAGE}", file=sys.stderr)
         return 2
+    warnings.showwarning = _one_line(name, warnings.showwarning)
     try:
         return command(rest)
     except ModuleNotFoundError as e:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Self, TypeVar
 
@@ -209,6 +210,15 @@ class EngineService:
         them in PEFT's format. `options` as `create_training_client`."""
         spec = LoraSpec(rank=rank, alpha=alpha, train_attn=train_attn, train_mlp=train_mlp,
                         train_unembed=train_unembed)
+        cfg = self.train_model.config
+        moe = sum(cfg.is_moe(i) for i in range(cfg.n_layers))
+        if train_mlp and moe:  # adapters on experts are not built: say so, or refuse
+            if moe == cfg.n_layers and not (train_attn or train_unembed):
+                raise ValueError(f"every MLP of this {cfg.family} model is a mixture of "
+                                 "experts, which LoRA does not adapt yet: add the attention "
+                                 "(train_attn, --lora-targets attn) to the targets")
+            warnings.warn(f"LoRA adapts no experts: the MLPs of {moe} of {cfg.n_layers} layers "
+                          f"are mixtures of experts, which keep their weights", stacklevel=2)
         lora = add_lora(self.train_model, spec, self._seed if seed is None else seed)
 
         def save_for_sampler(path: str) -> str:

@@ -230,7 +230,8 @@ def count_parameters(model: nn.Module, non_embedding: bool = False) -> int:
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int = 0) -> None:
     """Normal(0, 0.02) init, residual output projections scaled by 1/sqrt(2 n_layers),
-    biases zero, norms one (Gemma's offset norms zero). Uses its own generator: the global RNG is untouched."""
+    biases zero, norms one (Gemma's offset norms zero). Uses its own generator: the global
+    RNG is untouched."""
     gen = torch.Generator().manual_seed(seed)
     std = 0.02
     residual_std = std / math.sqrt(2 * model.config.n_layers)

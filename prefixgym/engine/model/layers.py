@@ -7,8 +7,10 @@ OLMo 2 over all heads), rotates them with the caller's cos/sin tables (the first
 `rotary_width` dims; not at all in a layer without RoPE: SmolLM3) and either attends
 causally over the forward's own tokens (within its sliding window, if it has one) or
 hands the new keys/values to a `KVView` and attends to whatever the view returns,
-under the view's mask for that layer. Scores that are soft-capped (Gemma 2) take the
-plain matmul-softmax path, which SDPA cannot express.
+under the view's mask for that layer. Scores that are soft-capped (Gemma 2) or share
+their softmax with a sink (gpt-oss) take the plain matmul-softmax path, which SDPA
+cannot express. The block's MLP is a `GatedMLP` or, in a mixture-of-experts layer, a
+`MixtureOfExperts` (Qwen3-MoE's and gpt-oss's routing).
 A bf16/fp16 model whose keys/values the caller keeps in fp32 (the scheduler does)
 attends in fp32: on CPU, SDPA's fp32 kernel is as fast as its bf16 one at prefill and
 several times faster for one-query decode steps, and the scores stay exact.
@@ -30,8 +32,7 @@ from torch import nn
 from prefixgym.engine.model.config import ModelConfig
 
 __all__ = ["Attention", "Block", "GatedMLP", "KVView", "MixtureOfExperts", "RMSNorm",
-           "causal_window_mask",
-           "window_allows"]
+           "causal_window_mask", "window_allows"]
 
 
 class KVView(Protocol):

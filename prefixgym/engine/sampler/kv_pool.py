@@ -89,6 +89,7 @@ class PagedView:
         self.gather_rows = _block_rows(pool, table_R_nb)
         query_pos_R_T = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(T, device=dev)
         self.positions_R_T = query_pos_R_T
+        self.max_position = max(s + n for s, n in zip(starts, lengths)) - 1
         self.masks: dict[int, torch.Tensor | None] = {0: None}  # by window; None: causal
         if not self.causal:
             key_pos = torch.arange(self.num_keys, device=dev)
@@ -124,6 +125,8 @@ class PagedView:
 
     def _mask(self, window: int, T: int) -> torch.Tensor | None:
         """The mask of a layer with this window (0: none), made on first use."""
+        if window > self.max_position:  # it hides nothing here
+            window = 0
         if window not in self.masks:
             if self.causal:  # own keys only, every row at positions 0..T-1
                 pos = torch.arange(T, device=self.pool.device)
@@ -227,6 +230,8 @@ class DecodeView:
 
     def _mask(self, window: int) -> torch.Tensor | None:
         """The mask of a layer with this window (0: none), made on first use."""
+        if window > self.num_keys - 1:  # it hides nothing here
+            window = 0
         if window not in self.masks:
             keys = torch.arange(self.num_keys, device=self.pool.device)
             pos_B = self._pos_B

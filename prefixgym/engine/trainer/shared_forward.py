@@ -92,6 +92,7 @@ class TrieKV:
         self.context_N_A = None if wave.context_N_A is None else wave.context_N_A.to(device)
         self.windows = windows
         self.positions_N_L = wave.positions_N_L.to(device)
+        self.max_position = int(wave.positions_N_L.max())
         mask = None if wave.mask_N_1_L_K is None else wave.mask_N_1_L_K.to(device)
         self.masks: dict[int, Tensor | None] = {0: mask}  # by window; None: plain causal
         self._pieces_seen: dict[int, int] = {}  # layer -> store pieces at its first call
@@ -99,6 +100,8 @@ class TrieKV:
     def _mask(self, window: int) -> Tensor | None:
         """The mask of a layer with this window (0: none): context row a holds position
         a, own key l position `positions_N_L[l]`."""
+        if window > self.max_position:  # it hides nothing here
+            window = 0
         if window not in self.masks:
             own = self.positions_N_L  # (N, L)
             base = self.masks[0]

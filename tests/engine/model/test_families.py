@@ -349,3 +349,12 @@ def test_the_routers_balancing_loss_is_transformers_when_asked(tmp_path: Path,
         for key, grad in theirs.items():
             scale = float(grad.abs().max())
             assert float((grads[key] - grad).abs().max()) <= 1e-4 * max(scale, 1e-6), (name, key)
+
+
+def test_lora_on_experts_is_said_not_silently_skipped(tmp_path: Path) -> None:
+    save_hf(tmp_path, "gpt_oss")  # every MLP a mixture
+    with EngineService(str(tmp_path), thread_tuning=False) as svc:
+        with pytest.warns(UserWarning, match="LoRA adapts no experts: the MLPs of 2 of 2"):
+            svc.create_lora_training_client(rank=4)
+        with pytest.raises(ValueError, match="add the attention"):
+            svc.create_lora_training_client(rank=4, train_attn=False)
