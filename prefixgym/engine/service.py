@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Self, TypeVar
 
@@ -202,7 +201,8 @@ class EngineService:
     ) -> TrainingClient[SamplingClient]:
         """A trainer of LoRA adapters of `rank` on `train_model`, whose weights stay frozen
         and shared (not copied): on the attention projections (q, k, v, o) with
-        `train_attn`, the MLP's (gate, up, down) with `train_mlp`, the output head with
+        `train_attn`, the MLP's (gate, up, down; a mixture's every expert's) with
+        `train_mlp`, the output head with
         `train_unembed`. The update is scaled by alpha / rank (PEFT's rule), so the
         default alpha=32 keeps a learning rate tuned at one rank about right at another.
         A is drawn from `seed` (default: the service's seed), B starts at zero.
@@ -210,15 +210,6 @@ class EngineService:
         them in PEFT's format. `options` as `create_training_client`."""
         spec = LoraSpec(rank=rank, alpha=alpha, train_attn=train_attn, train_mlp=train_mlp,
                         train_unembed=train_unembed)
-        cfg = self.train_model.config
-        moe = sum(cfg.is_moe(i) for i in range(cfg.n_layers))
-        if train_mlp and moe:  # adapters on experts are not built: say so, or refuse
-            if moe == cfg.n_layers and not (train_attn or train_unembed):
-                raise ValueError(f"every MLP of this {cfg.family} model is a mixture of "
-                                 "experts, which LoRA does not adapt yet: add the attention "
-                                 "(train_attn, --lora-targets attn) to the targets")
-            warnings.warn(f"LoRA adapts no experts: the MLPs of {moe} of {cfg.n_layers} layers "
-                          f"are mixtures of experts, which keep their weights", stacklevel=2)
         lora = add_lora(self.train_model, spec, self._seed if seed is None else seed)
 
         def save_for_sampler(path: str) -> str:

@@ -225,6 +225,14 @@ class GatedMLP(nn.Module):
         return self.w_down(_glu(gate, up, self.config))
 
 
+class ExpertAdapter(Protocol):
+    """What a mixture asks of its experts' LoRA (`lora.ExpertLora`)."""
+
+    def delta(self, x: torch.Tensor, expert: int, which: str) -> torch.Tensor:
+        """The update of one expert's "gate_up" or "down" output for its rows `x`."""
+        ...
+
+
 class MixtureOfExperts(nn.Module):
     """A router picks `experts_per_token` of `num_experts` gated MLPs for each token and
     adds their outputs, weighted by the router: Qwen3-MoE's softmax over every expert in
@@ -247,6 +255,8 @@ class MixtureOfExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, C, F_))
         self.b_gate_up: nn.Parameter | None = None
         self.b_down: nn.Parameter | None = None
+        self.adapter: ExpertAdapter | None = None
+        """The experts' LoRA (`lora.ExpertLora`) of a LoRA model, or None."""
         self.router_logits: list[torch.Tensor] | None = None
         """When a list, each forward appends its router logits (N, E) to it (the
         trainer's auxiliary loss: `engine/trainer/router_loss.py`)."""
@@ -272,13 +282,18 @@ class MixtureOfExperts(nn.Module):
         x_N_C = x.reshape(-1, x.shape[-1])
         weights_N_k, experts_N_k = self.route(x_N_C)
         out = torch.zeros_like(x_N_C)
-        b_gate_up, b_down = self.b_gate_up, self.b_down
+        b_gate_up, b_down, lora = self.b_gate_up, self.b_down, self.adapter
         for e in torch.unique(experts_N_k).tolist():  # ascending
             slot, token = torch.where(experts_N_k.T == e)  # transformers' row order
-            gate, up = F.linear(x_N_C[token], self.w_gate_up[e],
-                                None if b_gate_up is None else b_gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(_glu(gate, up, self.config), self.w_down[e],
-                         None if b_down is None else b_down[e])
+            x_e = x_N_C[token]
+            gate_up = F.linear(x_e, self.w_gate_up[e], None if b_gate_up is None else b_gate_up[e])
+            if lora is not None:
+                gate_up = gate_up + lora.delta(x_e, e, "gate_up")
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = _glu(gate, up, self.config)
+            y = F.linear(h, self.w_down[e], None if b_down is None else b_down[e])
+            if lora is not None:
+                y = y + lora.delta(h, e, "down")
             out.index_add_(0, token, (y * weights_N_k[token, slot, None]).to(out.dtype))
         return out.view(x.shape)
 

@@ -37,10 +37,10 @@ from torch import nn
 
 from prefixgym.engine.model.decoder import Transformer
 from prefixgym.engine.model.families import module_shapes
-from prefixgym.engine.model.layers import Block, GatedMLP
+from prefixgym.engine.model.layers import Block, MixtureOfExperts
 
 __all__ = [
-    "LoraAdapter", "LoraLinear", "LoraSpec", "add_lora", "adapter_module", "frozen_copy",
+    "ExpertLora", "LoraAdapter", "LoraLinear", "LoraSpec", "add_lora", "adapter_module", "frozen_copy",
     "frozen_view", "lora_adapters",
 ]
 
@@ -112,6 +112,38 @@ class LoraAdapter(nn.Module):
         return torch.cat(outs, dim=-1)
 
 
+class ExpertLora(nn.Module):
+    """Low-rank updates of a mixture's experts, one per expert, as PEFT adapts stacked
+    expert parameters (`target_parameters`): expert e's gate/up weight gains
+    scale * B_e A_e, and so does its down weight. Stored per expert in our row order:
+    `gate_up_A` (E, r, C), `gate_up_B` (E, 2F, r), `down_A` (E, r, F), `down_B` (E, C, r)
+    (`peft_format.py` converts to PEFT's (r * E, in) / (out, r * E) layout)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, rank: int, scale: float,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        E = num_experts
+        self.rank, self.scale = rank, scale
+        self.gate_up_A = nn.Parameter(torch.zeros(E, rank, dim, device=device))
+        self.gate_up_B = nn.Parameter(torch.zeros(E, 2 * hidden, rank, device=device))
+        self.down_A = nn.Parameter(torch.zeros(E, rank, hidden, device=device))
+        self.down_B = nn.Parameter(torch.zeros(E, dim, rank, device=device))
+
+    @torch.no_grad()
+    def reset(self, generator: torch.Generator) -> None:
+        """PEFT's init: A uniform in +-1/sqrt(in_features) (gate/up first), B zero."""
+        for a, b in ((self.gate_up_A, self.gate_up_B), (self.down_A, self.down_B)):
+            bound = 1.0 / math.sqrt(a.shape[2])
+            a.copy_(torch.rand(a.shape, generator=generator) * (2 * bound) - bound)
+            b.zero_()
+
+    def delta(self, x: Tensor, expert: int, which: str) -> Tensor:
+        """scale * B_e(A_e x) for `which` ("gate_up" or "down") of one expert's rows."""
+        a, b = (self.gate_up_A, self.gate_up_B) if which == "gate_up" else (
+            self.down_A, self.down_B)
+        return F.linear(F.linear(x, a[expert].to(x.dtype)) * self.scale, b[expert].to(x.dtype))
+
+
 class LoraLinear(nn.Module):
     """A frozen `nn.Linear` plus its adapter: base(x) + adapter(x)."""
 
@@ -148,7 +180,9 @@ def _targets(model: Transformer, spec: LoraSpec) -> dict[str, tuple[nn.Module, s
         if spec.train_attn:
             found[f"layers.{i}.attn.wqkv"] = (block.attn, "wqkv", parts("attn.wqkv"))
             found[f"layers.{i}.attn.wo"] = (block.attn, "wo", parts("attn.wo"))
-        if spec.train_mlp and isinstance(block.mlp, GatedMLP):  # (experts: attention only)
+        if spec.train_mlp and isinstance(block.mlp, MixtureOfExperts):
+            found[f"layers.{i}.mlp"] = (block.mlp, "adapter", ())  # an `ExpertLora`
+        elif spec.train_mlp:
             found[f"layers.{i}.mlp.w_gate_up"] = (block.mlp, "w_gate_up", parts("mlp.w_gate_up"))
             found[f"layers.{i}.mlp.w_down"] = (block.mlp, "w_down", parts("mlp.w_down"))
     return found
@@ -161,23 +195,31 @@ def add_lora(base: Transformer, spec: LoraSpec, seed: int = 0) -> Transformer:
     # 2) adapters swapped in, drawn in model order from one seeded generator
     generator = torch.Generator().manual_seed(seed)
     device = base.tok_embeddings.weight.device
+    cfg = model.config
     for _key, (parent, attr, parts) in _targets(model, spec).items():
+        if isinstance(parent, MixtureOfExperts):
+            experts = ExpertLora(cfg.num_experts, cfg.dim, cfg.expert_hidden_dim, spec.rank,
+                                 spec.scale, device)
+            experts.reset(generator)
+            parent.adapter = experts
+            continue
         linear = getattr(parent, attr)
         adapter = LoraAdapter(linear.in_features, parts, spec.rank, spec.scale, device)
         adapter.reset(generator)
         setattr(parent, attr, LoraLinear(linear, adapter))
     if spec.train_unembed:
-        cfg = model.config
         head = LoraAdapter(cfg.dim, (cfg.vocab_size,), spec.rank, spec.scale, device)
         head.reset(generator)
         model.head_adapter = head
     return model
 
 
-def lora_adapters(model: Transformer) -> dict[str, LoraAdapter]:
-    """Our key ("layers.3.attn.wqkv", ..., "head") -> adapter, in model order."""
-    found = {name.removesuffix(".adapter"): m for name, m in model.named_modules()
-             if isinstance(m, LoraAdapter) and name.endswith(".adapter")}
+def lora_adapters(model: Transformer) -> dict[str, LoraAdapter | ExpertLora]:
+    """Our key ("layers.3.attn.wqkv", ..., "layers.3.mlp" for a mixture's experts,
+    "head") -> adapter, in model order."""
+    found: dict[str, LoraAdapter | ExpertLora] = {
+        name.removesuffix(".adapter"): m for name, m in model.named_modules()
+        if isinstance(m, (LoraAdapter, ExpertLora)) and name.endswith(".adapter")}
     if isinstance(model.head_adapter, LoraAdapter):
         found[HEAD] = model.head_adapter
     return found

@@ -31,7 +31,7 @@ import torch
 
 from prefixgym.engine.model.decoder import Transformer
 from prefixgym.engine.model.families import LAYERS, family_named, module_shapes
-from prefixgym.engine.model.lora import HEAD, LoraSpec, lora_adapters
+from prefixgym.engine.model.lora import HEAD, ExpertLora, LoraSpec, lora_adapters
 from prefixgym.files import write_dir_atomically, write_text_atomically
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "load_into", "read_adapter", "save_adapter"]
@@ -59,12 +59,51 @@ def _hf_modules(key: str, model: Transformer) -> tuple[str, ...]:
                  for name in family_named(model.config.family).hf_modules(layer))
 
 
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+"""PEFT's `target_parameters` of a mixture's experts, in its nesting order: the first
+wraps the experts module (`experts.base_layer.lora_*`), the second wraps that
+(`experts.lora_*`)."""
+_EXPERT_KEY = re.compile(
+    r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.mlp\.experts\.(base_layer\.)?"
+    r"lora_([AB])\.weight$")
+
+
+def _expert_tensors(adapter: ExpertLora, interleaved: bool) -> dict[str, tuple[Tensor, Tensor]]:
+    """Our per-expert A (E, r, in) and B (E, out, r) -> PEFT's (r * E, in) A, expert by
+    expert, and (out, r * E) B, rank by rank (`ParamWrapper`'s layout); gpt-oss's gate/up
+    rows interleaved as its checkpoints hold them."""
+    out = {}
+    for which, a, b in (("gate_up", adapter.gate_up_A, adapter.gate_up_B),
+                        ("down", adapter.down_A, adapter.down_B)):
+        E, r, fan_in = a.shape
+        rows = b.detach()
+        if which == "gate_up" and interleaved:
+            gate, up = rows.chunk(2, dim=1)
+            rows = torch.stack((gate, up), dim=2).flatten(1, 2)
+        out[which] = (a.detach().reshape(E * r, fan_in),
+                      rows.permute(1, 2, 0).reshape(rows.shape[1], r * E))
+    return out
+
+
+def _interleaved(model: Transformer) -> bool:
+    return family_named(model.config.family).experts == "gpt_oss"
+
+
 def save_adapter(directory: str | os.PathLike[str], model: Transformer, spec: LoraSpec,
                  base_model: str = "") -> str:
     """Write `model`'s adapters into `directory` (replaced whole); return its absolute path."""
     tensors: dict[str, Tensor] = {}
     targets: set[str] = set()
+    experts = False
     for key, adapter in lora_adapters(model).items():
+        if isinstance(adapter, ExpertLora):
+            experts = True
+            where = f"{PREFIX}model.{key}.experts."
+            pairs = _expert_tensors(adapter, _interleaved(model))
+            for which, prefix in (("gate_up", where + "base_layer."), ("down", where)):
+                tensors[prefix + "lora_A.weight"] = pairs[which][0].float().cpu().contiguous()
+                tensors[prefix + "lora_B.weight"] = pairs[which][1].float().cpu().contiguous()
+            continue
         r, row = adapter.rank, 0
         for p, (name, width) in enumerate(zip(_hf_modules(key, model), adapter.parts, strict=True)):
             a = adapter.lora_A.detach()[p * r : (p + 1) * r]
@@ -80,6 +119,7 @@ def save_adapter(directory: str | os.PathLike[str], model: Transformer, spec: Lo
         "use_rslora": spec.rslora, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "inference_mode": True, "rank_pattern": {},
         "alpha_pattern": {}, "layers_to_transform": None,
+        **({"target_parameters": list(EXPERT_PARAMETERS)} if experts else {}),
     }
     target = Path(directory).absolute()
 
@@ -149,8 +189,27 @@ def read_adapter(directory: str | os.PathLike[str], model: Transformer
             shapes[module] = (fan_in, fan_out)
             ours_of[module] = (our_layer, part)
     found: dict[tuple[str, int], dict[str, Tensor]] = {}
+    expert_found: dict[str, dict[str, Tensor]] = {}  # "layers.i.mlp.gate_up" -> A, B
     for name, tensor in safetensors.torch.load_file(str(weights)).items():
         layer, head = _KEY.match(name), _HEAD_KEY.match(name)
+        expert = _EXPERT_KEY.match(name)
+        if expert is not None:
+            i, which = int(expert[1]), ("gate_up" if expert[2] else "down")
+            if cfg.get("target_parameters") != list(EXPERT_PARAMETERS):
+                raise ValueError(f"{weights}: expert adapters load with target_parameters "
+                                 f"{list(EXPERT_PARAMETERS)} (in that order), got "
+                                 f"{cfg.get('target_parameters')!r}")
+            if i >= config.n_layers or not config.is_moe(i):
+                raise ValueError(f"{weights}: tensor {name!r} is not a mixture of experts "
+                                 "this model has")
+            E, C, F = config.num_experts, config.dim, config.expert_hidden_dim
+            fan_in, fan_out = (C, 2 * F) if which == "gate_up" else (F, C)
+            want = (r * E, fan_in) if expert[3] == "A" else (fan_out, r * E)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"{weights}: tensor {name!r} has shape "
+                                 f"{tuple(tensor.shape)}, expected {want} (r={r})")
+            expert_found.setdefault(f"layers.{i}.mlp.{which}", {})[expert[3]] = tensor.float()
+            continue
         if name in _BASE_COPIES:
             _check_base_copy(weights, name, tensor, model)
             continue
@@ -171,8 +230,11 @@ def read_adapter(directory: str | os.PathLike[str], model: Transformer
             raise ValueError(f"{weights}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {want} (r={r})")
         found.setdefault(where, {})[which] = tensor.float()
-    if not found:
+    if not found and not expert_found:
         raise ValueError(f"{weights}: no LoRA tensors")
+    for key, pair in expert_found.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{weights}: {key} has lora_{''.join(pair)} only")
     for (ours_key, part), pair in found.items():
         if set(pair) != {"A", "B"}:
             raise ValueError(f"{weights}: {ours_key} part {part} has lora_{''.join(pair)} only")
@@ -180,9 +242,16 @@ def read_adapter(directory: str | os.PathLike[str], model: Transformer
     keys = {ours_key for ours_key, _ in found}
     spec = LoraSpec(rank=r, alpha=float(cfg.get("lora_alpha", 8)),
                     train_attn=any(".attn." in k for k in keys),
-                    train_mlp=any(".mlp." in k for k in keys), train_unembed=HEAD in keys,
-                    rslora=bool(cfg.get("use_rslora", False)))
+                    train_mlp=any(".mlp." in k for k in keys) or bool(expert_found),
+                    train_unembed=HEAD in keys, rslora=bool(cfg.get("use_rslora", False)))
     joined: dict[str, tuple[Tensor, Tensor]] = {}
+    E = config.num_experts
+    for key, pair in expert_found.items():  # to ours: A (E, r, in), B (E, out, r)
+        a, b = pair["A"], pair["B"]
+        b = b.reshape(b.shape[0], r, E).permute(2, 0, 1)
+        if key.endswith("gate_up") and _interleaved(model):
+            b = torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)
+        joined[key] = (a.reshape(E, r, a.shape[1]), b.contiguous())
     for key in sorted(keys):
         modules = (("lm_head",) if key == HEAD else
                    family_named(config.family).hf_modules(key.split(".", 2)[2]))
@@ -201,6 +270,18 @@ def load_into(model: Transformer, tensors: dict[str, tuple[Tensor, Tensor]]) -> 
     """Set every adapter of a LoRA model (built with `read_adapter`'s spec) from `tensors`;
     adapters the file has no tensors for (a layer it skipped) become zero."""
     for key, adapter in lora_adapters(model).items():
+        if isinstance(adapter, ExpertLora):
+            for which, (a_param, b_param) in (
+                    ("gate_up", (adapter.gate_up_A, adapter.gate_up_B)),
+                    ("down", (adapter.down_A, adapter.down_B))):
+                a, b = tensors.get(f"{key}.{which}", (None, None))
+                if a is None or b is None:
+                    a_param.zero_()
+                    b_param.zero_()
+                else:
+                    a_param.copy_(a)
+                    b_param.copy_(b)
+            continue
         if key in tensors:
             a, b = tensors[key]
             adapter.lora_A.copy_(a)

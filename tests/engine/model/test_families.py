@@ -351,10 +351,61 @@ def test_the_routers_balancing_loss_is_transformers_when_asked(tmp_path: Path,
             assert float((grads[key] - grad).abs().max()) <= 1e-4 * max(scale, 1e-6), (name, key)
 
 
-def test_lora_on_experts_is_said_not_silently_skipped(tmp_path: Path) -> None:
-    save_hf(tmp_path, "gpt_oss")  # every MLP a mixture
-    with EngineService(str(tmp_path), thread_tuning=False) as svc:
-        with pytest.warns(UserWarning, match="LoRA adapts no experts: the MLPs of 2 of 2"):
-            svc.create_lora_training_client(rank=4)
-        with pytest.raises(ValueError, match="add the attention"):
-            svc.create_lora_training_client(rank=4, train_attn=False)
+
+@pytest.mark.parametrize("case, edit, match", [
+    ("mistral", {"sliding_window": 0}, "sliding_window must be at least 1"),
+    ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention"]},
+     "layer_types entry 'chunked_attention'"),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default"},
+                                    "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "a scaled RoPE on the sliding-window layers"),
+    ("qwen3_moe", {"num_experts_per_tok": 9}, "experts_per_token in \\[1, 4\\]"),
+])
+def test_what_a_windowed_or_moe_family_cannot_honour_is_one_line(
+        tmp_path: Path, case: str, edit: dict[str, Any], match: str) -> None:
+    save_hf(tmp_path, case)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **edit}))
+    with pytest.raises(ValueError, match=match):
+        load_model(str(tmp_path))
+
+
+def test_mxfp4_blocks_of_the_wrong_dtype_are_named(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    save_hf(tmp_path, "gpt_oss")
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(str(file))
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    tensors.pop(name)
+    tensors[name + "_blocks"] = torch.zeros(4, 64, 2, 16)  # float, not packed bytes
+    tensors[name + "_scales"] = torch.zeros(4, 64, 2, dtype=torch.uint8)
+    save_file(tensors, str(file))
+    with pytest.raises(ValueError, match="gate_up_proj_blocks' is torch.float32 .* expected "
+                                         "torch.uint8"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
+def test_a_peft_adapter_on_the_experts_loads_here(tmp_path: Path, case: str) -> None:
+    """An adapter peft builds on the stacked experts (`target_parameters`) and attention
+    samples here with the logprobs peft gives on transformers' model."""
+    hf = save_hf(tmp_path / "hf", case)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             target_parameters=["mlp.experts.gate_up_proj",
+                                                "mlp.experts.down_proj"])
+    model = peft.get_peft_model(hf, config)
+    with torch.no_grad():  # B starts at zero: make every adapter matter
+        gen = torch.Generator().manual_seed(11)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    model.save_pretrained(tmp_path / "adapter")
+    ids = tokens(80, seed=12)
+    theirs = hf_logprobs(model.eval(), ids)
+    with EngineService(str(tmp_path / "hf"), thread_tuning=False) as svc:
+        ours = svc.create_sampling_client(model_path=str(tmp_path / "adapter")).compute_logprobs(
+            ids).result()
+        plain = svc.create_sampling_client().compute_logprobs(ids).result()
+    assert max(abs(a - b) for a, b in zip(ours[1:], plain[1:])) > 1e-2
+    assert ours[1:] == pytest.approx(theirs, abs=1e-4)
