@@ -409,3 +409,22 @@ def test_a_peft_adapter_on_the_experts_loads_here(tmp_path: Path, case: str) -> 
         plain = svc.create_sampling_client().compute_logprobs(ids).result()
     assert max(abs(a - b) for a, b in zip(ours[1:], plain[1:])) > 1e-2
     assert ours[1:] == pytest.approx(theirs, abs=1e-4)
+
+
+def test_expert_adapters_survive_save_and_load_state(tmp_path: Path) -> None:
+    save_hf(tmp_path / "hf", "gpt_oss")
+    ids = tokens(40, seed=13)
+    datum = pg.Datum(model_input=pg.ModelInput.from_ints(ids[:-1]),
+                     loss_fn_inputs={"target_tokens": ids[1:]})
+    with EngineService(str(tmp_path / "hf"), thread_tuning=False) as svc:
+        plain = svc.create_sampling_client().compute_logprobs(ids).result()
+        trainer = svc.create_lora_training_client(rank=4)
+        trainer.forward_backward([datum], "cross_entropy").result()
+        trainer.optim_step(pg.AdamParams(learning_rate=0.05)).result()
+        trainer.save_state(str(tmp_path / "state")).result()
+        trained = trainer.save_weights_and_get_sampling_client().compute_logprobs(ids).result()
+        again = svc.create_lora_training_client(rank=4, seed=99)
+        again.load_state(str(tmp_path / "state")).result()
+        loaded = again.save_weights_and_get_sampling_client().compute_logprobs(ids).result()
+    assert loaded == trained
+    assert max(abs(a - b) for a, b in zip(loaded[1:], plain[1:])) > 1e-3
