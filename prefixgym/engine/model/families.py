@@ -6,8 +6,9 @@ is a converter, not a model (litgpt's `Config`, transformers' modular files).
 | family    | differs from Llama by                                                |
 |-----------|----------------------------------------------------------------------|
 | llama     | (RoPE scaling: linear, dynamic, yarn, longrope, llama3: `hf_config`) |
-| qwen2     | q/k/v biases                                                         |
-| qwen3     | q/k RMSNorm over each head                                           |
+| qwen2     | q/k/v biases; with `use_sliding_window`, windows on the layers from  |
+|           | `max_window_layers` on                                               |
+| qwen3     | q/k RMSNorm over each head; Qwen2's windows                          |
 | qwen3_moe | Qwen3's, mixtures of experts for MLPs (`mlp_only_layers` and         |
 |           | `decoder_sparse_step` pick which layers)                             |
 | phi3      | fused qkv_proj and gate_up_proj; partial rotary; a window everywhere |
@@ -73,6 +74,12 @@ class Family:
     windows: str = "none"
     """Which layers transformers' code gives `sliding_window`: "none", "all" (Mistral,
     Phi-3) or "layer_types" (those marked "sliding_attention": Gemma, OLMo 3)."""
+    window_switch: str = ""
+    """A config field that must be true for any window to apply (Qwen2/3's
+    `use_sliding_window`); "": none."""
+    windows_from: str = ""
+    """Without `layer_types`: the config field from whose index on layers are windowed
+    (Qwen2/3's `max_window_layers`); "": `window_pattern` decides."""
     window_pattern: int = 0
     """Without `layer_types`: layer i is windowed unless (i + 1) is a multiple of this
     (transformers' default for the family; Gemma 3 reads `sliding_window_pattern`)."""
@@ -153,15 +160,18 @@ def _gpt_oss(read: Callable[[str, Any], Any]) -> dict[str, Any]:
             "expert_bias": True, "attention_sinks": True}
 
 
+_QWEN_WINDOWS: dict[str, Any] = {"windows": "layer_types",
+                                 "window_switch": "use_sliding_window",
+                                 "windows_from": "max_window_layers"}
 _GEMMA_NORMS = ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
                 "post_feedforward_layernorm")
 _OLMO_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama",), "LlamaForCausalLM", knobs=_biases),
-    Family("qwen2", ("qwen2",), "Qwen2ForCausalLM",
+    Family("qwen2", ("qwen2",), "Qwen2ForCausalLM", **_QWEN_WINDOWS,
            knobs=lambda read: {"qkv_bias": True, "out_bias": False}),
-    Family("qwen3", ("qwen3",), "Qwen3ForCausalLM",
+    Family("qwen3", ("qwen3",), "Qwen3ForCausalLM", **_QWEN_WINDOWS,
            knobs=lambda read: {**_biases(read), "qk_norm": "head"}),
     Family("phi3", ("phi3",), "Phi3ForCausalLM", qkv=("self_attn.qkv_proj",),
            gate_up=("mlp.gate_up_proj",), partial_rotary=True, windows="all"),

@@ -43,7 +43,6 @@ _UNSUPPORTED = {  # field -> (its value is a problem when, why)
     "num_experts": (lambda v: bool(v), "mixtures of experts"),
     "num_local_experts": (lambda v: bool(v), "mixtures of experts"),
     "n_routed_experts": (lambda v: bool(v), "mixtures of experts"),
-    "use_sliding_window": (lambda v: bool(v), "sliding-window attention"),
     "mlp_bias": (lambda v: bool(v), "MLP biases"),
     "use_bidirectional_attention": (lambda v: bool(v), "bidirectional attention"),
 }
@@ -181,6 +180,8 @@ def _windows(read: _Reader, family: Family, n_layers: int) -> tuple[int, ...] | 
         if kind not in _LAYER_TYPES:
             raise read.error(f"layer_types entry {kind!r} is not supported; supported: "
                              f"{', '.join(_LAYER_TYPES)}")
+    if family.window_switch and not read.cfg.get(family.window_switch):
+        return None  # (transformers' config nulls the window then)
     if window is None or family.windows == "none":
         if types is not None and family.windows == "none" and "sliding_attention" in types \
                 and window is not None:
@@ -192,6 +193,9 @@ def _windows(read: _Reader, family: Family, n_layers: int) -> tuple[int, ...] | 
         raise read.error(f"sliding_window must be at least 1, got {size}")
     if family.windows == "all":
         return (size,) * n_layers
+    if types is None and family.windows_from:  # an older config.json: windows from layer k
+        first = read.int(family.windows_from, 0)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
     if types is None:  # an older config.json: the family's default pattern
         every = read.int("sliding_window_pattern", family.window_pattern)
         if every < 1:

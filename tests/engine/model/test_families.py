@@ -52,6 +52,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "long_factor": [3.0] * ROTARY}}),
     "qwen2": ("Qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3", {"head_dim": 32, "tie_word_embeddings": False}),
+    "qwen3-window": ("Qwen3", {"use_sliding_window": True, "sliding_window": WINDOW,
+                               "max_window_layers": 1}),  # the second layer windowed
     "phi3": ("Phi3", {}),
     "phi3-partial-window": ("Phi3", {"sliding_window": WINDOW, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),

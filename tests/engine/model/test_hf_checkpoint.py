@@ -150,11 +150,14 @@ def test_unsupported_or_inconsistent_config_is_a_clear_error(
         load_model(str(tmp_path))
 
 
-def test_qwen2_sliding_window_is_refused(tmp_path: Path) -> None:
+def test_qwen2_windows_only_with_use_sliding_window(tmp_path: Path) -> None:
+    """Qwen2's code windows the layers from `max_window_layers` on, and only with
+    `use_sliding_window` (its config nulls the window otherwise)."""
     save_hf(tmp_path, "qwen2")
+    edit_config(tmp_path, sliding_window=8, max_window_layers=1, layer_types=None)
+    assert load_model(str(tmp_path)).config.windows == (0, 0)
     edit_config(tmp_path, use_sliding_window=True)
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        load_model(str(tmp_path))
+    assert load_model(str(tmp_path)).config.windows == (0, 8)
 
 
 def test_missing_config_or_weights_is_a_clear_error(tmp_path: Path) -> None:
