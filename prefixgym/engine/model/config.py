@@ -110,6 +110,8 @@ class ModelConfig:
     norms: str = "pre"
     """Where each sublayer's norm sits: "pre" (on its input: Llama), "post" (on its
     output: OLMo 2) or "both" (a norm on each side: Gemma 2/3)."""
+    norm_scale_in_fp32: bool = False
+    """RMSNorms scale in fp32, then round (gpt-oss), instead of rounding, then scaling."""
     norm_offset: bool = False
     """RMSNorms scale by (1 + weight) and round after scaling (Gemma); the weights are
     stored as the checkpoint holds them."""

@@ -49,7 +49,8 @@ class Transformer(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset,
+                            config.norm_scale_in_fp32)
         self.output: nn.Linear | None = (
             None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         )

@@ -157,7 +157,7 @@ def _gpt_oss(read: Callable[[str, Any], Any]) -> dict[str, Any]:
             "num_experts": int(read("num_local_experts", 0) or 0),
             "experts_per_token": int(read("num_experts_per_tok", 0) or 0),
             "expert_hidden_dim": width, "router": "topk_softmax", "router_bias": True,
-            "expert_bias": True, "attention_sinks": True}
+            "expert_bias": True, "attention_sinks": True, "norm_scale_in_fp32": True}
 
 
 _QWEN_WINDOWS: dict[str, Any] = {"windows": "layer_types",

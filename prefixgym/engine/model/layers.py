@@ -76,13 +76,14 @@ def causal_window_mask(T: int, window: int, device: torch.device) -> torch.Tenso
     return (pos.unsqueeze(0) <= pos.unsqueeze(1)) & window_allows(pos, pos, window)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
-              ) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+              scale_in_fp32: bool = False) -> torch.Tensor:
     """HF-exact RMSNorm: normalise in fp32, cast back, then scale; with `offset`
-    (Gemma), scale by 1 + weight in fp32, then cast."""
-    if offset:
-        return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * (1.0 + weight.float())
-                ).to(x.dtype)
+    (Gemma), scale by 1 + weight in fp32, then cast; with `scale_in_fp32` (gpt-oss), scale
+    by the weight in fp32, then cast."""
+    if offset or (scale_in_fp32 and x.dtype != torch.float32):
+        scale = 1.0 + weight.float() if offset else weight.float()
+        return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * scale).to(x.dtype)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     # fused fp32 norm: bit-identical to HF's x * rsqrt(mean(x^2) + eps) (checked), fewer ops
@@ -90,14 +91,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False,
+                 scale_in_fp32: bool = False) -> None:
         super().__init__()
-        self.eps, self.offset = eps, offset
+        self.eps, self.offset, self.scale_in_fp32 = eps, offset, scale_in_fp32
         # Gemma's weight is an offset from 1: its identity is 0
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps, self.offset)
+        return _rms_norm(x, self.weight, self.eps, self.offset, self.scale_in_fp32)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -196,11 +198,12 @@ class Attention(nn.Module):
             scores = scores.masked_fill(mask.logical_not(), float("-inf"))
         elif mask is not None:
             scores = scores + mask
-        if self.sinks is not None:
+        if self.sinks is not None:  # (gpt-oss's softmax runs in the scores' dtype)
             B, H, T, _ = scores.shape
             sink = self.sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
-            weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1,
-                                    dtype=torch.float32)[..., :-1].to(q.dtype)
+            logits = torch.cat((scores, sink), dim=-1)
+            logits = logits - logits.amax(dim=-1, keepdim=True)
+            weights = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(q.dtype)
         else:
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights, v)
@@ -223,9 +226,11 @@ it has no gradient for that output, so training takes the plain path)."""
 
 
 def _flash_serves(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether `_FLASH_CPU` serves: no gradient, on CPU, an additive mask or none."""
+    """Whether `_FLASH_CPU` serves: no gradient, on CPU, fp32 (the sampler's KV; a bf16
+    forward takes transformers' plain ops, to round as they do), an additive mask or
+    none."""
     return (not torch.is_grad_enabled() and q.device.type == "cpu"
-            and (mask is None or mask.dtype == q.dtype))
+            and q.dtype == torch.float32 and (mask is None or mask.dtype == q.dtype))
 
 
 class GatedMLP(nn.Module):
@@ -304,12 +309,16 @@ class MixtureOfExperts(nn.Module):
         for e in torch.unique(experts_N_k).tolist():  # ascending
             slot, token = torch.where(experts_N_k.T == e)  # transformers' row order
             x_e = x_N_C[token]
-            gate_up = F.linear(x_e, self.w_gate_up[e], None if b_gate_up is None else b_gate_up[e])
+            gate_up = F.linear(x_e, self.w_gate_up[e])
+            if b_gate_up is not None:  # added after the matmul, as transformers rounds
+                gate_up = gate_up + b_gate_up[e]
             if lora is not None:
                 gate_up = gate_up + lora.delta(x_e, e, "gate_up")
             gate, up = gate_up.chunk(2, dim=-1)
             h = _glu(gate, up, self.config)
-            y = F.linear(h, self.w_down[e], None if b_down is None else b_down[e])
+            y = F.linear(h, self.w_down[e])
+            if b_down is not None:
+                y = y + b_down[e]
             if lora is not None:
                 y = y + lora.delta(h, e, "down")
             out.index_add_(0, token, (y * weights_N_k[token, slot, None]).to(out.dtype))
@@ -319,15 +328,15 @@ class MixtureOfExperts(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        eps, offset = config.norm_eps, config.norm_offset
-        self.attn_norm = RMSNorm(config.dim, eps, offset)
+        eps, offset, fp32 = config.norm_eps, config.norm_offset, config.norm_scale_in_fp32
+        self.attn_norm = RMSNorm(config.dim, eps, offset, fp32)
         self.attn = Attention(config, layer_idx)
-        self.mlp_norm = RMSNorm(config.dim, eps, offset)
+        self.mlp_norm = RMSNorm(config.dim, eps, offset, fp32)
         self.mlp: GatedMLP | MixtureOfExperts = (
             MixtureOfExperts(config) if config.is_moe(layer_idx) else GatedMLP(config))
         if config.norms == "both":  # Gemma: a second norm on each sublayer's output
-            self.attn_post_norm = RMSNorm(config.dim, eps, offset)
-            self.mlp_post_norm = RMSNorm(config.dim, eps, offset)
+            self.attn_post_norm = RMSNorm(config.dim, eps, offset, fp32)
+            self.mlp_post_norm = RMSNorm(config.dim, eps, offset, fp32)
         self.norms = config.norms
         self.residual_multiplier = config.residual_multiplier
 

@@ -60,9 +60,10 @@ def _hf_modules(key: str, model: Transformer) -> tuple[str, ...]:
 
 
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-"""PEFT's `target_parameters` of a mixture's experts, in its nesting order: the first
-wraps the experts module (`experts.base_layer.lora_*`), the second wraps that
-(`experts.lora_*`)."""
+"""PEFT's `target_parameters` of a mixture's experts. PEFT nests its wrappers in the
+order the experts module defines the parameters, gate/up first: gate/up's adapter is
+`experts.base_layer.lora_*`, down's `experts.lora_*`, whatever order the list in its
+adapter_config.json has (peft 0.21 writes it in either, run to run)."""
 _EXPERT_KEY = re.compile(
     r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.mlp\.experts\.(base_layer\.)?"
     r"lora_([AB])\.weight$")
@@ -195,9 +196,9 @@ def read_adapter(directory: str | os.PathLike[str], model: Transformer
         expert = _EXPERT_KEY.match(name)
         if expert is not None:
             i, which = int(expert[1]), ("gate_up" if expert[2] else "down")
-            if cfg.get("target_parameters") != list(EXPERT_PARAMETERS):
+            if sorted(cfg.get("target_parameters") or ()) != sorted(EXPERT_PARAMETERS):
                 raise ValueError(f"{weights}: expert adapters load with target_parameters "
-                                 f"{list(EXPERT_PARAMETERS)} (in that order), got "
+                                 f"{list(EXPERT_PARAMETERS)}, got "
                                  f"{cfg.get('target_parameters')!r}")
             if i >= config.n_layers or not config.is_moe(i):
                 raise ValueError(f"{weights}: tensor {name!r} is not a mixture of experts "
