@@ -110,8 +110,12 @@ class ModelConfig:
     norms: str = "pre"
     """Where each sublayer's norm sits: "pre" (on its input: Llama), "post" (on its
     output: OLMo 2) or "both" (a norm on each side: Gemma 2/3)."""
+    rope_in_fp32: bool = False
+    """RoPE's tables stay fp32 and the rotation runs in fp32, then rounds (OLMo 2/3),
+    instead of tables in the weights' dtype (the same in fp32)."""
     norm_scale_in_fp32: bool = False
-    """RMSNorms scale in fp32, then round (gpt-oss), instead of rounding, then scaling."""
+    """RMSNorms scale in fp32, then round (OLMo 2/3, gpt-oss), instead of rounding, then
+    scaling (the same in fp32)."""
     norm_offset: bool = False
     """RMSNorms scale by (1 + weight) and round after scaling (Gemma); the weights are
     stored as the checkpoint holds them."""

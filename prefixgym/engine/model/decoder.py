@@ -68,7 +68,8 @@ class Transformer(nn.Module):
         Not part of the state dict; call again after materialising a meta-device model.
         """
         dtype = self.tok_embeddings.weight.dtype
-        if not dtype.is_floating_point or self.tok_embeddings.weight.is_meta:
+        if (not dtype.is_floating_point or self.tok_embeddings.weight.is_meta
+                or self.config.rope_in_fp32):  # (OLMo's rotation runs in fp32)
             dtype = torch.float32
         cos, sin = rope_tables(self.config, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)

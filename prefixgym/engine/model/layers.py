@@ -106,7 +106,8 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     """Rotate-half RoPE (HF convention): x (B, H, T, D), cos/sin (B, 1, T, R), with `sin`
     negated on its first half (`Transformer.rope_sin`): HF's x*cos + cat(-x2, x1)*sin in
     three kernels instead of five, and the same bits, forward and backward (a sign flip
-    is exact). With R < D (partial rotary) the first R dims turn, the rest pass."""
+    is exact). With R < D (partial rotary) the first R dims turn, the rest pass. fp32
+    tables rotate a bf16 x in fp32 (OLMo's); the caller rounds back."""
     rotary = cos.shape[-1]
     if rotary == x.shape[-1]:
         return x * cos + x.roll(rotary // 2, -1) * sin
@@ -136,8 +137,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.out_bias)
         if config.qk_norm != "none":
             heads = (config.n_heads, config.n_kv_heads) if config.qk_norm == "all_heads" else (1, 1)
-            self.q_norm = RMSNorm(heads[0] * config.head_dim, config.norm_eps, config.norm_offset)
-            self.k_norm = RMSNorm(heads[1] * config.head_dim, config.norm_eps, config.norm_offset)
+            norm = (config.norm_eps, config.norm_offset, config.norm_scale_in_fp32)
+            self.q_norm = RMSNorm(heads[0] * config.head_dim, *norm)
+            self.k_norm = RMSNorm(heads[1] * config.head_dim, *norm)
 
     def forward(
         self, x_B_T_C: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | None
@@ -153,7 +155,7 @@ class Attention(nn.Module):
         if self.qk_norm == "head":  # over each head's width (Qwen3)
             qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
         if self.rope:
-            qk = _apply_rope(qk, cos, sin)  # rotate q and k in one op
+            qk = _apply_rope(qk, cos, sin).to(qk.dtype)  # rotate q and k in one op
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
         if kv is None:
             mask = None  # plain causal, unless the window cuts within this forward

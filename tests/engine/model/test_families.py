@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import transformers as tf
+from numerics import BF16, max_abs_logit
 
 import prefixgym as pg
 from prefixgym.engine.model import load_model
@@ -430,3 +431,20 @@ def test_expert_adapters_survive_save_and_load_state(tmp_path: Path) -> None:
         loaded = again.save_weights_and_get_sampling_client().compute_logprobs(ids).result()
     assert loaded == trained
     assert max(abs(a - b) for a, b in zip(loaded[1:], plain[1:])) > 1e-3
+
+
+def test_in_bf16_the_engine_rounds_near_transformers(case) -> None:
+    """Loaded in bf16 on both sides: logprobs within two bf16 computations' bound
+    (tests/numerics.py; they are equal to the bit on this machine's AMX kernels, where
+    OLMo's fp32 RoPE and norms and gpt-oss's roundings are copied)."""
+    name, directory, _ = case
+    ids = tokens(129, seed=14)
+    hf = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
+    model = load_model(str(directory), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ours = torch.log_softmax(model(torch.tensor([ids]))[0], -1)[:-1].gather(
+            1, torch.tensor(ids[1:])[:, None])[:, 0]
+    theirs = torch.tensor(hf_logprobs(hf, ids))
+    bound = BF16.logprob_atol(0.0, model.config.n_layers,
+                              max_abs_logit(load_model(str(directory)), ids), sides=2)
+    assert float((ours - theirs).abs().max()) <= bound
