@@ -36,7 +36,8 @@ from prefixgym.engine.model.families import (
 )
 from prefixgym.engine.model.hf_config import config_from_hf, read_raw_config
 
-__all__ = ["load_hf_checkpoint"]
+__all__ = ["deinterleave_gate_up", "dequantize_mxfp4", "interleave_gate_up",
+           "load_hf_checkpoint"]
 
 
 class _TensorIndex:
@@ -191,6 +192,17 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2)
 
 
+def deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate/up interleaved along dim 1 (gate even, up odd) -> [gate | up]."""
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+
+
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """[gate | up] along dim 1 -> gpt-oss's interleaving (`deinterleave_gate_up` undone)."""
+    gate, up = t.chunk(2, dim=1)
+    return torch.stack((gate, up), dim=2).flatten(1, 2)
+
+
 def _gpt_oss_experts(index: _TensorIndex, hf: str, ours: str, config: ModelConfig,
                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """gpt-oss's router (with its bias) and experts, dense or MXFP4: its gate and up
@@ -205,8 +217,8 @@ def _gpt_oss_experts(index: _TensorIndex, hf: str, ours: str, config: ModelConfi
         gate_up = index.get(hf + "experts.gate_up_proj", (E, C, 2 * F), dtype).transpose(1, 2)
         down = index.get(hf + "experts.down_proj", (E, F, C), dtype).transpose(1, 2)
     bias = index.get(hf + "experts.gate_up_proj_bias", (E, 2 * F), dtype)
-    out[ours + "w_gate_up"] = torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1)
-    out[ours + "b_gate_up"] = torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1)
+    out[ours + "w_gate_up"] = deinterleave_gate_up(gate_up)
+    out[ours + "b_gate_up"] = deinterleave_gate_up(bias)
     out[ours + "w_down"] = down.contiguous()
     out[ours + "b_down"] = index.get(hf + "experts.down_proj_bias", (E, C), dtype)
     return out

@@ -33,6 +33,7 @@ from prefixgym.engine.model.families import (
     family_named,
     module_shapes,
 )
+from prefixgym.engine.model.hf_checkpoint import interleave_gate_up
 from prefixgym.files import write_dir_atomically
 
 __all__ = ["hf_config", "hf_state_dict", "save_hf_checkpoint"]
@@ -131,15 +132,10 @@ def _gpt_oss_experts(sd: Mapping[str, torch.Tensor], ours: str, hf: str, cfg: Mo
                      ) -> dict[str, torch.Tensor]:
     """gpt-oss's router and experts, dense, as transformers holds them: (E, C, 2F) with
     gate and up interleaved, (E, F, C), and their biases."""
-
-    def interleave(gate_up: torch.Tensor) -> torch.Tensor:  # [gate | up] -> g0 u0 g1 u1...
-        gate, up = gate_up.chunk(2, dim=1)
-        return torch.stack((gate, up), dim=2).flatten(1, 2)
-
     return {hf + "router.weight": sd[ours + "router.weight"],
             hf + "router.bias": sd[ours + "router.bias"],
-            hf + "experts.gate_up_proj": interleave(sd[ours + "w_gate_up"]).transpose(1, 2),
-            hf + "experts.gate_up_proj_bias": interleave(sd[ours + "b_gate_up"]),
+            hf + "experts.gate_up_proj": interleave_gate_up(sd[ours + "w_gate_up"]).transpose(1, 2),
+            hf + "experts.gate_up_proj_bias": interleave_gate_up(sd[ours + "b_gate_up"]),
             hf + "experts.down_proj": sd[ours + "w_down"].transpose(1, 2),
             hf + "experts.down_proj_bias": sd[ours + "b_down"]}
 

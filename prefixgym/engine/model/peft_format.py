@@ -31,6 +31,7 @@ import torch
 
 from prefixgym.engine.model.decoder import Transformer
 from prefixgym.engine.model.families import LAYERS, family_named, module_shapes
+from prefixgym.engine.model.hf_checkpoint import deinterleave_gate_up, interleave_gate_up
 from prefixgym.engine.model.lora import HEAD, ExpertLora, LoraSpec, lora_adapters
 from prefixgym.files import write_dir_atomically, write_text_atomically
 
@@ -79,8 +80,7 @@ def _expert_tensors(adapter: ExpertLora, interleaved: bool) -> dict[str, tuple[T
         E, r, fan_in = a.shape
         rows = b.detach()
         if which == "gate_up" and interleaved:
-            gate, up = rows.chunk(2, dim=1)
-            rows = torch.stack((gate, up), dim=2).flatten(1, 2)
+            rows = interleave_gate_up(rows)
         out[which] = (a.detach().reshape(E * r, fan_in),
                       rows.permute(1, 2, 0).reshape(rows.shape[1], r * E))
     return out
@@ -251,7 +251,7 @@ def read_adapter(directory: str | os.PathLike[str], model: Transformer
         a, b = pair["A"], pair["B"]
         b = b.reshape(b.shape[0], r, E).permute(2, 0, 1)
         if key.endswith("gate_up") and _interleaved(model):
-            b = torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)
+            b = deinterleave_gate_up(b)
         joined[key] = (a.reshape(E, r, a.shape[1]), b.contiguous())
     for key in sorted(keys):
         modules = (("lm_head",) if key == HEAD else
