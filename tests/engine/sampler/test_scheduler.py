@@ -77,6 +77,9 @@ def run_turns(svc: LocalService, first: list[int], extra: list[list[int]], param
 
 
 tokens = st.lists(st.integers(1, 4000), min_size=1, max_size=40)
+LONG_TURNS = {"first": st.lists(st.integers(1, 4000), min_size=1, max_size=60),
+              "extra": st.lists(tokens, min_size=1, max_size=3)}
+"""A first prompt of up to 60 tokens (several windows and blocks), then 1-3 turns."""
 
 
 @settings(max_examples=6, derandomize=True)
@@ -88,8 +91,7 @@ def test_cached_and_uncached_agree_and_turns_hit_the_cache(
 
 
 @settings(max_examples=6, derandomize=True, deadline=None)
-@given(first=st.lists(st.integers(1, 4000), min_size=1, max_size=60),
-       extra=st.lists(tokens, min_size=1, max_size=3))
+@given(**LONG_TURNS)
 def test_with_sliding_windows_cached_and_uncached_agree_and_turns_hit_the_cache(
     windowed: tuple[LocalService, LocalService], first: list[int], extra: list[list[int]]
 ) -> None:
@@ -132,8 +134,7 @@ def integrity_checked_every_step(svc: LocalService) -> Iterator[list[str]]:
 
 
 @settings(max_examples=6, derandomize=True, deadline=None)
-@given(first=st.lists(st.integers(1, 4000), min_size=1, max_size=60),
-       extra=st.lists(tokens, min_size=1, max_size=3))
+@given(**LONG_TURNS)
 def test_blocks_no_window_reads_are_dropped_and_turns_still_hit_the_cache(
     all_windowed: tuple[LocalService, LocalService], first: list[int], extra: list[list[int]]
 ) -> None:
