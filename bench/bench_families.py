@@ -27,6 +27,13 @@ that directory, fp32:
            "importance_sampling", then `optim_step`, in a fresh process: its seconds and
            the process's peak RSS (weights and all).
 
+  windows  (`--windows`, instead of the above; windowed families) what freeing the blocks no window reads
+           saves: 8 samples of 512 tokens after a 128-token prompt (several windows
+           long), cache off; the peak of KV blocks held by running sequences (bytes, as
+           the pool's `running_blocks` figure says after each step) and decode tok/s,
+           ours as shipped vs the same engine with the release turned off
+           (`scheduler.release_window = 0`, what every family did before), alternating.
+
   fallback (`--fallback`, llama3's shape) the decision of issue 42's item 4: would a
            path through transformers' own modeling code, our KV pool behind it (a
            function registered in transformers' `AttentionInterface` that hands each
@@ -44,6 +51,7 @@ sides alternating, so load hits both alike. Ratios > 1 mean ours is faster.
     .venv/bin/python bench/bench_families.py --families qwen3 phi3 --repeats 5
     .venv/bin/python bench/bench_families.py --families llama3 qwen3_moe --train
     .venv/bin/python bench/bench_families.py --families --fallback
+    .venv/bin/python bench/bench_families.py --families mistral gemma2 gemma3 olmo3 gpt_oss --windows
 """
 
 from __future__ import annotations
@@ -115,14 +123,19 @@ def ids(n: int, seed: int) -> list[int]:
                          generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run_family(name: str, directory: Path, repeats: int) -> dict[str, float]:
+def save_family(name: str, directory: Path) -> Any:
+    """The family's random-init transformers model, saved in `directory` (tokenizer too)."""
     arch, overrides = FAMILIES[name]
     torch.manual_seed(0)
     config = getattr(tf, f"{arch}Config")(**{**SHAPE, **overrides})
     hf = getattr(tf, MODEL_CLASSES.get(arch, f"{arch}ForCausalLM"))(config)
     hf.save_pretrained(directory, safe_serialization=True)
     load_tokenizer().save_pretrained(directory)  # the engine reads the directory's tokenizer
-    hf.eval()
+    return hf.eval()
+
+
+def run_family(name: str, directory: Path, repeats: int) -> dict[str, float]:
+    hf = save_family(name, directory)
     shared = ids(SHARED, 1)
     prompts = [shared + ids(PROMPT - SHARED, 10 + i) for i in range(GROUP)]
     one = pg.SamplingParams(max_tokens=1, temperature=1.0, seed=0)
@@ -168,6 +181,47 @@ def run_family(name: str, directory: Path, repeats: int) -> dict[str, float]:
         for which, fn in (("ours_off", ours_off), ("hf", hf_prefill),
                           ("ours_decode", ours_decode), ("hf_decode", hf_decode)):
             out[which] = best(fn, repeats)
+    return out
+
+
+def window_release(name: str, directory: Path, repeats: int) -> dict[str, float]:
+    """Peak KV bytes held and best decode seconds, release on and off (module docstring)."""
+    save_family(name, directory)
+    prompt, new = ids(DECODE_PROMPT, 2), 512
+    params = pg.SamplingParams(max_tokens=new, temperature=1.0, seed=0, stop_token_ids=[])
+    out: dict[str, float] = {}
+    with LocalService(str(directory), seed=0, prefix_cache=False) as svc:
+        engine = svc.engine
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        window = engine.scheduler.release_window
+        out["window"], out["groups"] = window, engine.runner.pool.layout.groups
+        step = engine.step
+
+        def run(release: int, probe: bool) -> float:
+            engine.scheduler.release_window = release
+            peak = [0]
+
+            def probed() -> None:
+                step()
+                peak[0] = max(peak[0], engine.cache.stats()["running_blocks"])
+
+            engine.step = probed if probe else step  # type: ignore[method-assign]
+            t0 = time.perf_counter()
+            r = sampler.sample(prompt, num_samples=GROUP, sampling_params=params).result()
+            seconds = time.perf_counter() - t0
+            engine.step = step  # type: ignore[method-assign]
+            assert all(len(s.tokens) == new for s in r.sequences)
+            if probe:
+                out[f"peak_{bool(release)}"] = peak[0] * engine.cache.block_bytes
+            return seconds
+
+        for release in (window, 0):
+            run(release, probe=True)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(repeats):
+            for release in (window, 0):
+                times[bool(release)].append(run(release, probe=False))
+        out["s_True"], out["s_False"] = min(times[True]), min(times[False])
     return out
 
 
@@ -274,6 +328,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--train", action="store_true", help="also time a LoRA GRPO step")
+    p.add_argument("--windows", action="store_true",
+                   help="instead of the table, what freeing out-of-window blocks saves "
+                   "(the windowed families among --families)")
     p.add_argument("--fallback", action="store_true",
                    help="also time transformers' modeling code over our KV pool (llama3)")
     a = p.parse_args()
@@ -284,11 +341,12 @@ def main() -> None:
           f"{SHAPE['hidden_size']}, MLP {SHAPE['intermediate_size']}, vocab {SHAPE['vocab_size']}; "
           f"prefill {GROUP} x {PROMPT} tokens sharing {SHARED}; decode {GROUP} x {NEW} new "
           f"tokens after {DECODE_PROMPT}; best of {a.repeats}")
-    print(f"\n{'family':<9} {'prefill tok/s: ours-off':>23} {'ours-on':>9} {'HF':>9} "
-          f"{'off/HF':>7} {'on/HF':>7}   {'decode tok/s: ours':>19} {'HF':>8} {'ours/HF':>8}")
     tokens = GROUP * PROMPT
     steps = []
-    for name in a.families:
+    if not a.windows:
+        print(f"\n{'family':<9} {'prefill tok/s: ours-off':>23} {'ours-on':>9} {'HF':>9} "
+              f"{'off/HF':>7} {'on/HF':>7}   {'decode tok/s: ours':>19} {'HF':>8} {'ours/HF':>8}")
+    for name in [] if a.windows else a.families:
         with tempfile.TemporaryDirectory() as d:
             r = run_family(name, Path(d), a.repeats)
             if a.train:
@@ -298,6 +356,20 @@ def main() -> None:
         dec, hf_dec = GROUP * NEW / r["ours_decode"], GROUP * NEW / r["hf_decode"]
         print(f"{name:<9} {off:23,.0f} {on:9,.0f} {hf:9,.0f} {off / hf:6.2f}x {on / hf:6.2f}x"
               f"   {dec:19,.0f} {hf_dec:8,.0f} {dec / hf_dec:7.2f}x", flush=True)
+    if a.windows:
+        print(f"\n{'family':<9} {'window':>6} {'groups':>6} {'peak KV MiB: freed':>19} "
+              f"{'kept':>7} {'freed/kept':>10}   {'decode tok/s: freed':>20} {'kept':>7} "
+              f"{'ratio':>6}   ({GROUP} x 512 after {DECODE_PROMPT})")
+        for name in a.families:
+            if not any(k in FAMILIES[name][1] for k in ("sliding_window", "layer_types")):
+                continue
+            with tempfile.TemporaryDirectory() as d:
+                w = window_release(name, Path(d), a.repeats)
+            freed, kept = w["peak_True"] / 2**20, w["peak_False"] / 2**20
+            fast, slow = GROUP * 512 / w["s_True"], GROUP * 512 / w["s_False"]
+            print(f"{name:<9} {w['window']:6.0f} {w['groups']:6.0f} {freed:19.1f} {kept:7.1f} "
+                  f"{freed / kept:10.2f}   {fast:20,.0f} {slow:7,.0f} {fast / slow:5.2f}x",
+                  flush=True)
     if a.fallback:
         with tempfile.TemporaryDirectory() as d:
             r = fallback(Path(d), a.repeats)

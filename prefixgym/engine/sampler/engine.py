@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from prefixgym.engine.model import ModelConfig, Transformer
-from prefixgym.engine.sampler.kv_pool import KVPool
+from prefixgym.engine.sampler.kv_pool import KVPool, PageLayout
 from prefixgym.engine.sampler.options import SamplerOptions
 from prefixgym.engine.sampler.prefix_cache import PrefixCache
 from prefixgym.engine.sampler.requests import (
@@ -76,7 +76,9 @@ class Engine:
     ) -> None:
         kv_dtype = torch.float32 if device.type == "cpu" else model_dtype
         kv_element_size = torch.empty((), dtype=kv_dtype).element_size()
-        block_bytes = config.kv_elements_per_position * options.block_size * kv_element_size
+        layout = PageLayout.of(config.windows)  # hybrid models: a block per layer group
+        block_bytes = (config.kv_elements_per_position * layout.slots // config.n_layers
+                       * options.block_size * kv_element_size)
         num_blocks = options.cache_bytes // block_bytes
         if num_blocks < 2:
             raise ValueError(f"cache_bytes={options.cache_bytes} holds {num_blocks} KV blocks "
@@ -84,7 +86,8 @@ class Engine:
         pool = KVPool(config.n_layers, config.n_kv_heads, config.head_dim, num_blocks,
                       options.block_size, kv_dtype, device, windows=config.windows)
         cache = PrefixCache(num_blocks, options.block_size, block_bytes,
-                            indexing=options.prefix_cache)
+                            indexing=options.prefix_cache, window_groups=layout.groups - 1,
+                            window=layout.window)
         self.options = options
         self.cache = cache
         self.limits = RequestLimits(max_samples=options.max_running,
@@ -97,10 +100,13 @@ class Engine:
         self._stats_lock = threading.Lock()  # guards the scheduler between steps
         # padded positions per prefill forward: 2048 ran tiny 8x512 prefills ~10% faster
         # than one 4096-position forward (bench_prefill.py), smaller ones fit the caches
-        windows = config.windows  # every layer windowed: what no window reads is freed
-        self.scheduler = Scheduler(cache, decode, ledger, options.max_running,
-                                   max_prefill_tokens,
-                                   release_window=max(windows) if all(windows) else 0)
+        # what no window reads is freed: every block when every layer has a window, the
+        # windowed groups' blocks in a hybrid layout
+        windows = config.windows
+        self.scheduler = Scheduler(
+            cache, decode, ledger, options.max_running, max_prefill_tokens,
+            release_window=max(windows) if all(windows) else layout.window,
+            groups=layout.groups)
         # the engine thread's forwards pick their torch thread count by timing (threads.py);
         # a bf16/fp16 model's matmuls on CPU run in oneDNN, whose rounding changes with the
         # thread count (docs/architecture.md "Determinism"): a deterministic engine keeps one
@@ -135,7 +141,8 @@ class Engine:
         for i, item in enumerate(items):
             try:
                 req = new_request(item, model, version, self._decode is not None, self.limits)
-                bs, need = self.cache.block_size, blocks_needed(req, 0, self.cache.block_size)
+                bs = self.cache.block_size
+                need = blocks_needed(req, 0, bs, self.scheduler.groups)
                 if need > self.cache.num_blocks - 1:  # the pool must hold one request alone
                     raise ValueError(
                         f"this request may need {need} KV blocks of {bs} positions (prompt "

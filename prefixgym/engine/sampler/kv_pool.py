@@ -1,10 +1,19 @@
 """The KV store of the sampler: one preallocated pool of fixed-size blocks on one device.
 
 `KVPool` holds the keys and values of every running sequence and every cached prefix
-block, as two tensors shaped (n_layers, n_kv_heads * num_blocks, block_size, head_dim):
-block b of head h of a layer is row `h * num_blocks + b`. A sequence's KV is a block
+block, as two tensors shaped (slots, n_kv_heads * num_blocks, block_size, head_dim):
+block b of head h of a slot is row `h * num_blocks + b`. A sequence's KV is a block
 table, a list of block ids, position p living at offset p % block_size of block
 table[p // block_size]. Block 0 is never handed out: it pads short tables (masked).
+
+Which slot holds which layer is the pool's `PageLayout`. Most models have one group of
+layers: a block's slots are every layer, one table per sequence. A hybrid model (some
+layers see every key, at least as many see a sliding window: Gemma 2/3, OLMo 3, gpt-oss)
+has one group of full-attention layers and `groups - 1` groups of windowed ones, as many
+layers each (the last padded), so that a block of positions takes one block per group
+and a sequence has one table per group. A windowed group's blocks that no window reads
+any more can then be freed while the full layers keep theirs (scheduler.py): the anchor
+is vLLM's hybrid KV cache manager, whose groups share one pool of equal pages.
 
 `PagedView` is the `KVView` one forward gets: it writes the new keys/values of R rows
 at their positions through their tables, then gathers each row's blocks, in table
@@ -22,10 +31,38 @@ block is free is the cache's business (prefix_cache.py); this moves tensors.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from prefixgym.engine.model import window_allows
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Where each layer's KV lives: `layer_slot[l]` = (group, slot) -- the layer reads
+    the group's table and, in those blocks, its slot."""
+
+    slots: int  # layers per block
+    groups: int  # blocks per block of positions: one table per group
+    layer_slot: tuple[tuple[int, int], ...]
+    window: int  # keys the windowed groups' layers see at most (0: no windowed group)
+
+    @staticmethod
+    def of(windows: tuple[int, ...]) -> PageLayout:
+        """One group of every layer, unless some layers see every key and at least as
+        many see a window: then the full ones are group 0 and the windowed ones follow,
+        as many per group."""
+        full = [i for i, w in enumerate(windows) if not w]
+        windowed = [i for i, w in enumerate(windows) if w]
+        if not full or len(windowed) < len(full):
+            return PageLayout(len(windows), 1, tuple((0, i) for i in range(len(windows))), 0)
+        G = len(full)
+        where = {layer: (0, j) for j, layer in enumerate(full)}
+        where.update({layer: (1 + j // G, j % G) for j, layer in enumerate(windowed)})
+        return PageLayout(G, 1 + -(-len(windowed) // G),
+                          tuple(where[i] for i in range(len(windows))), max(windows))
 
 
 class KVPool:
@@ -43,10 +80,11 @@ class KVPool:
         self.num_blocks, self.block_size, self.n_kv_heads = num_blocks, block_size, n_kv_heads
         self.windows = windows or (0,) * n_layers
         """Per layer, its sliding window in keys (`ModelConfig.windows`; 0: none)."""
+        self.layout = PageLayout.of(self.windows)
         self.dtype, self.device = dtype, device
         # empty, not zeros: pages are touched only when used; a block is zeroed on its
         # first allocation (`zero`), so stale or padding keys are always finite
-        shape = (n_layers, n_kv_heads * num_blocks, block_size, head_dim)
+        shape = (self.layout.slots, n_kv_heads * num_blocks, block_size, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.zero([0])
@@ -64,19 +102,30 @@ class KVPool:
         self.v[:, rows_dst, :num_positions] = self.v[:, rows_src, :num_positions]
 
     def view(
-        self, tables: list[list[int]], starts: list[int], lengths: list[int], width: int
+        self, tables: list[list[int]], starts: list[int], lengths: list[int], width: int,
+        window_tables: Sequence[list[list[int]]] = (),
     ) -> PagedView:
-        return PagedView(self, tables, starts, lengths, width)
+        return PagedView(self, tables, starts, lengths, width, window_tables)
+
+    def group_tables(self, tables: list[list[int]],
+                     window_tables: Sequence[list[list[int]]]) -> list[list[list[int]]]:
+        """Per group, per row, its table: `tables` is group 0's, `window_tables` the
+        windowed groups' (a hybrid layout's), each row's tables equally long."""
+        if len(window_tables) != self.layout.groups - 1:
+            raise ValueError(f"this pool has {self.layout.groups} groups of layers, got "
+                             f"tables for {1 + len(window_tables)}")
+        return [tables, *window_tables]
 
 
 class PagedView:
     """R rows, right-padded to T = `width` new tokens: row r computes positions
     [starts[r], starts[r] + lengths[r]) and its keys [0, starts[r]) are already in its
-    blocks `tables[r]`. Padding queries are not stored and see only finite keys."""
+    blocks `tables[r]` (and, in a hybrid layout, `window_tables[g][r]`: 0 where its
+    window dropped a block). Padding queries are not stored and see only finite keys."""
 
     def __init__(
         self, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int],
-        width: int,
+        width: int, window_tables: Sequence[list[list[int]]] = (),
     ) -> None:
         dev, bs, N, Hkv = pool.device, pool.block_size, pool.num_blocks, pool.n_kv_heads
         T = width
@@ -85,8 +134,8 @@ class PagedView:
         self.causal = not any(starts)
         nb = max(-(-(s + n) // bs) for s, n in zip(starts, lengths))  # blocks every row's keys fit in
         self.num_keys = nb * bs
-        table_R_nb = _table_tensor(pool, tables, nb)
-        self.gather_rows = _block_rows(pool, table_R_nb)
+        tables_R_nb = [_table_tensor(pool, t, nb) for t in pool.group_tables(tables, window_tables)]
+        self.gather_rows = [_block_rows(pool, t) for t in tables_R_nb]  # per group
         query_pos_R_T = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(T, device=dev)
         self.positions_R_T = query_pos_R_T
         self.max_position = max(s + n for s, n in zip(starts, lengths)) - 1
@@ -100,27 +149,30 @@ class PagedView:
         self.src_M = valid_R_T.flatten().nonzero().squeeze(1)  # into the flattened (R*T)
         pos_M = query_pos_R_T.flatten()[self.src_M]
         row_M = self.src_M // T
-        block_M = table_R_nb[row_M, pos_M // bs]
-        slot_M = block_M * bs + pos_M % bs  # within one head's (N*bs) positions
         heads_bs = torch.arange(Hkv, device=dev) * (N * bs)
-        self.slot_index = (heads_bs.unsqueeze(1) + slot_M).flatten()  # (Hkv*M,)
+        self.slot_index = []  # per group: (Hkv*M,) flat (head, block, offset) slots
+        for table_R_nb in tables_R_nb:
+            block_M = table_R_nb[row_M, pos_M // bs]
+            slot_M = block_M * bs + pos_M % bs  # within one head's (N*bs) positions
+            self.slot_index.append((heads_bs.unsqueeze(1) + slot_M).flatten())
         self.last_index_R = torch.tensor(lengths, device=dev) - 1
 
     def update(
         self, layer_idx: int, k_R_Hkv_T_D: torch.Tensor, v_R_Hkv_T_D: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        k_layer, v_layer = self.pool.k[layer_idx], self.pool.v[layer_idx]  # (Hkv*N, bs, D)
+        group, slot = self.pool.layout.layer_slot[layer_idx]
+        k_layer, v_layer = self.pool.k[slot], self.pool.v[slot]  # (Hkv*N, bs, D)
         R, Hkv, T, D = k_R_Hkv_T_D.shape
         for new, layer in ((k_R_Hkv_T_D, k_layer), (v_R_Hkv_T_D, v_layer)):
             new_Hkv_M_D = new.transpose(0, 1).reshape(Hkv, R * T, D)[:, self.src_M]
-            layer.view(-1, D).index_copy_(0, self.slot_index,
+            layer.view(-1, D).index_copy_(0, self.slot_index[group],
                                           new_Hkv_M_D.reshape(-1, D).to(layer.dtype))
         mask = self._mask(self.pool.windows[layer_idx], T)
         if self.causal:
             return k_R_Hkv_T_D.to(self.pool.dtype), v_R_Hkv_T_D.to(self.pool.dtype), mask
         Tk = self.num_keys
-        k_all = k_layer.index_select(0, self.gather_rows).view(R, Hkv, Tk, D)
-        v_all = v_layer.index_select(0, self.gather_rows).view(R, Hkv, Tk, D)
+        k_all = k_layer.index_select(0, self.gather_rows[group]).view(R, Hkv, Tk, D)
+        v_all = v_layer.index_select(0, self.gather_rows[group]).view(R, Hkv, Tk, D)
         return k_all, v_all, mask
 
     def _mask(self, window: int, T: int) -> torch.Tensor | None:
@@ -169,19 +221,20 @@ class DecodeWorkspace:
     rows (the same sequence objects, in order) or their lengths have outgrown it."""
 
     def __init__(self, pool: KVPool, rows: list[object], tables: list[list[int]],
-                 num_positions: int) -> None:
+                 num_positions: int, window_tables: Sequence[list[list[int]]] = ()) -> None:
         bs, Hkv = pool.block_size, pool.n_kv_heads
         self.rows = [weakref.ref(r) for r in rows]  # not kept alive (nor their models)
         nb = -(-(num_positions + _GROWTH) // bs)
         self.capacity = nb * bs
-        gather = _block_rows(pool, _table_tensor(pool, tables, nb))
-        L, _, _, D = pool.k.shape
+        gather = [_block_rows(pool, _table_tensor(pool, t, nb))
+                  for t in pool.group_tables(tables, window_tables)]
+        L, D = len(pool.windows), pool.k.shape[-1]
         B = len(rows)
         self.k = pool.k.new_empty(L, B, Hkv, self.capacity, D)
         self.v = pool.v.new_empty(L, B, Hkv, self.capacity, D)
-        for layer in range(L):
-            torch.index_select(pool.k[layer], 0, gather, out=self.k[layer].view(-1, bs, D))
-            torch.index_select(pool.v[layer], 0, gather, out=self.v[layer].view(-1, bs, D))
+        for layer, (group, slot) in enumerate(pool.layout.layer_slot):
+            torch.index_select(pool.k[slot], 0, gather[group], out=self.k[layer].view(-1, bs, D))
+            torch.index_select(pool.v[slot], 0, gather[group], out=self.v[layer].view(-1, bs, D))
 
     def fits(self, rows: list[object], num_positions: int) -> bool:
         return (num_positions <= self.capacity and len(rows) == len(self.rows)
@@ -193,7 +246,7 @@ class DecodeView:
     table and in the workspace; attention reads the workspace in place."""
 
     def __init__(self, pool: KVPool, ws: DecodeWorkspace, tables: list[list[int]],
-                 positions: list[int]) -> None:
+                 positions: list[int], window_tables: Sequence[list[list[int]]] = ()) -> None:
         dev, bs, N, Hkv = pool.device, pool.block_size, pool.num_blocks, pool.n_kv_heads
         self.pool, self.ws = pool, ws
         B = len(positions)
@@ -208,10 +261,12 @@ class DecodeView:
         if min(positions) != max(positions):
             allowed = torch.arange(self.num_keys, device=dev) <= pos_B.unsqueeze(1)
             self.masks[0] = _additive(allowed[:, None, None], pool.dtype)
-        blocks = torch.tensor([t[p // bs] for t, p in zip(tables, positions)], device=dev)
-        slot_B = blocks * bs + pos_B % bs
         heads = torch.arange(Hkv, device=dev)
-        self.pool_index = (heads.unsqueeze(0) * (N * bs) + slot_B.unsqueeze(1)).flatten()  # (B*Hkv)
+        self.pool_index = []  # per group: (B*Hkv) flat slots of the new positions
+        for group in pool.group_tables(tables, window_tables):
+            blocks = torch.tensor([t[p // bs] for t, p in zip(group, positions)], device=dev)
+            slot_B = blocks * bs + pos_B % bs
+            self.pool_index.append((heads.unsqueeze(0) * (N * bs) + slot_B.unsqueeze(1)).flatten())
         rows_B_Hkv = torch.arange(B, device=dev).unsqueeze(1) * Hkv + heads
         self.ws_index = (rows_B_Hkv * ws.capacity + pos_B.unsqueeze(1)).flatten()
 
@@ -219,11 +274,12 @@ class DecodeView:
         self, layer_idx: int, k_B_Hkv_1_D: torch.Tensor, v_B_Hkv_1_D: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         B, Hkv, _, D = k_B_Hkv_1_D.shape
+        group, slot = self.pool.layout.layer_slot[layer_idx]
         ws_k, ws_v = self.ws.k[layer_idx], self.ws.v[layer_idx]  # (B, Hkv, capacity, D)
-        for new, pool_layer, ws_layer in ((k_B_Hkv_1_D, self.pool.k[layer_idx], ws_k),
-                                          (v_B_Hkv_1_D, self.pool.v[layer_idx], ws_v)):
+        for new, pool_layer, ws_layer in ((k_B_Hkv_1_D, self.pool.k[slot], ws_k),
+                                          (v_B_Hkv_1_D, self.pool.v[slot], ws_v)):
             new_N_D = new.reshape(B * Hkv, D).to(pool_layer.dtype)
-            pool_layer.view(-1, D).index_copy_(0, self.pool_index, new_N_D)
+            pool_layer.view(-1, D).index_copy_(0, self.pool_index[group], new_N_D)
             ws_layer.view(-1, D).index_copy_(0, self.ws_index, new_N_D)
         Tk = self.num_keys
         return ws_k[:, :, :Tk], ws_v[:, :, :Tk], self._mask(self.pool.windows[layer_idx])

@@ -17,8 +17,19 @@ block); a match continues below the block with the child that shares the longest
 token prefix (`Match.tail_block`), whose positions the caller copies into a block of
 its own, since a cached block is never written.
 
+A hybrid model's pool (kv_pool.py's `PageLayout`) gives a block of positions one block
+per group: the entry's own `block` for the full-attention layers and `window_blocks`
+(`window_groups` of them) for the windowed ones. Those are the first to go: a running
+sequence releases them once no window reads them (the scheduler), and eviction takes
+them alone, leaving the entry and its chain. So a match needs them only for the blocks
+the first computed position's window reaches, and ends earlier, at the longest prefix
+whose last window has them all. A sequence that computes such a block again gives the
+entry its window blocks (the entry keeps its own block). Eviction takes units in one
+least-recently-used order, whichever is older: an entry that is a leaf (with its window
+blocks), or the window blocks of any entry.
+
 Contract -- reads (no change to refcounts, LRU order, reservations or statistics):
-`match`, `can_reserve`, `is_indexed`, `stats`, `check_integrity`, `len()`. Changes: `reserve` /
+`match`, `can_reserve`, `is_indexed`, `stats`, `len()` (and cache_integrity.py's check). Changes: `reserve` /
 `unreserve` (blocks promised to admitted sequences, so decoding never runs out),
 `allocate` (takes one reserved block, evicting if needed), `acquire` / `release`
 (refcounts; an unindexed block whose last reference goes is free again), `insert`
@@ -31,6 +42,7 @@ prefixes to block ids and counts references.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -51,30 +63,44 @@ class Entry:
     version: int
     tokens: tuple[int, ...]
     block: int
+    window_blocks: tuple[int, ...] = ()  # the windowed groups' blocks; () once released
+    stamp: int = 0  # its place in the LRU order, while unreferenced
+    window_stamp: int = 0  # its window blocks' place, while they are unreferenced
 
 
 @dataclass
 class Match:
     """The longest cached prefix of a token list: full `blocks` (root first), then the
     first `tail_tokens` positions of `tail_block` (to copy). `claim` names the first
-    full block the caller will compute (None when there is none)."""
+    full block the caller will compute (None when there is none). With window groups:
+    `window_blocks[i]` are block i's windowed blocks where the first computed position's
+    window reaches it, () before; `tail_window_blocks` the tail's."""
 
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
     tail_block: int | None = None
     tail_tokens: int = 0
     claim: Hashable | None = None
+    window_blocks: list[tuple[int, ...]] = field(default_factory=list)
+    tail_window_blocks: tuple[int, ...] = ()
+
+    def all_blocks(self) -> list[int]:
+        """Every block a caller that takes this match references: blocks, window
+        blocks, then the tail's."""
+        tail = [] if self.tail_block is None else [self.tail_block, *self.tail_window_blocks]
+        return self.blocks + [b for w in self.window_blocks for b in w] + tail
 
 
 class PrefixCache:
     def __init__(self, num_blocks: int, block_size: int, block_bytes: int,
-                 indexing: bool = True) -> None:
+                 indexing: bool = True, window_groups: int = 0, window: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks < 2:
             raise ValueError(f"the KV pool needs at least 2 blocks, got {num_blocks}")
         self.num_blocks, self.block_size, self.block_bytes = num_blocks, block_size, block_bytes
         self.indexing = indexing  # False: blocks are freed, never cached (prefix_cache=False)
+        self.window_groups, self.window = window_groups, window  # a hybrid pool's
         self._ref = [0] * num_blocks
         self._free: list[int] = []  # recycled blocks, reused last-freed first
         self._next_fresh = 1  # blocks >= this were never handed out
@@ -82,6 +108,10 @@ class PrefixCache:
         self._entry_of: dict[int, Entry] = {}  # block id -> its entry
         self._children: dict[int, dict[int, Entry]] = {}  # parent key -> children (never empty)
         self._lru: OrderedDict[int, Entry] = OrderedDict()  # cached, unreferenced; LRU first
+        self._window_entry_of: dict[int, Entry] = {}  # window block id -> its entry
+        self._window_lru: OrderedDict[int, Entry] = OrderedDict()  # by key: window blocks unreferenced
+        self._recent = itertools.count(1)  # LRU stamps: larger is more recent
+        self._stale = itertools.count(-1, -1)  # ... and those put first, below every other
         self._stale_versions: set[int] = set()
         self.reserved = 0
         self.query_tokens = self.hit_tokens = 0
@@ -93,11 +123,13 @@ class PrefixCache:
         return len(self._index)
 
     def _available(self) -> int:
-        return len(self._free) + self.num_blocks - self._next_fresh + len(self._lru)
+        return (len(self._free) + self.num_blocks - self._next_fresh + len(self._lru)
+                + self.window_groups * len(self._window_lru))
 
     def can_reserve(self, num_blocks: int, pinning: Iterable[int] = ()) -> bool:
         """Whether `num_blocks` more blocks can be promised after referencing `pinning`."""
-        evictable_pinned = sum(1 for b in set(pinning) if self._ref[b] == 0 and b in self._entry_of)
+        evictable_pinned = sum(1 for b in set(pinning) if self._ref[b] == 0 and (
+            b in self._entry_of or b in self._window_entry_of))
         return self._available() - evictable_pinned - self.reserved >= num_blocks
 
     def match(self, tokens: Sequence[int], version: int, max_tokens: int) -> Match:
@@ -107,18 +139,23 @@ class PrefixCache:
         if not self.indexing:
             return found
         parent = _ROOT
+        chain: list[Entry] = []
         for start in range(0, limit - bs + 1, bs):
             entry = self._verified(version, parent, tuple(tokens[start : start + bs]))
             if entry is None:
                 break
-            found.blocks.append(entry.block)
+            chain.append(entry)
             parent = entry.key
+        if self.window_groups:
+            chain = self._window_hit(chain, limit)
+            parent = chain[-1].key if chain else _ROOT
+        found.blocks = [e.block for e in chain]
         n = found.num_tokens = len(found.blocks) * bs
         if n + bs <= len(tokens):
             found.claim = _key(version, parent, tuple(tokens[n : n + bs]))
         rest = tokens[n:limit]
         for child in self._children.get(parent, {}).values() if rest else ():
-            if child.version != version:
+            if child.version != version or (self.window_groups and not child.window_blocks):
                 continue
             common = 0
             for a, b in zip(child.tokens, rest):
@@ -127,8 +164,27 @@ class PrefixCache:
                 common += 1
             if common > found.tail_tokens:
                 found.tail_block, found.tail_tokens = child.block, common
+                found.tail_window_blocks = child.window_blocks
         found.num_tokens += found.tail_tokens
+        first = self._first_in_window(found.num_tokens)
+        found.window_blocks = [e.window_blocks if i >= first else ()
+                               for i, e in enumerate(chain)] if self.window_groups else []
         return found
+
+    def _first_in_window(self, position: int) -> int:
+        """The first block a query at `position` (and every later one) reads in a
+        windowed layer: keys (position - window, position]."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def _window_hit(self, chain: list[Entry], limit: int) -> list[Entry]:
+        """The longest head of `chain` whose blocks in the window of the position after
+        it all keep their window blocks (a tail can only lengthen that window's reach
+        by a part block, whose window blocks the tail's own check asks for: a tail
+        with positions past the last full block reads a window starting no earlier)."""
+        n = len(chain)
+        while n and not all(e.window_blocks for e in chain[self._first_in_window(n * self.block_size) : n]):
+            n -= 1
+        return chain[:n]
 
     def _verified(self, version: int, parent: int, tokens: tuple[int, ...]) -> Entry | None:
         entry = self._index.get(_key(version, parent, tokens))
@@ -137,6 +193,9 @@ class PrefixCache:
             return None  # absent, or a hash collision
         return entry
 
+    def _cached_blocks(self) -> int:
+        return len(self._index) + len(self._window_entry_of)
+
     def is_indexed(self, block: int) -> bool:
         return block in self._entry_of
 
@@ -144,9 +203,10 @@ class PrefixCache:
         return {
             "block_size": self.block_size,
             "capacity_bytes": self.num_blocks * self.block_bytes,
-            "used_bytes": len(self._index) * self.block_bytes,
-            "num_blocks": len(self._index),
-            "referenced_blocks": len(self._index) - len(self._lru),
+            "used_bytes": self._cached_blocks() * self.block_bytes,
+            "num_blocks": self._cached_blocks(),
+            "referenced_blocks": self._cached_blocks() - len(self._lru)
+                                 - self.window_groups * len(self._window_lru),
             "running_blocks": sum(1 for r in self._ref if r > 0),
             "free_blocks": len(self._free) + self.num_blocks - self._next_fresh,
             "reserved_blocks": self.reserved,
@@ -155,46 +215,6 @@ class PrefixCache:
             "inserted_blocks": self.inserted_blocks,
             "evicted_blocks": self.evicted_blocks,
         }
-
-    def check_integrity(self, refs: dict[int, int] | None = None) -> None:
-        """Raise AssertionError naming the first broken invariant. `refs`: the number of
-        running-sequence references to each block, as the caller counts them."""
-        free = set(self._free)
-        _require(len(free) == len(self._free), "a block is on the free list twice")
-        _require(0 not in free and 0 not in self._entry_of and self._ref[0] == 0,
-                 "the padding block 0 is in use")
-        for b in range(1, self.num_blocks):
-            used = self._ref[b] > 0 or b in self._entry_of
-            never = b >= self._next_fresh
-            _require(self._ref[b] >= 0, f"block {b} has ref_count {self._ref[b]}")
-            _require(used + (b in free) + never == 1,
-                     f"block {b}: used={used} free={b in free} never-used={never}")
-            if refs is not None:
-                _require(self._ref[b] == refs.get(b, 0),
-                         f"block {b} counts {self._ref[b]} references, sequences hold "
-                         f"{refs.get(b, 0)}")
-        _require(0 <= self.reserved <= self._available(),
-                 f"{self.reserved} blocks reserved, {self._available()} available")
-        for key, e in self._index.items():
-            _require(e.key == key == _key(e.version, e.parent_key, e.tokens),
-                     f"entry {key} key does not match its (version, parent, tokens)")
-            _require(self._entry_of.get(e.block) is e, f"entry {key} block map is stale")
-            _require(0 < len(e.tokens) <= self.block_size, f"entry {key} has {len(e.tokens)} tokens")
-            _require((self._ref[e.block] == 0) == (e.block in self._lru),
-                     f"entry {key} ref {self._ref[e.block]} vs LRU membership")
-            _require(self._children.get(e.parent_key, {}).get(key) is e,
-                     f"entry {key} missing from its parent's children")
-            if e.parent_key != _ROOT:
-                parent = self._index.get(e.parent_key)
-                _require(parent is not None, f"entry {key} has an evicted parent")
-                assert parent is not None
-                _require(len(parent.tokens) == self.block_size, f"entry {key} under a partial block")
-                _require(parent.version == e.version, f"entry {key} version differs from its parent's")
-                _require(self._ref[e.block] == 0 or self._ref[parent.block] > 0,
-                         f"entry {key} is referenced, its parent is not (and cannot be evicted)")
-        _require(len(self._entry_of) == len(self._index), "block map and index differ")
-        _require(sum(len(c) for c in self._children.values()) == len(self._index),
-                 "children lists and index differ")
 
     # ---- changes -----------------------------------------------------------------
 
@@ -224,31 +244,52 @@ class PrefixCache:
     def acquire(self, blocks: Iterable[int]) -> None:
         for b in blocks:
             if self._ref[b] == 0:
-                if b not in self._lru:
+                if b in self._lru:
+                    del self._lru[b]
+                elif b in self._window_entry_of:  # its entry's window blocks leave the LRU
+                    self._window_lru.pop(self._window_entry_of[b].key, None)
+                else:
                     raise RuntimeError(f"acquire of block {b}, which is neither used nor cached")
-                del self._lru[b]
             self._ref[b] += 1
 
-    def release(self, blocks: Iterable[int]) -> None:
+    def release(self, blocks: Iterable[int], stale: bool = False) -> None:
+        """Drop one reference to each block; a cached one left unreferenced joins the
+        LRU order, most recent last (first with `stale`: no one is expected to ask for it
+        soon), an uncached one is free."""
         for b in reversed(list(blocks)):  # deepest first: ancestors end up more recent
             if self._ref[b] <= 0:
                 raise RuntimeError(f"release of block {b} that is not acquired")
             self._ref[b] -= 1
-            if self._ref[b] == 0:
-                entry = self._entry_of.get(b)
-                if entry is None:
-                    self._free.append(b)
-                else:
-                    self._lru[b] = entry
-                    if entry.version in self._stale_versions:
-                        self._lru.move_to_end(b, last=False)
+            if self._ref[b] != 0:
+                continue
+            entry = self._entry_of.get(b)
+            window_of = self._window_entry_of.get(b)
+            if entry is not None:
+                entry.stamp = self._stamp(self._lru, entry.block, entry, stale)
+            elif window_of is not None:
+                if all(self._ref[w] == 0 for w in window_of.window_blocks):
+                    window_of.window_stamp = self._stamp(self._window_lru, window_of.key,
+                                                         window_of, stale)
+            else:
+                self._free.append(b)
+
+    def _stamp(self, lru: OrderedDict[int, Entry], at: int, entry: Entry,
+               stale: bool = False) -> int:
+        """Put `entry` in `lru` under `at`: last, or first when `stale` or of a demoted
+        version; its stamp."""
+        lru[at] = entry
+        if stale or entry.version in self._stale_versions:
+            lru.move_to_end(at, last=False)
+            return next(self._stale)
+        return next(self._recent)
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         self.query_tokens += query_tokens
         self.hit_tokens += hit_tokens
 
     def insert(self, tokens: Sequence[int], version: int, table: Sequence[int],
-               num_tokens: int, finished: bool) -> None:
+               num_tokens: int, finished: bool,
+               window_tables: Sequence[Sequence[int]] = ()) -> None:
         """Index the blocks of `table` that hold `tokens[:num_tokens]`: every full block
         and, once their writer has `finished` (it drops its references next), the last
         part-filled one. A block whose prefix is cached already, in another block, stays
@@ -256,37 +297,61 @@ class PrefixCache:
         under one it does not would make that one unevictable (`can_reserve` counts every
         unreferenced block as evictable). A table entry 0 is a block its writer dropped
         (outside every window, indexed first): indexing goes on below it while its entry
-        is still cached, and stops where it was evicted."""
+        is still cached, and stops where it was evicted. `window_tables`: the windowed
+        groups' tables (a hybrid pool); a new entry keeps its block's window blocks
+        unless the writer released them (0)."""
         if not self.indexing:
             return
         bs, parent = self.block_size, _ROOT
         end = num_tokens if finished else num_tokens - num_tokens % bs
+        copying = False  # a running writer below a block it computed again: index nothing
         for i, start in enumerate(range(0, end, bs)):  # a partial block comes last
             block_tokens = tuple(tokens[start : min(start + bs, end)])
             key = _key(version, parent, block_tokens)
+            cached = self._verified(version, parent, block_tokens)
+            window = tuple(t[i] for t in window_tables)
             if table[i] == 0:  # dropped by its writer
-                if self._verified(version, parent, block_tokens) is None:
+                if cached is None:
                     return
-            elif key not in self._index:
-                if table[i] in self._entry_of:
-                    return  # the block is cached under another prefix (cannot happen; be safe)
+            elif cached is None:
+                if key in self._index or copying or table[i] in self._entry_of:
+                    return  # a hash collision (or a block cached elsewhere: be safe)
                 entry = Entry(key, parent, version, block_tokens, table[i])
                 self._index[key] = self._entry_of[table[i]] = entry
                 self._children.setdefault(parent, {})[key] = entry
                 self.inserted_blocks += 1
                 if self._ref[table[i]] == 0:  # (a sequence holds it: normally referenced)
-                    self._lru[table[i]] = entry
-            elif self._verified(version, parent, block_tokens) is None or (
-                    not finished and self._index[key].block != table[i]):
-                return  # a hash collision, or a copy of a cached block
+                    entry.stamp = self._stamp(self._lru, table[i], entry)
+                self._adopt_window_blocks(entry, window)
+            elif cached.block != table[i]:  # computed again, by a hit cut short or a bypass
+                self._adopt_window_blocks(cached, window)
+                copying = copying or not finished
             parent = key
 
+    def _adopt_window_blocks(self, entry: Entry, window: tuple[int, ...]) -> None:
+        """Give an entry without window blocks these (the same positions' windowed KV,
+        computed by a sequence that holds them), so later hits can end after it."""
+        if entry.window_blocks or not window or not all(window) or any(
+                b in self._window_entry_of or b in self._entry_of for b in window):
+            return
+        entry.window_blocks = window
+        self._window_entry_of.update(dict.fromkeys(window, entry))
+        if all(self._ref[b] == 0 for b in window):  # (normally its writer holds them)
+            entry.window_stamp = self._stamp(self._window_lru, entry.key, entry)
+
     def evict(self, num_blocks: int, version: int | None = None) -> int:
-        """Free up to `num_blocks` unreferenced leaf entries, least recently used first
-        (with `version`: while the LRU leaf is of that version); the count."""
+        """Free at least `num_blocks` blocks if it can: unreferenced leaf entries (with
+        their window blocks) and unreferenced window blocks, least recently used first
+        (with `version`: while that unit is of that version); the count freed."""
         evicted = 0
         while evicted < num_blocks:
             leaf = next((e for e in self._lru.values() if e.key not in self._children), None)
+            window = next(iter(self._window_lru.values()), None)
+            if window is not None and (leaf is None or window.window_stamp < leaf.stamp):
+                if version not in (None, window.version):
+                    break
+                evicted += self._drop_window_blocks(window)
+                continue
             if leaf is None or version not in (None, leaf.version):
                 break
             del self._lru[leaf.block], self._index[leaf.key], self._entry_of[leaf.block]
@@ -296,25 +361,38 @@ class PrefixCache:
                 del self._children[leaf.parent_key]
             self._free.append(leaf.block)
             evicted += 1
+            if leaf.key in self._window_lru:
+                evicted += self._drop_window_blocks(leaf)
+            for b in leaf.window_blocks:  # held by a sequence (adopted): freed when released
+                del self._window_entry_of[b]
         self.evicted_blocks += evicted
         return evicted
+
+    def _drop_window_blocks(self, entry: Entry) -> int:
+        """Free an entry's unreferenced window blocks; the count."""
+        del self._window_lru[entry.key]
+        for b in entry.window_blocks:
+            del self._window_entry_of[b]
+        self._free.extend(entry.window_blocks)
+        n, entry.window_blocks = len(entry.window_blocks), ()
+        return n
 
     def demote_version(self, version: int) -> None:
         """`version`'s unreferenced entries go first when room is needed (in their LRU
         order), and so do those released later. They still serve hits."""
         self._stale_versions.add(version)
-        stale = [b for b, e in self._lru.items() if e.version == version]
-        for b in reversed(stale):
-            self._lru.move_to_end(b, last=False)
+        for lru in (self._lru, self._window_lru):
+            stale = [(at, e) for at, e in lru.items() if e.version == version]
+            for at, e in reversed(stale):
+                lru.move_to_end(at, last=False)
+                if lru is self._lru:
+                    e.stamp = next(self._stale)
+                else:
+                    e.window_stamp = next(self._stale)
 
     def drop_version(self, version: int) -> int:
         """Evict every unreferenced entry of `version` whose descendants go too;
         referenced ones stay, demoted. Returns the number evicted. (Demoted, they lead
         the LRU order, so its leaves are theirs until none is left.)"""
         self.demote_version(version)
-        return self.evict(len(self._lru), version)
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(f"prefix cache integrity: {message}")
+        return self.evict(self.num_blocks, version)

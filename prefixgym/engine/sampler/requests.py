@@ -98,11 +98,16 @@ class Continuation:
     request: Request
     rng: random.Random
     table: list[int] = field(default_factory=list)  # block ids, position p in table[p // bs]
-    dropped: int = 0  # its first blocks, released when no window saw them (0 in `table`)
+    window_tables: list[list[int]] = field(default_factory=list)  # a hybrid pool's other groups'
+    dropped: int = 0  # its first blocks, released when no window saw them (0 in their table)
     reserved: int = 0  # blocks promised to it, not yet allocated
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
+
+    def blocks(self) -> list[int]:
+        """Every block it references, in every group."""
+        return [b for t in (self.table, *self.window_tables) for b in t if b]
 
     @property
     def kv_len(self) -> int:
@@ -120,20 +125,39 @@ def blocks_per_sample(req: Request, block_size: int) -> tuple[int, int]:
     return first, 0 if req.params.max_tokens == 0 else first - len(req.prompt) // block_size
 
 
-def blocks_needed(req: Request, num_cached_blocks: int, block_size: int) -> int:
+def blocks_needed(req: Request, num_cached_blocks: int, block_size: int, groups: int = 1) -> int:
+    """Blocks the request may still take, `groups` per block of positions."""
     first, other = blocks_per_sample(req, block_size)
-    return first - num_cached_blocks + (req.num_samples - 1) * other
+    return (first - num_cached_blocks + (req.num_samples - 1) * other) * groups
 
 
-def new_sequences(req: Request, cached_blocks: list[int], block_size: int) -> list[Continuation]:
+def new_sequences(req: Request, cached_blocks: list[int], block_size: int, groups: int = 1,
+                  window_blocks: list[tuple[int, ...]] | None = None) -> list[Continuation]:
     """The request's `num_samples` sequences at the end of the prompt, the first holding
-    `cached_blocks`, each promised the blocks it may still take (`blocks_per_sample`);
-    sample i draws from its own generator, derived from the request's seed."""
+    `cached_blocks` (and, with `groups` > 1, their `window_blocks`: () where no window
+    reaches), each promised the blocks it may still take (`blocks_per_sample`, in every
+    group); sample i draws from its own generator, derived from the request's seed."""
     first, other = blocks_per_sample(req, block_size)
-    seqs = [Continuation(req, random.Random(f"{req.seed}/{i}"), reserved=other)
+    seqs = [Continuation(req, random.Random(f"{req.seed}/{i}"), reserved=other * groups,
+                         window_tables=[[] for _ in range(groups - 1)])
             for i in range(req.num_samples)]
-    seqs[0].table, seqs[0].reserved = list(cached_blocks), first - len(cached_blocks)
+    seqs[0].table = list(cached_blocks)
+    seqs[0].reserved = (first - len(cached_blocks)) * groups
+    for g, table in enumerate(seqs[0].window_tables):
+        table.extend(w[g] if w else 0 for w in window_blocks or ())
+    seqs[0].dropped = sum(1 for w in window_blocks or () if not w) if groups > 1 else 0
     return seqs
+
+
+def cache_limit(req: Request) -> int:
+    """How many prompt tokens may come from the cache: all but the last (its logits are
+    needed); for a request scoring its prompt, none, or those before the position whose
+    logits score the first of its last `prompt_logprobs_last_n` tokens."""
+    P = len(req.prompt)
+    if not req.include_prompt_logprobs:
+        return P - 1
+    last_n = req.prompt_logprobs_last_n
+    return 0 if last_n is None else P - last_n - 1
 
 
 def build_response(req: Request) -> SampleResponse:

@@ -49,9 +49,10 @@ class ModelRunner:
         prefill = batch.kind == "prefill"
         view: PagedView | DecodeView
         if prefill:
-            view = pool.view(batch.tables, batch.starts, lengths, T)
+            view = pool.view(batch.tables, batch.starts, lengths, T, batch.window_tables)
         else:
-            view = DecodeView(pool, self._workspace(batch), batch.tables, batch.starts)
+            view = DecodeView(pool, self._workspace(batch), batch.tables, batch.starts,
+                              batch.window_tables)
         max_pos = batch.model.config.max_seq_len - 1
         positions_R_T = view.positions_R_T.clamp(max=max_pos)
         key = ((batch.kind, size_bucket(tokens_R_T.numel())) if prefill
@@ -87,7 +88,7 @@ class ModelRunner:
         ws = self._workspaces.get(batch.version)
         if ws is None or not ws.fits(rows, needed):
             self._workspaces.pop(batch.version, None)  # free it before gathering anew
-            ws = DecodeWorkspace(self.pool, rows, batch.tables, needed)
+            ws = DecodeWorkspace(self.pool, rows, batch.tables, needed, batch.window_tables)
             for stale in list(self._workspaces)[: max(0, len(self._workspaces) - 1)]:
                 del self._workspaces[stale]
         self._workspaces[batch.version] = ws

@@ -16,15 +16,10 @@ the prefix before the positions it scores). A request whose first uncached block
 an earlier request of the wave will compute waits one wave and hits the cache instead.
 The wave is prefilled in chunks of similar uncached length (prompt-logprob and
 zero-token requests alone). A request's G samples share its prompt's full blocks;
-each gets its own copy of a part-filled last block.
-
-A model whose every layer has a sliding window (`release_window`: the widest) never
-reads a position again once the next query is that far past it: before each decode
-step a sequence drops its blocks that fell out of it, first indexing them in the cache
-(a later turn that extends the conversation still hits them while they stay cached),
-then releasing its references (the table keeps 0 there: block 0 is masked padding).
-It drops them only while the block after them is not one the cache indexes, which
-would leave a referenced entry under an unreferenced parent (`PrefixCache.insert`).
+each gets its own copy of a part-filled last block. With sliding windows
+(`release_window`: the widest, when some blocks can be freed), each decode step first
+drops what no window reads (block_tables.py, which also keeps a hybrid model's table
+per group of layers).
 
 Errors travel: `fail(requests, error)` fails those requests' futures and frees what
 they hold; `handling` names the requests the step in progress touches (the batch's,
@@ -43,12 +38,15 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from prefixgym.engine.model import Transformer
+from prefixgym.engine.sampler import block_tables
+from prefixgym.engine.sampler.cache_integrity import check_prefix_cache
 from prefixgym.engine.sampler.prefix_cache import Match, PrefixCache
 from prefixgym.engine.sampler.requests import (
     Continuation,
     Request,
     blocks_needed,
     build_response,
+    cache_limit,
     new_sequences,
 )
 from prefixgym.engine.usage import UsageLedger
@@ -70,6 +68,7 @@ class Batch:
     version: int
     seqs: list[Continuation] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)
+    window_tables: list[list[list[int]]] = field(default_factory=list)  # per windowed group
     starts: list[int] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
@@ -95,10 +94,11 @@ class Scheduler:
     def __init__(
         self, cache: PrefixCache, decode: Callable[[list[int]], str] | None,
         ledger: UsageLedger | None, max_running: int, max_prefill_tokens: int,
-        release_window: int = 0,
+        release_window: int = 0, groups: int = 1,
     ) -> None:
         self.cache = cache
         self.release_window = release_window  # 0: some layer sees every position
+        self.groups = groups  # blocks per block of positions: one table per group
         self._decode = decode
         self._ledger = ledger
         self.max_running = max_running
@@ -129,7 +129,7 @@ class Scheduler:
         refs: dict[int, int] = {}
         promised = 0
         for req in self.in_flight():
-            for block in req.tail_pin + [b for s in req.sequences for b in s.table if b]:
+            for block in req.tail_pin + [b for s in req.sequences for b in s.blocks()]:
                 refs[block] = refs.get(block, 0) + 1
             for seq in req.sequences:
                 if seq.reserved < 0:
@@ -138,7 +138,7 @@ class Scheduler:
         if promised != self.cache.reserved:
             raise AssertionError(f"requests hold {promised} promised blocks, the cache "
                                  f"counts {self.cache.reserved}")
-        self.cache.check_integrity(refs)
+        check_prefix_cache(self.cache, refs)
 
     # ---- schedule ----------------------------------------------------------------
 
@@ -173,23 +173,24 @@ class Scheduler:
                 P = len(req.prompt)
                 if rows and rows + req.num_samples > self.max_running:
                     break
-                limit = _cache_limit(req)
+                limit = cache_limit(req)
                 reuse = not req.include_prompt_logprobs or req.prompt_logprobs_last_n is not None
                 match = self.cache.match(req.prompt, req.version, limit) if reuse else Match()
                 hit = match.blocks
                 if match.claim in claimed and (len(hit) + 1) * bs <= limit:
                     deferred.append(self.waiting.popleft())  # it hits the cache next wave
                     continue
-                pins = hit + ([match.tail_block] if match.tail_block is not None else [])
-                need = blocks_needed(req, len(hit), bs)
+                pins = match.all_blocks()
+                need = blocks_needed(req, len(hit), bs, self.groups)
                 if not self.cache.can_reserve(need, pinning=pins):
                     break
                 self.waiting.popleft()
                 self.cache.acquire(pins)
                 self.cache.reserve(need)
                 req.num_cached_tokens = match.num_tokens
-                req.tail_pin = pins[len(hit):]
-                req.sequences = new_sequences(req, hit, bs)
+                req.tail_pin = [] if match.tail_block is None else [
+                    match.tail_block, *match.tail_window_blocks]
+                req.sequences = new_sequences(req, hit, bs, self.groups, match.window_blocks)
                 if reuse:
                     self.cache.record_lookup(P, req.num_cached_tokens)
                 if match.claim is not None:
@@ -212,22 +213,20 @@ class Scheduler:
             P, first = len(req.prompt), req.sequences[0]
             n_hit = len(first.table)
             for _ in range(-(-P // bs) - n_hit):
-                first.table.append(self._allocate(first, batch))
-            if req.tail_pin:
-                batch.tail_copies.append((req.tail_pin[0], first.table[n_hit],
-                                          req.num_cached_tokens % bs))
+                block_tables.new_block(self.cache, first, batch.new_blocks)
+            for src, table in zip(req.tail_pin, (first.table, *first.window_tables)):
+                batch.tail_copies.append((src, table[n_hit], req.num_cached_tokens % bs))
             batch.tables.append(first.table)
             batch.starts.append(req.num_cached_tokens)
             batch.tokens.append(req.prompt[req.num_cached_tokens :])
             for seq in req.sequences if req.params.max_tokens else req.sequences[:1]:
                 if seq is not first:  # shares the full prompt blocks, copies a partial one
-                    seq.table = first.table[: P // bs]
-                    self.cache.acquire(seq.table)
-                    if P % bs:
-                        seq.table.append(self._allocate(seq, batch))
-                        batch.fork_copies.append((first.table[-1], seq.table[-1], P % bs))
+                    block_tables.share_prompt(self.cache, first, seq, P, batch.new_blocks,
+                                              batch.fork_copies)
                 batch.seqs.append(seq)
                 batch.source_rows.append(r)
+        batch.window_tables = [[req.sequences[0].window_tables[g] for req in reqs]
+                               for g in range(self.groups - 1)]
         return batch
 
     def _decode_batch(self, version: int) -> Batch:
@@ -236,36 +235,15 @@ class Scheduler:
         bs = self.cache.block_size
         for seq in seqs:
             if self.release_window:
-                self._drop_outside_window(seq)
+                self.counters["window_dropped_blocks"] += block_tables.drop_outside_window(
+                    self.cache, seq, self.release_window)
             if seq.kv_len == len(seq.table) * bs:  # its next position starts a block
-                seq.table.append(self._allocate(seq, batch))
+                block_tables.new_block(self.cache, seq, batch.new_blocks)
             batch.tables.append(seq.table)
             batch.starts.append(seq.kv_len)
             batch.tokens.append(seq.tokens[-1:])
+        batch.window_tables = [[s.window_tables[g] for s in seqs] for g in range(self.groups - 1)]
         return batch
-
-    def _drop_outside_window(self, seq: Continuation) -> None:
-        """Index, then release, the sequence's blocks every position of which lies at or
-        before its next query's position minus the window (no layer reads them again)."""
-        bs = self.cache.block_size
-        dead = min((seq.kv_len - self.release_window + 1) // bs, len(seq.table))
-        if dead <= seq.dropped or (dead < len(seq.table)
-                                   and self.cache.is_indexed(seq.table[dead])):
-            return
-        req = seq.request
-        self.cache.insert(req.prompt + seq.tokens, req.version, seq.table, dead * bs,
-                          finished=False)
-        self.cache.release(seq.table[seq.dropped : dead])
-        seq.table[seq.dropped : dead] = [0] * (dead - seq.dropped)
-        self.counters["window_dropped_blocks"] += dead - seq.dropped
-        seq.dropped = dead
-
-    def _allocate(self, seq: Continuation, batch: Batch) -> int:
-        seq.reserved -= 1
-        block, new = self.cache.allocate()
-        if new:
-            batch.new_blocks.append(block)
-        return block
 
     # ---- postprocess -------------------------------------------------------------
 
@@ -277,7 +255,8 @@ class Scheduler:
             for req in batch.requests:
                 done = req.params.max_tokens == 0  # then its first sample wrote its last block
                 self.cache.insert(req.prompt, req.version, req.sequences[0].table,
-                                  len(req.prompt), finished=done)
+                                  len(req.prompt), finished=done,
+                                  window_tables=req.sequences[0].window_tables)
                 self.cache.release(req.tail_pin)
                 req.tail_pin = []
                 req.prompt_logprobs = output.prompt_logprobs
@@ -304,7 +283,7 @@ class Scheduler:
                 continue
             if stop or len(seq.tokens) >= params.max_tokens:  # its blocks enter the index
                 self.cache.insert(req.prompt + seq.tokens, req.version, seq.table, seq.kv_len,
-                                  finished=True)
+                                  finished=True, window_tables=seq.window_tables)
                 self._finish(seq, "stop" if stop else "length")
         for version, seqs in self.running.items():
             self.running[version] = [s for s in seqs if s.stop_reason is None]
@@ -321,7 +300,7 @@ class Scheduler:
         """Drop the sequence's references and promises; complete its request if it was
         the last."""
         req = seq.request
-        self._free(seq)
+        block_tables.free(self.cache, seq)
         seq.stop_reason = reason
         if all(s.stop_reason for s in req.sequences) and not req.future.done():
             response = build_response(req)
@@ -330,17 +309,12 @@ class Scheduler:
             self.counters["requests_completed"] += 1
             req.future.set_result(response)
 
-    def _free(self, seq: Continuation) -> None:
-        self.cache.release(b for b in seq.table if b)
-        self.cache.unreserve(seq.reserved)
-        seq.table, seq.reserved = [], 0
-
     def fail(self, requests: list[Request], error: BaseException) -> None:
         """Fail these requests with `error`, wherever they are, and free what they hold."""
         failed = dict.fromkeys(requests)
         for req in failed:
             for seq in req.sequences:
-                self._free(seq)
+                block_tables.free(self.cache, seq)
                 seq.stop_reason = seq.stop_reason or "error"
             self.cache.release(req.tail_pin)
             req.tail_pin = []
@@ -371,17 +345,6 @@ class Scheduler:
             del self._version_models[version]
             self.running.pop(version, None)
             self.cache.drop_version(version)
-
-
-def _cache_limit(req: Request) -> int:
-    """How many prompt tokens may come from the cache: all but the last (its logits are
-    needed); for a request scoring its prompt, none, or those before the position whose
-    logits score the first of its last `prompt_logprobs_last_n` tokens."""
-    P = len(req.prompt)
-    if not req.include_prompt_logprobs:
-        return P - 1
-    last_n = req.prompt_logprobs_last_n
-    return 0 if last_n is None else P - last_n - 1
 
 
 def _chunks(reqs: list[Request], max_tokens: int) -> list[list[Request]]:

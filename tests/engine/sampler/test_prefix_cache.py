@@ -11,6 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from prefixgym.engine.sampler import prefix_cache as pc
+from prefixgym.engine.sampler.cache_integrity import check_prefix_cache
 from prefixgym.engine.sampler.prefix_cache import PrefixCache
 
 BS = 4
@@ -42,7 +43,7 @@ def test_match_full_blocks_then_down_to_the_token() -> None:
     assert (m.blocks, m.num_tokens, m.tail_block) == (table[:1], 6, table[1])
     assert cache.match(tokens, 0, max_tokens=7).num_tokens == 7
     assert cache.match([5] + tokens[1:], 0, max_tokens=11).num_tokens == 0
-    cache.check_integrity()
+    check_prefix_cache(cache)
 
 
 def test_other_weights_version_never_hits() -> None:
@@ -62,7 +63,7 @@ def test_hash_collision_is_verified_not_trusted(monkeypatch: pytest.MonkeyPatch)
     assert cache.match([5, 6, 7, 8, 9], 0, 5).num_tokens == 0
     run_sequence(cache, [5, 6, 7, 8])  # cannot be indexed under the taken key
     assert len(cache) == 1 and cache.match([1, 2, 3, 4, 0], 0, 5).num_tokens == 4
-    cache.check_integrity()
+    check_prefix_cache(cache)
 
 
 def test_reservations_refcounts_and_lru_leaf_first_eviction() -> None:
@@ -86,7 +87,7 @@ def test_reservations_refcounts_and_lru_leaf_first_eviction() -> None:
     run_sequence(cache, [95, 96, 97, 98])  # then a0 (now a leaf), before b
     assert cache.match(a, 0, 8).num_tokens == 0 and cache.match(b, 0, 4).num_tokens == 4
     assert cache.stats()["evicted_blocks"] == 2
-    cache.check_integrity()
+    check_prefix_cache(cache)
 
 
 def test_refused_misuse() -> None:
@@ -100,18 +101,18 @@ def test_refused_misuse() -> None:
         cache.allocate()
     with pytest.raises(ValueError, match="at least 2"):
         PrefixCache(num_blocks=1, block_size=BS, block_bytes=1)
-    cache.check_integrity()
+    check_prefix_cache(cache)
 
 
 def test_check_integrity_reports_broken_accounting() -> None:
     cache = PrefixCache(num_blocks=8, block_size=BS, block_bytes=1)
     table = run_sequence(cache, [1, 2, 3, 4], keep=True)
     with pytest.raises(AssertionError, match="sequences hold 0"):
-        cache.check_integrity(refs={})
-    cache.check_integrity(refs={table[0]: 1})
+        check_prefix_cache(cache, refs={})
+    check_prefix_cache(cache, refs={table[0]: 1})
     cache.reserved = 100
     with pytest.raises(AssertionError, match="reserved"):
-        cache.check_integrity()
+        check_prefix_cache(cache)
 
 
 def test_versions_demoted_first_and_dropped() -> None:
@@ -127,7 +128,7 @@ def test_versions_demoted_first_and_dropped() -> None:
     assert cache.drop_version(2) == 0 and len(cache) == 4  # referenced: stays
     cache.release(held)
     assert cache.drop_version(2) == 1
-    cache.check_integrity()
+    check_prefix_cache(cache)
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -172,7 +173,7 @@ def test_random_operations_keep_invariants_and_match_the_longest_cached_prefix(
                 refs[b] -= 1
         elif name == "evict":
             cache.evict(arg)
-        cache.check_integrity(refs={b: n for b, n in refs.items() if n})
+        check_prefix_cache(cache, refs={b: n for b, n in refs.items() if n})
 
 
 def _entry_prefix(cache: PrefixCache, entry: pc.Entry) -> list[int]:
@@ -252,7 +253,7 @@ def test_promised_blocks_can_always_be_allocated(ops: list[tuple], num_blocks: i
         for s in admitted + running:
             for b in s.table + s.tail:
                 refs[b] = refs.get(b, 0) + 1
-        cache.check_integrity(refs)
+        check_prefix_cache(cache, refs)
         assert cache.reserved == sum(s.reserved for s in admitted + running)
         more = max(n for n in range(num_blocks) if cache.can_reserve(n))
         trial = copy.deepcopy(cache)
@@ -266,3 +267,191 @@ def _take(cache: PrefixCache, seq: _Seq, num_blocks: int) -> None:
     while len(seq.table) < num_blocks:
         seq.table.append(cache.allocate()[0])
         seq.reserved -= 1
+
+
+# ---- a hybrid pool: window blocks beside each block ---------------------------------
+
+W, GROUPS = 5, 3  # windowed layers see 5 keys; a block of positions takes 3 blocks
+
+
+def hybrid_cache(num_blocks: int) -> PrefixCache:
+    return PrefixCache(num_blocks=num_blocks, block_size=BS, block_bytes=1,
+                       window_groups=GROUPS - 1, window=W)
+
+
+@dataclass
+class _HybridSeq:
+    prompt: list[int]
+    version: int
+    decoded: list[int]
+    table: list[int] = field(default_factory=list)
+    windows: list[list[int]] = field(default_factory=lambda: [[] for _ in range(GROUPS - 1)])
+    tail: list[int] = field(default_factory=list)
+    reserved: int = 0
+    dropped: int = 0
+
+    def blocks(self) -> list[int]:
+        return [b for t in (self.table, *self.windows) for b in t if b] + self.tail
+
+    def take(self, cache: PrefixCache, num_blocks: int) -> None:
+        while len(self.table) < num_blocks:
+            for t in (self.table, *self.windows):
+                t.append(cache.allocate()[0])
+                self.reserved -= 1
+
+
+def run_hybrid(cache: PrefixCache, tokens: list[int], drop: int = 0) -> _HybridSeq:
+    """One sequence computing `tokens` from scratch, releasing the window blocks of its
+    first `drop` blocks (stale, as the scheduler does), then finishing."""
+    seq = _HybridSeq(tokens, 0, [])
+    need = -(-len(tokens) // BS)
+    cache.reserve(need * GROUPS)
+    seq.reserved = need * GROUPS
+    seq.take(cache, need)
+    cache.insert(tokens, 0, seq.table, len(tokens), finished=False, window_tables=seq.windows)
+    for t in seq.windows:
+        cache.release(t[:drop], stale=True)
+        t[:drop] = [0] * drop
+    cache.insert(tokens, 0, seq.table, len(tokens), finished=True, window_tables=seq.windows)
+    cache.release(seq.blocks())
+    return seq
+
+
+def test_a_hit_needs_the_window_blocks_of_the_blocks_its_window_reaches() -> None:
+    cache = hybrid_cache(64)
+    tokens = list(range(100, 124))  # 6 blocks
+    seq = run_hybrid(cache, tokens, drop=3)  # blocks 0-2's window blocks released, cached
+    m = cache.match(tokens + [1], 0, 24)
+    assert m.blocks == seq.table and m.num_tokens == 24
+    # position 24's window reads keys 20..24: block 5 only
+    assert m.window_blocks == [(), (), (), (), (), (seq.windows[0][5], seq.windows[1][5])]
+    assert set(m.all_blocks()) == set(seq.table) | {seq.windows[0][5], seq.windows[1][5]}
+    branch = tokens[:12] + [7, 7, 7, 7, 7]  # position 12 reads keys 8..12: block 2
+    m = cache.match(branch, 0, 16)
+    assert m.blocks == seq.table[:3] and m.window_blocks[:2] == [(), ()]
+    assert m.window_blocks[2] == cache._entry_of[seq.table[2]].window_blocks != ()
+    assert cache.evict(4) == 4  # the released ones go first: blocks 0 and 1's
+    assert cache.match(branch, 0, 16).blocks == seq.table[:3]
+    assert cache.evict(2) == 2  # block 2's: a hit after block 2, 1 or 0 would read them
+    m = cache.match(branch, 0, 16)
+    assert m.blocks == [] and m.num_tokens == 0 and m.claim is not None
+    check_prefix_cache(cache)
+
+
+def test_a_hit_stops_where_the_window_blocks_were_evicted_and_a_tail_needs_its_own() -> None:
+    cache = hybrid_cache(64)
+    tokens = list(range(100, 122))  # 5 full blocks and a part block of 2
+    seq = run_hybrid(cache, tokens, drop=0)
+    entry = cache._entry_of[seq.table[3]]
+    cache._drop_window_blocks(entry)  # as eviction would, alone
+    check_prefix_cache(cache)
+    # position 22 reads keys 18..22: block 4 and the tail, not block 3
+    m = cache.match(tokens + [1], 0, 22)
+    assert m.num_tokens == 22 and m.blocks == seq.table[:5] and m.tail_block == seq.table[5]
+    assert m.tail_window_blocks == (seq.windows[0][5], seq.windows[1][5])
+    # a prompt of 18: after 4 blocks, position 16 would read block 3 (keys 12..16);
+    # after 3, position 12 reads block 2 only; block 3 cannot be its tail either
+    m = cache.match(tokens[:18] + [9], 0, 18)
+    assert m.blocks == seq.table[:3] and m.num_tokens == 12 and m.tail_block is None
+
+
+def test_a_block_computed_again_gives_its_entry_the_window_blocks_it_lost() -> None:
+    cache = hybrid_cache(64)
+    tokens = list(range(100, 116))  # 4 blocks
+    first = run_hybrid(cache, tokens)
+    lost = cache._entry_of[first.table[3]]
+    cache._drop_window_blocks(lost)
+    assert cache.match(tokens + [1], 0, 16).num_tokens == 12  # position 16 reads block 3
+    again = run_hybrid(cache, tokens)  # as a hit cut short computes it again
+    assert cache._entry_of[first.table[3]] is lost and again.table[3] not in cache._entry_of
+    m = cache.match(tokens + [1], 0, 16)
+    assert m.blocks == first.table and m.window_blocks[3] == lost.window_blocks != ()
+    assert cache.evict(64) == 4 * GROUPS  # every entry, window blocks included, and
+    assert cache.stats()["free_blocks"] == 63  # `again`'s own blocks were freed already
+    check_prefix_cache(cache)
+
+
+def test_released_window_blocks_are_evicted_before_older_finished_prefixes() -> None:
+    cache = hybrid_cache(1 + 5 * GROUPS)  # room for 5 blocks of positions
+    run_hybrid(cache, [1, 2, 3, 4, 5, 6, 7, 8])  # finished first: least recent
+    new = run_hybrid(cache, [9] * 12, drop=2)  # its first 2 blocks' windows: stale
+    assert cache.stats()["free_blocks"] == 0
+    cache.reserve(4)
+    freed = cache.evict(4)
+    assert freed == 4  # the stale window blocks of `new`, not `old`'s entries
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8, 0], 0, 8).num_tokens == 8
+    assert cache.match([9] * 12 + [0], 0, 12).num_tokens == 12  # its last window is kept
+    assert all(not cache._entry_of[b].window_blocks for b in new.table[:2])
+    check_prefix_cache(cache)
+
+
+_hybrid_op = st.one_of(
+    st.tuples(st.just("admit"), _prompts,
+              st.lists(st.integers(0, 1), max_size=6), st.integers(0, 1), st.booleans()),
+    st.tuples(st.sampled_from(["prefill", "drop", "finish", "evict"]), st.integers(0, 9),
+              st.just([]), st.just(0), st.just(False)),
+)
+
+
+@given(st.lists(_hybrid_op, max_size=40), st.integers(4, 14))
+def test_with_window_groups_promises_hold_and_hits_keep_their_window(
+        ops: list[tuple], num_blocks: int) -> None:
+    """The scheduler's protocol on a hybrid pool: a block of positions takes a block per
+    group, running sequences release window blocks no window reads (stale), hits pin the
+    window blocks of their first computed position's window. The invariants hold, every
+    promise can be kept, and a hit has the window blocks it reads."""
+    cache = hybrid_cache(num_blocks * GROUPS)
+    admitted: list[_HybridSeq] = []
+    running: list[_HybridSeq] = []
+    for name, arg, decoded, version, reads in ops:
+        if name == "admit":
+            seq = _HybridSeq(arg, version, decoded)
+            m = cache.match(arg, version, len(arg) - 1) if reads else pc.Match()
+            first = max(0, m.num_tokens - W + 1) // BS
+            assert all(bool(w) == (i >= first) for i, w in enumerate(m.window_blocks))
+            assert m.tail_block is None or len(m.tail_window_blocks) == GROUPS - 1
+            need = (-(-(len(arg) + len(decoded)) // BS) - len(m.blocks)) * GROUPS
+            if cache.can_reserve(need, pinning=m.all_blocks()):
+                cache.acquire(m.all_blocks())
+                cache.reserve(need)
+                seq.table, seq.reserved, seq.dropped = list(m.blocks), need, first
+                seq.windows = [[w[g] if w else 0 for w in m.window_blocks]
+                               for g in range(GROUPS - 1)]
+                seq.tail = [] if m.tail_block is None else [m.tail_block, *m.tail_window_blocks]
+                admitted.append(seq)
+        elif name == "prefill" and admitted:
+            seq = admitted.pop(arg % len(admitted))
+            seq.take(cache, -(-len(seq.prompt) // BS))
+            cache.insert(seq.prompt, seq.version, seq.table, len(seq.prompt), finished=False,
+                         window_tables=seq.windows)
+            cache.release(seq.tail)
+            seq.tail = []
+            running.append(seq)
+        elif name == "drop" and running:
+            seq = running[arg % len(running)]
+            dead = min(len(seq.prompt) // BS, seq.dropped + 1)
+            for t in seq.windows:
+                cache.release(t[seq.dropped : dead], stale=True)
+                t[seq.dropped : dead] = [0] * (dead - seq.dropped)
+            seq.dropped = max(seq.dropped, dead)
+        elif name == "finish" and running:
+            seq = running.pop(arg % len(running))
+            tokens = seq.prompt + seq.decoded
+            seq.take(cache, -(-len(tokens) // BS))
+            cache.insert(tokens, seq.version, seq.table, len(tokens), finished=True,
+                         window_tables=seq.windows)
+            cache.release(seq.blocks())
+            cache.unreserve(seq.reserved)
+        elif name == "evict":
+            cache.evict(arg)
+        refs: dict[int, int] = {}
+        for s in admitted + running:
+            for b in s.blocks():
+                refs[b] = refs.get(b, 0) + 1
+        check_prefix_cache(cache, refs)
+        assert cache.reserved == sum(s.reserved for s in admitted + running)
+        more = max(n for n in range(cache.num_blocks) if cache.can_reserve(n))
+        trial = copy.deepcopy(cache)
+        trial.reserve(more)
+        for _ in range(trial.reserved):
+            trial.allocate()

@@ -24,6 +24,9 @@ SMALL = ModelConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2
                     hidden_dim=128, max_seq_len=512)
 WINDOWED = dataclasses.replace(SMALL, layer_windows=(7, 0), local_rope_theta=500.0)
 ALL_WINDOWED = dataclasses.replace(SMALL, layer_windows=(20, 12))  # blocks fall out of both
+# a hybrid model (a full layer between two windowed ones): a block of positions takes a
+# block in each of 3 groups, and the windowed groups' blocks fall out of their windows
+HYBRID = dataclasses.replace(SMALL, n_layers=3, layer_windows=(20, 0, 12))
 BS = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -54,6 +57,15 @@ def all_windowed() -> Iterator[tuple[LocalService, LocalService]]:
     small = {"block_size": BS, "cache_bytes": 1 << 22}  # 256 blocks: cheap integrity checks
     with LocalService(ALL_WINDOWED, seed=0, **small) as cached, \
             LocalService(ALL_WINDOWED, seed=0, prefix_cache=False, **small) as plain:
+        yield cached, plain
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> Iterator[tuple[LocalService, LocalService]]:
+    """A hybrid model's engines, with its prefix cache and without."""
+    small = {"block_size": BS, "cache_bytes": 1 << 22}
+    with LocalService(HYBRID, seed=0, **small) as cached, \
+            LocalService(HYBRID, seed=0, prefix_cache=False, **small) as plain:
         yield cached, plain
 
 
@@ -191,6 +203,92 @@ def check_turns(service: LocalService, uncached: LocalService, first: list[int],
     return cached_turns
 
 
+@settings(max_examples=6, derandomize=True, deadline=None)
+@given(**LONG_TURNS)
+def test_a_hybrid_model_drops_window_blocks_and_turns_still_hit_the_cache(
+    hybrid: tuple[LocalService, LocalService], first: list[int], extra: list[list[int]]
+) -> None:
+    """The windowed layers' blocks are released as replies of 40 tokens pass their
+    windows (12 and 20 keys); the full layer keeps every block; the next turn hits the
+    whole previous turn, and every logprob is the plain forward's."""
+    cached, plain = hybrid
+    assert cached.engine.runner.pool.layout.groups == 3
+    before = cached.engine_stats()["window_dropped_blocks"]
+    with integrity_checked_every_step(cached) as broken:
+        turns = check_turns(cached, plain, first, extra, LONG)
+    assert broken == []
+    assert cached.engine_stats()["window_dropped_blocks"] > before
+    for prompt, resp in turns:
+        seq = resp.sequences[0]
+        full = full_forward_logprobs(cached.train_model, prompt + seq.tokens)
+        assert seq.logprobs == pytest.approx(full[len(prompt):], abs=1e-4)
+
+
+@contextlib.contextmanager
+def running_blocks_every_step(svc: LocalService) -> Iterator[list[int]]:
+    """The pool's blocks held by running sequences, after every engine step."""
+    engine, seen = svc.engine, []
+    step = engine.step
+
+    def recorded_step() -> None:
+        step()
+        seen.append(engine.cache.stats()["running_blocks"])
+
+    engine.step = recorded_step  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        engine.step = step  # type: ignore[method-assign]
+
+
+def test_a_hybrid_model_holds_only_the_window_blocks_its_windows_read(
+        hybrid: tuple[LocalService, LocalService]) -> None:
+    """One sample of 60 tokens after a prompt of 37: at each decode step its full layer
+    holds every block, each windowed group only the blocks from the one its widest
+    window (20) reaches: 12 blocks at most where keeping them all takes 18, as the
+    pool's figures say."""
+    _, plain = hybrid
+    P, N, W = 37, 60, 20
+    with running_blocks_every_step(plain) as seen:
+        resp = plain.create_sampling_client(stop_at_end_of_turn=False).sample(
+            list(range(5, 5 + P)), num_samples=1, sampling_params=SamplingParams(
+                max_tokens=N, temperature=1.0, seed=3)).result()
+    expected = [-(-P // BS) * 3]  # after the prefill: the prompt's blocks in 3 groups
+    for k in range(1, N - 1):  # decode steps; the last one finishes and frees
+        kv_len = P + k - 1
+        blocks, dead = kv_len // BS + 1, max(0, (kv_len - W + 1) // BS)
+        expected.append(blocks + 2 * (blocks - dead))
+    assert seen == [*expected, 0]
+    assert max(seen) == 12 < 3 * -(-(P + N - 1) // BS) == 18
+    full = full_forward_logprobs(plain.train_model, list(range(5, 5 + P)) + resp.sequences[0].tokens)
+    assert resp.sequences[0].logprobs == pytest.approx(full[P:], abs=1e-4)
+    assert plain.engine.cache.stats()["running_blocks"] == 0
+    plain.check_cache_integrity()
+
+
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_a_hybrid_group_shares_its_prompt_and_drops_per_sample(
+        hybrid: tuple[LocalService, LocalService], num_samples: int) -> None:
+    cached, plain = hybrid
+    P, N, W = 45, 50, 20
+    prompt = list(range(100 * num_samples, 100 * num_samples + P))  # uncached
+    params = SamplingParams(max_tokens=N, temperature=1.0, seed=11)
+    before = cached.engine_stats()["window_dropped_blocks"]
+    with integrity_checked_every_step(cached) as broken:
+        a = cached.create_sampling_client(stop_at_end_of_turn=False).sample(
+            prompt, num_samples=num_samples, sampling_params=params).result()
+    b = plain.create_sampling_client(stop_at_end_of_turn=False).sample(
+        prompt, num_samples=num_samples, sampling_params=params).result()
+    assert broken == []
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    dead = (P + N - 2 - W + 1) // BS
+    assert cached.engine_stats()["window_dropped_blocks"] - before == num_samples * dead
+    again = cached.create_sampling_client(stop_at_end_of_turn=False).sample(
+        prompt, num_samples=num_samples, sampling_params=params).result()
+    assert again.usage.prefill_cached_tokens == P - 1  # the released windows still serve
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in a.sequences]
+
+
 @settings(max_examples=5, derandomize=True, deadline=None)
 @given(base=st.lists(st.integers(1, 4000), min_size=20, max_size=60),
        cuts=st.lists(st.tuples(st.integers(0, 60), tokens, st.integers(1, 3)),
@@ -300,6 +398,38 @@ def test_a_small_pool_queues_requests_evicts_and_gives_the_same_results() -> Non
                 assert stats["evicted_blocks"] > 0
                 with pytest.raises(ValueError, match="KV pool holds 13"):
                     sampler.sample(list(range(1, 200)), sampling_params=params[0])
+    assert results[0] == results[1]
+
+
+def test_a_small_hybrid_pool_evicts_window_blocks_and_gives_the_same_results() -> None:
+    """Four conversations on one 40-token prefix, two turns each, then the prefix's own
+    branches again, in a pool of 14 blocks of positions: the released window blocks and
+    then finished prefixes are evicted, hits stop where a window lost its blocks, and
+    every token is the one an engine without a cache samples."""
+    block_bytes = 2 * HYBRID.n_kv_heads * BS * HYBRID.head_dim * 4  # one layer per group
+    shared = list(range(1000, 1040))
+    firsts = [shared + [7 * i + 1, 7 * i + 2] for i in range(4)]
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    results = []
+    for pool_blocks, cache in ((1 + 3 * 14, True), (4096, False)):
+        with LocalService(HYBRID, seed=0, block_size=BS, prefix_cache=cache,
+                          cache_bytes=pool_blocks * block_bytes) as svc, \
+                integrity_checked_every_step(svc) as broken:
+            sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+            out = []
+            prompts = firsts
+            for turn in range(3):
+                futures = sampler.sample_many([SampleRequest(p, 1, params) for p in prompts])
+                replies = [f.result().sequences[0].tokens for f in futures]
+                out.append(replies)
+                prompts = ([p + r + [turn + 5] for p, r in zip(prompts, replies)] if turn == 0
+                           else [shared[:16 + 8 * i] + [9] for i in range(4)])
+            results.append(out)
+            assert broken == []
+            stats = svc.cache_stats()
+            assert stats["referenced_blocks"] == stats["reserved_blocks"] == 0
+            if cache:
+                assert stats["evicted_blocks"] > 0 and stats["hit_tokens"] > 0
     assert results[0] == results[1]
 
 
