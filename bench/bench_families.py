@@ -27,21 +27,18 @@ that directory, fp32:
            "importance_sampling", then `optim_step`, in a fresh process: its seconds and
            the process's peak RSS (weights and all).
 
-  windows  (`--windows`, instead of the above; windowed families) what freeing the blocks no window reads
-           saves: 8 samples of 512 tokens after a 128-token prompt (several windows
+  windows  (`--windows`, instead of the above; windowed families) what freeing the
+           blocks no window reads saves: 8 samples of 512 tokens after a 128-token prompt (several windows
            long), cache off; the peak of KV blocks held by running sequences (bytes, as
            the pool's `running_blocks` figure says after each step) and decode tok/s,
            ours as shipped vs the same engine with the release turned off
            (`scheduler.release_window = 0`, what every family did before), alternating.
 
-  fallback (`--fallback`, llama3's shape) the decision of issue 42's item 4: would a
-           path through transformers' own modeling code, our KV pool behind it (a
-           function registered in transformers' `AttentionInterface` that hands each
-           layer's keys/values to our `PagedView`/`DecodeView`, as vLLM's Transformers
-           backend does), cost little enough to ship for families we do not convert?
-           Both sides run the same views over the same pool, fp32, outside the engine:
-           a prefill of 4 x 512 positions, and 64 decode steps of 8 rows after a
-           128-token prompt; best of `--repeats`.
+  fallback (`--fallback`, llama3's shape) a family with no code here runs through
+           transformers' own modeling code, our KV pool behind its attention
+           (`hf_fallback.TransformersCodeModel`): the same Llama checkpoint loaded both
+           ways, each in its own `LocalService` (fp32), the prefill (cache off and on)
+           and decode workloads above; best of `--repeats`, the two alternating.
 
 Throughput is prompt tokens (prefill) or new tokens (decode) per second of the whole
 call; each figure is the best of `--repeats` timed calls after one warm-up, the two
@@ -134,8 +131,12 @@ def save_family(name: str, directory: Path) -> Any:
     return hf.eval()
 
 
-def run_family(name: str, directory: Path, repeats: int) -> dict[str, float]:
-    hf = save_family(name, directory)
+def run_family(name: str, directory: Path, repeats: int, model: Any = None
+               ) -> dict[str, float]:
+    """The prefill and decode workloads, ours against transformers' `generate`; with
+    `model`, that model object in our engine (the checkpoint is in `directory`)."""
+    hf = save_family(name, directory) if model is None else tf.AutoModelForCausalLM.from_pretrained(
+        directory).eval()
     shared = ids(SHARED, 1)
     prompts = [shared + ids(PROMPT - SHARED, 10 + i) for i in range(GROUP)]
     one = pg.SamplingParams(max_tokens=1, temperature=1.0, seed=0)
@@ -144,8 +145,9 @@ def run_family(name: str, directory: Path, repeats: int) -> dict[str, float]:
     batch = torch.tensor(prompts)
     out: dict[str, float] = {}
     tails = [ids(PROMPT - SHARED, 10 + i) for i in range(GROUP)]
-    with LocalService(str(directory), seed=0, prefix_cache=False) as off, \
-            LocalService(str(directory), seed=0) as on:
+    engine_model = str(directory) if model is None else model
+    with LocalService(engine_model, seed=0, prefix_cache=False, tokenizer=directory) as off, \
+            LocalService(engine_model, seed=0, tokenizer=directory) as on:
         s_off = off.create_sampling_client(stop_at_end_of_turn=False)
         s_on = on.create_sampling_client(stop_at_end_of_turn=False)
 
@@ -250,76 +252,24 @@ def train_step(directory: str) -> tuple[float, float]:
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-class _Row:
-    """A decode row's identity for a workspace (which keeps weak references)."""
-
-
-def fallback(directory: Path, repeats: int) -> dict[str, float]:
-    """Seconds of a prefill and of a decode run, ours vs transformers' modeling code over
-    our KV views (see the module docstring)."""
-    import torch.nn.functional as F
-    from transformers import AttentionInterface
+def fallback(directory: Path, repeats: int) -> dict[str, dict[str, float]]:
+    """The llama3 checkpoint run by our decoder and by transformers' code (through
+    `hf_fallback`), each through `run_family`'s engine workloads."""
+    import dataclasses
+    import warnings
 
     from prefixgym.engine.model import load_model
-    from prefixgym.engine.sampler.kv_pool import DecodeView, DecodeWorkspace, KVPool
+    from prefixgym.engine.model.hf_config import read_raw_config
+    from prefixgym.engine.model.hf_fallback import load_with_transformers
 
-    def paged(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
-              **kwargs: Any) -> tuple[torch.Tensor, None]:
-        k_all, v_all, mask = kwargs["kv_view"].update(module.layer_idx, key, value)
-        q = query if k_all.dtype == query.dtype else query.to(k_all.dtype)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
-                                             is_causal=mask is None and q.shape[2] > 1,
-                                             enable_gqa=True, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("prefixgym_paged", paged)
-    arch, overrides = FAMILIES["llama3"]
-    torch.manual_seed(0)
-    hf = tf.LlamaForCausalLM(tf.LlamaConfig(**{**SHAPE, **overrides}))
-    hf.save_pretrained(directory, safe_serialization=True)
-    hf = tf.AutoModelForCausalLM.from_pretrained(directory,
-                                                 attn_implementation="prefixgym_paged").eval()
-    ours = load_model(str(directory)).clone_for_inference()
-    cfg = ours.config
-    bs, rows, length, steps, prompt = 16, 4, 512, 64, 128
-    pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 1 + 8 * 16 * 3, bs,
-                  torch.float32, torch.device("cpu"))
-    tables = [list(range(1 + 48 * r, 49 + 48 * r)) for r in range(8)]
-    tokens = torch.randint(3, SHAPE["vocab_size"], (8, length + steps),
-                           generator=torch.Generator().manual_seed(3))
-
-    def hf_forward(ids: torch.Tensor, positions: torch.Tensor, view: Any) -> torch.Tensor:
-        h = hf.model(input_ids=ids, position_ids=positions, kv_view=view).last_hidden_state
-        return hf.lm_head(h[:, -1:]).float()
-
-    def ours_forward(ids: torch.Tensor, positions: torch.Tensor, view: Any) -> torch.Tensor:
-        return ours(ids, positions, kv=view, last_only=True, check_inputs=False)
-
-    out: dict[str, float] = {}
-    with torch.inference_mode():
-        for name, forward in (("ours", ours_forward), ("hf", hf_forward)):
-            def prefill(forward: Callable[..., torch.Tensor] = forward) -> None:
-                view = pool.view(tables[:rows], [0] * rows, [length] * rows, length)
-                forward(tokens[:rows, :length], view.positions_R_T, view)
-
-            def decode(forward: Callable[..., torch.Tensor] = forward) -> None:
-                view = pool.view(tables, [0] * 8, [prompt] * 8, prompt)
-                forward(tokens[:, :prompt], view.positions_R_T, view)
-                seqs = [_Row() for _ in range(8)]
-                ws = DecodeWorkspace(pool, seqs, tables, prompt + steps)
-                for t in range(steps):
-                    step = DecodeView(pool, ws, tables, [prompt + t] * 8)
-                    forward(tokens[:, prompt + t : prompt + t + 1], step.positions_R_T, step)
-
-            out[name + "_prefill"], out[name + "_decode"] = best(prefill, repeats), best(
-                decode, repeats)
-        check = pool.view(tables[:1], [0], [64], 64)
-        a = ours_forward(tokens[:1, :64], check.positions_R_T, check)
-        check = pool.view(tables[:1], [0], [64], 64)
-        b = hf_forward(tokens[:1, :64], check.positions_R_T, check)
-        out["max_logit_diff"] = float((a - b).abs().max())
-    return out
+    save_family("llama3", directory)
+    ours = load_model(str(directory))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (that it runs through transformers' code)
+        theirs = load_with_transformers(directory, dataclasses.replace(
+            ours.config, family="transformers"), read_raw_config(directory), torch.float32)
+    return {"ours": run_family("llama3", directory, repeats, model=ours),
+            "transformers": run_family("llama3", directory, repeats, model=theirs)}
 
 
 def main() -> None:
@@ -343,7 +293,7 @@ def main() -> None:
           f"tokens after {DECODE_PROMPT}; best of {a.repeats}")
     tokens = GROUP * PROMPT
     steps = []
-    if not a.windows:
+    if a.families and not a.windows:
         print(f"\n{'family':<9} {'prefill tok/s: ours-off':>23} {'ours-on':>9} {'HF':>9} "
               f"{'off/HF':>7} {'on/HF':>7}   {'decode tok/s: ours':>19} {'HF':>8} {'ours/HF':>8}")
     for name in [] if a.windows else a.families:
@@ -372,12 +322,15 @@ def main() -> None:
                   flush=True)
     if a.fallback:
         with tempfile.TemporaryDirectory() as d:
-            r = fallback(Path(d), a.repeats)
-        print(f"\nllama3 over our KV views, outside the engine (|logit diff| "
-              f"{r['max_logit_diff']:.1e}): prefill 4 x 512 ours {r['ours_prefill']:.3f} s, "
-              f"transformers' code {r['hf_prefill']:.3f} s ({r['hf_prefill'] / r['ours_prefill']:.2f}x "
-              f"ours); decode 64 steps x 8 rows ours {r['ours_decode']:.3f} s, transformers' "
-              f"code {r['hf_decode']:.3f} s ({r['hf_decode'] / r['ours_decode']:.2f}x ours)")
+            f = fallback(Path(d), a.repeats)
+        ours, theirs = f["ours"], f["transformers"]
+        print(f"\nllama3 in our engine: our decoder vs transformers' modeling code over our KV "
+              f"views (hf_fallback); seconds, best of {a.repeats}, and transformers'/ours")
+        for key, what in (("ours_off", f"prefill {GROUP} x {PROMPT}, cache off"),
+                          ("ours_on", f"prefill {GROUP} x {PROMPT}, cache on"),
+                          ("ours_decode", f"decode {GROUP} x {NEW}")):
+            print(f"  {what:<28} ours {ours[key]:.3f} s   transformers' code "
+                  f"{theirs[key]:.3f} s   {theirs[key] / ours[key]:.2f}x")
     if steps:
         print(f"\n{'family':<9} {'LoRA GRPO step (8 x 576 positions), s':>38} {'peak RSS GiB':>13}")
         for name, seconds, rss in steps:

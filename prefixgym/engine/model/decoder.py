@@ -130,32 +130,10 @@ class Transformer(nn.Module):
         `check_inputs=False` skips the range checks, which wait for the device (the
         sampler's runner passes it: the engine validated every request at submit).
         """
-        if tokens_B_T.dim() != 2:
-            raise ValueError(f"tokens_B_T must be 2-D (B, T), got shape {tuple(tokens_B_T.shape)}")
-        B, T = tokens_B_T.shape
+        B, T = tokens_B_T.shape if tokens_B_T.dim() == 2 else (0, 0)
         cfg = self.config
-        if T == 0:
-            raise ValueError("tokens_B_T has no positions (T == 0)")
-        lo, hi = torch.aminmax(tokens_B_T) if check_inputs else (0, 0)
-        if int(lo) < 0 or int(hi) >= cfg.vocab_size:
-            raise ValueError(
-                f"token id out of range [0, {cfg.vocab_size}): min {int(lo)}, max {int(hi)}"
-            )
-        if positions_B_T is None:
-            if T > cfg.max_seq_len:
-                raise ValueError(f"sequence length {T} exceeds max_seq_len={cfg.max_seq_len}")
-            positions_B_T = torch.arange(T, device=tokens_B_T.device)  # (T,): broadcasts
-        else:
-            if positions_B_T.shape != tokens_B_T.shape:
-                raise ValueError(
-                    f"positions_B_T shape {tuple(positions_B_T.shape)} != tokens_B_T shape "
-                    f"{tuple(tokens_B_T.shape)}"
-                )
-            plo, phi = torch.aminmax(positions_B_T) if check_inputs else (0, 0)
-            if int(plo) < 0 or int(phi) >= cfg.max_seq_len:
-                raise ValueError(
-                    f"position out of range [0, {cfg.max_seq_len}): min {int(plo)}, max {int(phi)}"
-                )
+        positions_B_T = self.checked_positions(tokens_B_T, positions_B_T, check_inputs)
+        if positions_B_T.dim() == 2:
             positions_B_T = positions_B_T.unsqueeze(1)  # (B, 1, T): broadcasts over heads
         rope = (self.rope_cos[positions_B_T], self.rope_sin[positions_B_T])  # (B, 1, T, D)
         local_rope = rope
@@ -182,6 +160,38 @@ class Transformer(nn.Module):
             else:
                 h = h[torch.arange(B, device=h.device), last_index_B].unsqueeze(1)
         return self.norm(h)
+
+    def checked_positions(self, tokens_B_T: torch.Tensor, positions_B_T: torch.Tensor | None,
+                          check_inputs: bool = True) -> torch.Tensor:
+        """`positions_B_T`, or arange(T) (T,) when None, once the tokens and positions are
+        checked: a 2-D batch, ids in the vocabulary, positions below max_seq_len (the
+        range checks wait for the device: `check_inputs=False` skips them). ValueError."""
+        if tokens_B_T.dim() != 2:
+            raise ValueError(f"tokens_B_T must be 2-D (B, T), got shape {tuple(tokens_B_T.shape)}")
+        T = tokens_B_T.shape[1]
+        cfg = self.config
+        if T == 0:
+            raise ValueError("tokens_B_T has no positions (T == 0)")
+        lo, hi = torch.aminmax(tokens_B_T) if check_inputs else (0, 0)
+        if int(lo) < 0 or int(hi) >= cfg.vocab_size:
+            raise ValueError(
+                f"token id out of range [0, {cfg.vocab_size}): min {int(lo)}, max {int(hi)}"
+            )
+        if positions_B_T is None:
+            if T > cfg.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds max_seq_len={cfg.max_seq_len}")
+            return torch.arange(T, device=tokens_B_T.device)  # (T,): broadcasts
+        if positions_B_T.shape != tokens_B_T.shape:
+            raise ValueError(
+                f"positions_B_T shape {tuple(positions_B_T.shape)} != tokens_B_T shape "
+                f"{tuple(tokens_B_T.shape)}"
+            )
+        plo, phi = torch.aminmax(positions_B_T) if check_inputs else (0, 0)
+        if int(plo) < 0 or int(phi) >= cfg.max_seq_len:
+            raise ValueError(
+                f"position out of range [0, {cfg.max_seq_len}): min {int(plo)}, max {int(phi)}"
+            )
+        return positions_B_T
 
     def head(self, h_N_C: torch.Tensor) -> torch.Tensor:
         """Float32 logits (..., V) of final-norm outputs (..., C): the output matrix, plus

@@ -35,6 +35,7 @@ from prefixgym.engine.model.families import (
     module_shapes,
 )
 from prefixgym.engine.model.hf_config import config_from_hf, read_raw_config
+from prefixgym.engine.model.hf_fallback import load_with_transformers
 
 __all__ = ["deinterleave_gate_up", "dequantize_mxfp4", "interleave_gate_up",
            "load_hf_checkpoint"]
@@ -234,6 +235,8 @@ def load_hf_checkpoint(
     # 1) config.json, as our config
     raw = read_raw_config(root)
     config = config_from_hf(raw, root / "config.json", max_seq_len)
+    if config.family == "transformers":  # no code here: transformers' own, our KV behind
+        return load_with_transformers(root, config, raw, dtype)
     # 2) + 3) tensors, renamed and fused
     state_dict = _state_dict_from_hf(_TensorIndex(root), config, dtype)
     # 4) no random init for weights that are about to be replaced

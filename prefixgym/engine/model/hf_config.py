@@ -31,6 +31,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import transformers
+
 from prefixgym.engine.model.config import ModelConfig, RopeScaling
 from prefixgym.engine.model.families import SUPPORTED_MODEL_TYPES, Family, family_of_model_type
 from prefixgym.types import JSONObject
@@ -93,9 +95,12 @@ def config_from_hf(
     read = _Reader(cfg, Path(path))
     # 1)
     family = family_of_model_type(cfg.get("model_type"))
+    if family is None and transformers_knows(cfg.get("model_type")):
+        return _transformers_config(read, cfg, max_seq_len)
     if family is None:
-        raise read.error(f"unsupported model_type {cfg.get('model_type')!r}; supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise read.error(f"unsupported model_type {cfg.get('model_type')!r}: neither a family "
+                         f"here ({', '.join(SUPPORTED_MODEL_TYPES)}) nor one transformers "
+                         f"{transformers.__version__} knows")
     # 2)
     for key, (bad, what) in _UNSUPPORTED.items():
         if what == "mixtures of experts" and family.experts:
@@ -307,6 +312,37 @@ def _yarn_attention_factor(read: _Reader, merged: JSONObject, factor: float) -> 
         return mscale(factor, read.float("mscale", 1.0, source=merged)) / mscale(
             factor, read.float("mscale_all_dim", 1.0, source=merged))
     return mscale(factor)
+
+
+def transformers_knows(model_type: object) -> bool:
+    """Whether transformers has a causal-LM class for this `model_type` (a family with
+    no code here then runs through transformers' code: hf_fallback.py)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return isinstance(model_type, str) and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def _transformers_config(read: _Reader, cfg: JSONObject, max_seq_len: int | None) -> ModelConfig:
+    """The shape of a model transformers' own code will run (family "transformers"),
+    read through transformers' config class (its field names differ per family); the
+    load checks the rest (hf_fallback.py)."""
+    try:
+        text = transformers.AutoConfig.for_model(**cfg).get_text_config()
+    except (ValueError, TypeError, KeyError) as err:
+        raise read.error(f"transformers cannot read it: {err}") from None
+    n_heads, dim = text.num_attention_heads, text.hidden_size
+    positions = getattr(text, "max_position_embeddings", None) or 2048
+    if max_seq_len is None:
+        max_seq_len = min(positions, DEFAULT_MAX_SEQ_LEN_CAP)
+    try:
+        return ModelConfig(
+            vocab_size=text.vocab_size, dim=dim, n_layers=text.num_hidden_layers,
+            n_heads=n_heads, n_kv_heads=getattr(text, "num_key_value_heads", None) or n_heads,
+            hidden_dim=getattr(text, "intermediate_size", None) or 4 * dim,
+            max_seq_len=max_seq_len, family="transformers",
+            head_dim_override=getattr(text, "head_dim", None) or dim // n_heads,
+            tie_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
+    except ValueError as err:
+        raise read.error(str(err)) from None
 
 
 def read_hf_config(directory: str | os.PathLike[str], max_seq_len: int | None = None

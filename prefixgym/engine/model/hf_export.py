@@ -34,6 +34,7 @@ from prefixgym.engine.model.families import (
     module_shapes,
 )
 from prefixgym.engine.model.hf_checkpoint import interleave_gate_up
+from prefixgym.engine.model.hf_fallback import TransformersCodeModel
 from prefixgym.files import write_dir_atomically
 
 __all__ = ["hf_config", "hf_state_dict", "save_hf_checkpoint"]
@@ -141,8 +142,16 @@ def _gpt_oss_experts(sd: Mapping[str, torch.Tensor], ours: str, hf: str, cfg: Mo
 
 
 def save_hf_checkpoint(model: Transformer, directory: str | os.PathLike[str]) -> Path:
-    """Write `model`'s current weights into `directory` (replaced atomically); returns it."""
+    """Write `model`'s current weights into `directory` (replaced atomically); returns it.
+    A model run by transformers' code (hf_fallback.py) is written by transformers."""
     target = Path(directory)
+    if isinstance(model, TransformersCodeModel):
+        def written_by_transformers(tmp: Path) -> None:
+            tmp.chmod(0o755)
+            model.save_pretrained(tmp)
+
+        write_dir_atomically(target, written_by_transformers)
+        return target
     tensors = hf_state_dict(model.config, model.state_dict())
     config = json.dumps(hf_config(model), indent=2) + "\n"
 

@@ -190,6 +190,11 @@ def _targets(model: Transformer, spec: LoraSpec) -> dict[str, tuple[nn.Module, s
 
 def add_lora(base: Transformer, spec: LoraSpec, seed: int = 0) -> Transformer:
     """A LoRA model on `base`'s weights (shared, frozen); steps in the module docstring."""
+    if base.config.family == "transformers":
+        kind = (base.hf_config or {}).get("model_type")
+        raise ValueError(f"LoRA is not supported yet for {kind}, which runs through "
+                         "transformers' own code (docs/models.md); full fine-tuning is "
+                         "(create_training_client; --lora-rank 0)")
     # 1) structure copied, tensors shared: new frozen Parameters on the same storage
     model = _share_all(base)
     # 2) adapters swapped in, drawn in model order from one seeded generator

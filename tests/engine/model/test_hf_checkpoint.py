@@ -121,7 +121,8 @@ def edit_config(directory: Path, **changes: Any) -> None:
 @pytest.mark.parametrize(
     "changes, match",
     [
-        ({"model_type": "gpt2"}, "unsupported model_type 'gpt2'"),
+        ({"model_type": "gpt2"}, "does not fit transformers' gpt2 model: 28 missing keys"),
+        ({"model_type": "no_such_lm"}, "unsupported model_type 'no_such_lm': neither"),
         ({"rope_parameters": None, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
          "rope_scaling of type 'llama3' needs 'original_max_position_embeddings'"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
