@@ -211,7 +211,7 @@ class Transformer(nn.Module):
         clone = copy.deepcopy(self)
         if dtype is not None:
             clone.to(dtype)
-            clone.build_rope_tables(clone.rope_cos.device)
+            clone.build_rope_tables(clone.output_weight.device)
         clone.requires_grad_(False)
         return clone.eval()
 

@@ -21,7 +21,8 @@ and 1.12x our decode; the families with code here stay the fast path.
    names): a head that does more is refused with the difference.
 
 Full fine-tuning, sampling, `compute_logprobs`, checkpoints and export
-(`save_pretrained`) work; LoRA is refused (`lora.add_lora`). `recompute` is ignored.
+(`save_pretrained`) work; LoRA is refused (`lora.add_lora`). `recompute` is ignored, and
+dropout is off (transformers' modules stay in eval mode).
 
 Knows transformers' model API and our `KVView`; not the sampler, trainer or families.
 """
@@ -29,7 +30,6 @@ Knows transformers' model API and our `KVView`; not the sampler, trainer or fami
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import os
 import threading
@@ -135,6 +135,14 @@ class TransformersCodeModel(Transformer):
     def build_rope_tables(self, device: torch.device | str | None = None) -> None:
         """Nothing: transformers' modules keep their own rotary tables."""
 
+    def train(self, mode: bool = True) -> TransformersCodeModel:
+        """Sets `training`, but transformers' modules stay in eval mode: no dropout
+        (checkpoints that name one would otherwise train on other numbers than the
+        sampler computes, as RL must not)."""
+        super().train(mode)
+        self.hf.eval()
+        return self
+
     def hidden(self, tokens_B_T: torch.Tensor, positions_B_T: torch.Tensor | None = None,
                kv: KVView | None = None, last_only: bool = False,
                last_index_B: torch.Tensor | None = None, recompute: bool = False,
@@ -169,13 +177,6 @@ class TransformersCodeModel(Transformer):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
-
-    def clone_for_inference(self, dtype: torch.dtype | None = None) -> Transformer:
-        clone = copy.deepcopy(self)
-        if dtype is not None:
-            clone.to(dtype)
-        clone.requires_grad_(False)
-        return clone.eval()
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
         """The checkpoint as transformers writes it (what `hf_export` does for ours)."""

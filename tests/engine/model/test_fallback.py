@@ -28,7 +28,7 @@ SHAPE: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidde
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_neox": ("GPTNeoX", {"rotary_pct": 0.5}),  # parallel residual, LayerNorm, half rotary
     "starcoder2": ("Starcoder2", {"num_key_value_heads": 2, "sliding_window": WINDOW}),
-    "phi": ("Phi", {"partial_rotary_factor": 0.5}),
+    "phi": ("Phi", {"partial_rotary_factor": 0.5, "resid_pdrop": 0.5}),  # dropout: off here
     "stablelm": ("StableLm", {"num_key_value_heads": 2}),  # drops attention's keywords
     "cohere": ("Cohere", {"num_key_value_heads": 2, "logit_scale": 0.5}),
     "granitemoe": ("GraniteMoe", {"num_key_value_heads": 2, "num_local_experts": 4,
@@ -95,8 +95,7 @@ def test_training_gradients_are_transformers(case) -> None:
     with EngineService(str(directory), thread_tuning=False) as svc:
         out = svc.create_training_client().forward_backward([datum], "cross_entropy").result()
         ours = {n.removeprefix("hf."): p.grad for n, p in svc.train_model.named_parameters()}
-    hf.train()
-    logits = hf(torch.tensor([ids[:-1]])).logits[0].float()
+    logits = hf(torch.tensor([ids[:-1]])).logits[0].float()  # eval mode: no dropout
     loss = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
     loss.backward()
     assert out.metrics["loss:sum"] == pytest.approx(float(loss), rel=1e-5)

@@ -145,14 +145,26 @@ def integrity_checked_every_step(svc: LocalService) -> Iterator[list[str]]:
         engine.step = step  # type: ignore[method-assign]
 
 
+@pytest.fixture(scope="module", params=["every layer windowed", "hybrid"])
+def dropping(request: pytest.FixtureRequest) -> tuple[LocalService, LocalService]:
+    """The engines of a model that drops blocks no window reads: every layer's, or the
+    windowed layers' of a hybrid model (a block table per layer kind)."""
+    return request.getfixturevalue("all_windowed" if request.param.startswith("every")
+                                   else "hybrid")
+
+
 @settings(max_examples=6, derandomize=True, deadline=None)
 @given(**LONG_TURNS)
 def test_blocks_no_window_reads_are_dropped_and_turns_still_hit_the_cache(
-    all_windowed: tuple[LocalService, LocalService], first: list[int], extra: list[list[int]]
+    dropping: tuple[LocalService, LocalService], first: list[int], extra: list[list[int]]
 ) -> None:
-    """Replies of 40 tokens on a window of 20: each sequence drops blocks as it decodes
-    (indexing them first), and the next turn, which extends it, still hits them."""
-    cached, plain = all_windowed
+    """Replies of 40 tokens on windows of 12 and 20: each sequence drops blocks as it
+    decodes (indexing them first; a hybrid model its windowed layers' blocks, the full
+    layer keeping every one), and the next turn, which extends it, still hits them all;
+    every logprob is the plain forward's."""
+    cached, plain = dropping
+    hybrid = cached.train_model.config == HYBRID
+    assert cached.engine.runner.pool.layout.groups == (3 if hybrid else 1)
     before = cached.engine_stats()["window_dropped_blocks"]
     with integrity_checked_every_step(cached) as broken:
         turns = check_turns(cached, plain, first, extra, LONG)
@@ -201,27 +213,6 @@ def check_turns(service: LocalService, uncached: LocalService, first: list[int],
         previous_shared = len(prompt) + len(a.sequences[0].tokens)
     service.check_cache_integrity()
     return cached_turns
-
-
-@settings(max_examples=6, derandomize=True, deadline=None)
-@given(**LONG_TURNS)
-def test_a_hybrid_model_drops_window_blocks_and_turns_still_hit_the_cache(
-    hybrid: tuple[LocalService, LocalService], first: list[int], extra: list[list[int]]
-) -> None:
-    """The windowed layers' blocks are released as replies of 40 tokens pass their
-    windows (12 and 20 keys); the full layer keeps every block; the next turn hits the
-    whole previous turn, and every logprob is the plain forward's."""
-    cached, plain = hybrid
-    assert cached.engine.runner.pool.layout.groups == 3
-    before = cached.engine_stats()["window_dropped_blocks"]
-    with integrity_checked_every_step(cached) as broken:
-        turns = check_turns(cached, plain, first, extra, LONG)
-    assert broken == []
-    assert cached.engine_stats()["window_dropped_blocks"] > before
-    for prompt, resp in turns:
-        seq = resp.sequences[0]
-        full = full_forward_logprobs(cached.train_model, prompt + seq.tokens)
-        assert seq.logprobs == pytest.approx(full[len(prompt):], abs=1e-4)
 
 
 @contextlib.contextmanager
