@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import build_config, build_parser, read_json_object
@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
     args = build_config(RolloutArgs, parser, from_run, given)
     from prefixgym.engine.device import describe_device
     from prefixgym.envs.base import agent_of
-    from prefixgym.envs.registration import make_agent_env
+    from prefixgym.envs.registration import close_all, make_agent_env
     from prefixgym.local_service import LocalService
     from prefixgym.prompting.conversation import Conversation
     from prefixgym.protocols import SamplingClient
@@ -106,6 +106,7 @@ def main(argv: list[str]) -> int:
 
     trace_file: TextIO | None = None
     service: LocalService | None = None
+    envs: list[Any] = []
     try:
         envs = [make_agent_env(args.env, args.env_kwargs) for _ in range(args.group_size)]
         ckpt = run_checkpoint(Path(args.run)) if args.run else None
@@ -119,6 +120,7 @@ def main(argv: list[str]) -> int:
             sampler = training.save_weights_and_get_sampling_client()
             print(f"weights: {ckpt}")
     except (ValueError, OSError) as e:
+        close_all(envs)
         if trace_file:
             trace_file.close()
         if service is not None:
@@ -138,6 +140,7 @@ def main(argv: list[str]) -> int:
             group = asyncio.run(rollouts.run_group(envs, args.seed + g, f"g{g}"))
             print_group(group, decode=lambda ids: str(tokenizer.decode(ids)), fixed_prefix=fixed)
     finally:
+        close_all(envs)
         if trace_file:
             trace_file.close()
         service.close()

@@ -28,6 +28,7 @@ from prefixgym.engine.device import describe_device, has_fast_bf16, resolve_devi
 from prefixgym.engine.sampler.options import SamplerOptions
 from prefixgym.engine.trainer.options import TrainerOptions
 from prefixgym.engine.trainer.training import TrainingClient as LocalTrainingClient
+from prefixgym.envs.base import has_expert
 from prefixgym.envs.registration import make_agent_env
 from prefixgym.files import ensure_writable_dir
 from prefixgym.local_service import LocalService
@@ -68,7 +69,15 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
     def make(overrides: JSONObject | None = None) -> AgentGymEnv:
         return make_agent_env(config.env, {**(config.env_kwargs or {}), **(overrides or {})})
 
-    make().close()  # a bad --env, or an --out that cannot be written, fails before the model loads
+    env = make()  # a bad --env, or an --out that cannot be written, fails before the model loads
+    try:
+        if config.sft_steps and not has_expert(env):
+            raise ValueError(
+                f"--env {config.env} has no expert (its class does not define expert_action), "
+                f"whose episodes the warm start (--sft-steps {config.sft_steps}) trains on; "
+                "pass --sft-steps 0 to train with GRPO alone")
+    finally:
+        env.close()
     for i, stage in enumerate(config.sft_stages):  # and so does a stage's bad env_kwargs
         try:
             make(stage["env_kwargs"]).close()

@@ -24,6 +24,11 @@ Everything else is handled here, identically for every env:
    thread pool).
 
 Randomness comes only from `self.np_random`, so `reset(seed=s)` replays an episode.
+`system_prompt` is read after each reset: `_reset_task` may set one per task (a
+dataset row's); the samples of a GRPO group share it, as the cache's fixed prefix.
+An env that holds a resource (a server session) frees it in `close()`, which every
+run calls on every env it made; one that raises in reset or step ends its episode as
+an env error, counted apart from failures.
 Observation: a tuple of `{"role": "user" | "tool", "name": str, "content": str}`.
 This module knows text only: nothing of tokens, models or chat formats.
 """
@@ -282,6 +287,12 @@ def share(name: str, value: object) -> float:
             or not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be a number in 0..1, got {value!r}")
     return float(value)
+
+
+def has_expert(env: gym.Env[Observation, str]) -> bool:
+    """Whether the env (under its wrappers) plays a scripted expert: its class overrides
+    `expert_action`, which the warm start's episodes are made of."""
+    return type(agent_of(env)).expert_action is not AgentEnv.expert_action
 
 
 def agent_of(env: gym.Env[Observation, str]) -> AgentEnv:

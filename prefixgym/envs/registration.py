@@ -27,7 +27,8 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -97,6 +98,16 @@ def absolute_spec(spec: str) -> str:
     if source.endswith(".py") and not Path(source).is_absolute():
         return f"{Path(source).resolve()}{sep}{name}"
     return spec
+
+
+def close_all(envs: Iterable[AnyEnv]) -> None:
+    """Close every env (their server sessions, files, processes); one that fails to
+    close is said in a warning, and the others are closed still."""
+    for env in envs:
+        try:
+            env.close()
+        except Exception as e:  # noqa: BLE001 - closing is best effort, and says so
+            warnings.warn(f"closing env {env}: {_located(e)}", stacklevel=2)
 
 
 def make_agent_env(spec: str, kwargs: EnvKwargs | None = None) -> gym.Env[Observation, str]:

@@ -3,7 +3,8 @@
 Whatever picks the replies -- a sampler (`rollout.py`) or the env's scripted expert
 (`expert.py`) -- an episode goes the same way:
   1) `Episode(env, ...)` starts the conversation with the env's system prompt and
-     tools; `await reset(seed)` resets the env and appends what it says;
+     tools; `await reset(seed)` resets the env and appends what it says (after the
+     system prompt the env has then: it may set one per task);
   2) `add_reply(ids, logprobs, ...)` appends a reply's ids exactly as given and
      records its `Turn` (where the reply sits in the tokens);
   3) `await step(turn)` gives the env the reply's text and records its answer on the
@@ -74,7 +75,11 @@ class Episode:
         return True
 
     def begin(self, observation: Observation) -> None:
-        """Append the env's first message (what `reset` returned)."""
+        """Append the env's first message (what `reset` returned), after the system
+        prompt and tools as they are now: an env may set them per task at reset."""
+        system, tools = self.agent.prompt()
+        if system != self.conv.system or list(tools) != self.conv.tools:
+            self.conv = Conversation(tokenizer=self.conv.tokenizer, system=system, tools=tools)
         self.conv.add_messages(observation)
 
     def add_reply(

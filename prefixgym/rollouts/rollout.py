@@ -127,7 +127,8 @@ class _Run:
         retire = self.rounds.retire if self.rounds is not None else None
         episodes = [Episode(env, self.r.tokenizer, traj, on_finish=retire)
                     for env, traj in zip(envs, trajectories)]
-        episodes = [ep for ep in episodes if await ep.reset(seed)]
+        reset = await asyncio.gather(*(ep.reset(seed) for ep in episodes))  # together
+        episodes = [ep for ep, ok in zip(episodes, reset) if ok]
         if not episodes:
             return TrajectoryGroup(group_id, seed, trajectories)
         # 1) the G prompts are equal when the env is deterministic under its seed

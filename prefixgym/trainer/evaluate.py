@@ -25,12 +25,17 @@ EVAL_SEED_BASE = 1_000_000
 
 @dataclass
 class EvalResult:
+    """Success and reward over the `episodes` the env played to their end; the
+    `env_errors` episodes its env raised in (a refused session, a crash) are apart."""
+
     success: float
     success_stderr: float
     reward: float
     reward_stderr: float
     episodes: int
     usage: Usage
+    env_errors: int = 0
+    first_error: str = ""
 
     def as_metrics(self, prefix: str = "eval") -> dict[str, float]:
         return {
@@ -39,6 +44,7 @@ class EvalResult:
             f"{prefix}/reward/mean": self.reward,
             f"{prefix}/reward/stderr": self.reward_stderr,
             f"{prefix}/episodes": float(self.episodes),
+            f"{prefix}/env_errors": float(self.env_errors),
         }
 
 
@@ -48,15 +54,17 @@ def success_stderr(p: float, n: int) -> float:
 
 
 def summarize(trajectories: Sequence[Trajectory]) -> EvalResult:
-    n = len(trajectories)
-    successes = sum(t.is_success for t in trajectories)
-    p = successes / n if n else 0.0
     usage = Usage.total(t.usage for t in trajectories)
-    rewards = [t.total_reward for t in trajectories]
+    errors = [t for t in trajectories if t.failed]
+    played = [t for t in trajectories if not t.failed]
+    n = len(played)
+    successes = sum(t.is_success for t in played)
+    p = successes / n if n else 0.0
+    rewards = [t.total_reward for t in played]
     reward = sum(rewards) / n if n else 0.0
     spread = math.sqrt(sum((r - reward) ** 2 for r in rewards) / n) if n else 0.0
     return EvalResult(p, success_stderr(p, n), reward, spread / math.sqrt(n) if n else 0.0,
-                      n, usage)
+                      n, usage, len(errors), errors[0].error or "" if errors else "")
 
 
 def evaluate(
@@ -66,7 +74,8 @@ def evaluate(
 ) -> EvalResult:
     """Episodes on seeds EVAL_SEED_BASE + i, `len(envs)` at a time, greedy or sampled at
     `temperature` (seeded per episode, so the same weights give the same result).
-    `on_episodes(n, done, successes)` is called after each batch of n episodes."""
+    `on_episodes(n, done, successes)` is called after each batch of n episodes (`done`
+    counts env errors too)."""
     rollouts = Rollouts(sampler, tokenizer,
                         RolloutConfig(**{**config.__dict__, "temperature": temperature}))
     width = min(concurrency or len(envs), len(envs))

@@ -129,9 +129,11 @@ def kl_penalties(
 
 
 def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> tuple[dict[str, float], Usage]:
-    trajs = [t for g in groups for t in g.trajectories]
+    """The step's episodes' means, over those the env played to their end (an env error
+    is counted by `assemble` as `episodes/failed`, apart)."""
+    trajs = [t for g in groups for t in g.trajectories if not t.failed]
     usage = Usage.total(g.usage for g in groups)
-    n = len(trajs)
+    n = max(len(trajs), 1)
     return {
         "reward/mean": sum(t.total_reward for t in trajs) / n,
         "success/mean": sum(t.is_success for t in trajs) / n,

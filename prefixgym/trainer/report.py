@@ -152,8 +152,8 @@ def eval_kind(evals: Sequence[JSONObject]) -> str:
 
 
 def eval_table(evals: Sequence[JSONObject]) -> str:
-    lines = ["| when | step | success | ± stderr | mean reward | episodes |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| when | step | success | ± stderr | mean reward | episodes | env errors |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     last_grpo = max((i for i, e in enumerate(evals) if e["when"] == "GRPO"), default=-1)
     for i, e in enumerate(evals):
         when = e["when"] if e["when"] != "GRPO" else (
@@ -161,8 +161,14 @@ def eval_table(evals: Sequence[JSONObject]) -> str:
         lines.append(
             f"| {when} | {e['step']} | {e['eval/success']:.1%} | "
             f"{e['eval/success_stderr']:.1%} | {e['eval/reward/mean']:.3f} | "
-            f"{int(e['eval/episodes'])} |"
+            f"{int(e['eval/episodes'])} | {int(e.get('eval/env_errors', 0))} |"
         )
+    errors = [e for e in evals if e.get("eval/env_errors")]
+    if errors:
+        first = errors[0]
+        lines.append(f"\nEnv errors are episodes the env raised in (not failures; success "
+                     f"and reward leave them out). The first, at {first['when']}: "
+                     f"{first.get('eval/first_error') or 'no message'}")
     return "\n".join(lines)
 
 

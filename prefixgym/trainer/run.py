@@ -31,6 +31,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from prefixgym.envs.registration import close_all
 from prefixgym.files import ensure_writable_dir, write_text_atomically
 from prefixgym.protocols import SamplingClient, TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
@@ -168,6 +169,11 @@ class Run:
         record = {"step": step, "phase": "eval", "when": when, **result.as_metrics(),
                   "eval/temperature": temperature,
                   **phase_metrics(result.usage)}
+        if result.env_errors:
+            record["eval/first_error"] = result.first_error
+            print(f"eval ({when}): {result.env_errors} of {self.config.eval_episodes} episodes "
+                  f"ended in env errors, left out of success (first: {result.first_error})",
+                  file=sys.stderr)
         state.evals.append(record)
         self.write(record)
 
@@ -277,10 +283,13 @@ class Run:
             stages = [(stage["steps"], [self.make_env(stage["env_kwargs"])
                                         for _ in range(c.sft_episodes_per_step)])
                       for stage in c.sft_stages]
-            warm_start(self.training, self.envs, self.tokenizer, c.sft_steps,
-                       c.sft_episodes_per_step, c.sft_lr, on_step=on_step,
-                       schedule=c.sft_lr_schedule, warmup=c.sft_warmup, stages=stages,
-                       start=first)
+            try:
+                warm_start(self.training, self.envs, self.tokenizer, c.sft_steps,
+                           c.sft_episodes_per_step, c.sft_lr, on_step=on_step,
+                           schedule=c.sft_lr_schedule, warmup=c.sft_warmup, stages=stages,
+                           start=first)
+            finally:
+                close_all(env for _, envs in stages for env in envs)
         state.next_sft_step = None
 
     def account(self, state: LoopState, base_usage: Usage, t_start: float) -> None:
@@ -317,6 +326,13 @@ class Run:
         return at_checkpoint or after_checkpoint_eval
 
     def run(self) -> RunResult:
+        """The run (steps 1-4); every env it made is closed at its end, however it ends."""
+        try:
+            return self._run()
+        finally:
+            close_all([*self.envs, *self.eval_envs])
+
+    def _run(self) -> RunResult:
         c = self.config
         t_start = time.perf_counter()
         base_usage = self.clients.usage()

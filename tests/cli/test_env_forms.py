@@ -45,6 +45,37 @@ ENV_MODULE = textwrap.dedent('''
         def expert_action(self) -> str:
             return str(self.left)
 
+    class Silent(AgentEnv):
+        """An env without an expert: any reply ends the episode."""
+
+        system_prompt = "Say anything."
+
+        def _reset_task(self) -> str:
+            return "Go."
+
+        def _act(self, text: str) -> Outcome:
+            return Outcome("", rewards={"ok": 1.0}, done=True, success=True)
+
+    OPEN: set[int] = set()  # the Tracked envs made and not closed
+
+    class Tracked(Countdown):
+        """Countdown, counting the instances not closed (a server session each, say)."""
+
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            OPEN.add(id(self))
+
+        def close(self) -> None:
+            OPEN.discard(id(self))
+
+    class Flaky(Countdown):
+        """Countdown whose server refuses the sessions of even seeds."""
+
+        def reset(self, *, seed=None, options=None):
+            if seed is not None and seed % 2 == 0:
+                raise ConnectionError("session refused: capacity reached")
+            return super().reset(seed=seed, options=options)
+
     class NotAnEnv:
         pass
 
@@ -238,3 +269,40 @@ def test_every_shipped_recipe_is_a_valid_config_of_a_working_env(name: str) -> N
     env = make_env(config.env, config.env_kwargs)
     env.reset(seed=0)
     env.close()
+
+
+def test_a_warm_start_without_an_expert_is_refused_before_the_model_loads(
+    workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = workdir / "run"
+    assert main(["train", "--env", "formtest_envs:Silent", "--out", str(out), *TINY_RUN]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("prefixgym train: --env formtest_envs:Silent has no expert (its class does "
+                   "not define expert_action), whose episodes the warm start (--sft-steps 1) "
+                   "trains on; pass --sft-steps 0 to train with GRPO alone")
+    assert not (out / "config.json").exists()
+    assert main(["train", "--env", "formtest_envs:Silent", "--out", str(out), *TINY_RUN,
+                 "--sft-steps", "0"]) == 0
+
+
+def test_a_runs_envs_are_all_closed(workdir: Path) -> None:
+    assert main(["train", "--env", "formtest_envs:Tracked", "--out", str(workdir / "run"),
+                 *TINY_RUN]) == 0
+    import formtest_envs  # the module the run imported (from the working directory)
+
+    assert formtest_envs.OPEN == set()
+
+
+def test_env_errors_are_counted_apart_from_failures(
+    workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = workdir / "run"
+    assert main(["train", "--env", "formtest_envs:Flaky", "--out", str(out), *TINY_RUN,
+                 "--sft-steps", "0", "--eval-episodes", "4"]) == 0
+    assert "2 of 4 episodes ended in env errors" in capsys.readouterr().err
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    [evaluation] = [r for r in lines if r["phase"] == "eval"]
+    assert (evaluation["eval/episodes"], evaluation["eval/env_errors"]) == (2, 2)
+    assert "session refused" in evaluation["eval/first_error"]
+    report = (out / "report.md").read_text()
+    assert "| env errors |" in report and "session refused: capacity reached" in report

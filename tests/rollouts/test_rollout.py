@@ -128,3 +128,51 @@ def test_wrappers_around_an_env_are_honoured(service, io):
     assert traj.turns[0].reward >= 100  # the wrapper's reward, not the env's
     if io:
         assert inner.awaited == []  # wrappers are synchronous: reset and step through them
+
+
+class _Rendezvous(Lengthy):
+    """Its reset waits (on I/O, say) until every env of the group has begun resetting:
+    resets one after another would never get there."""
+
+    def __init__(self, met: dict[str, object], group: int) -> None:
+        super().__init__()
+        self.met, self.group = met, group
+
+    async def areset(self, *, seed=None, options=None):
+        self.met["arrived"] = int(self.met.get("arrived", 0)) + 1
+        if self.met["arrived"] == self.group:
+            self.met["all"].set()  # type: ignore[attr-defined]
+        await asyncio.wait_for(self.met["all"].wait(), timeout=5)  # type: ignore[attr-defined]
+        return self.reset(seed=seed, options=options)
+
+
+def test_a_groups_envs_reset_together(service):
+    async def run():
+        met = {"all": asyncio.Event()}
+        rollouts = Rollouts(service.create_sampling_client(), service.tokenizer,
+                            RolloutConfig(max_tokens=4))
+        return await rollouts.run_group([_Rendezvous(met, 3) for _ in range(3)], 3, "g0")
+
+    group = asyncio.run(run())
+    assert [t.failed for t in group.trajectories] == [False] * 3
+
+
+class _TaskSystem(Lengthy):
+    """A system prompt per task, set at reset (a dataset row's, say)."""
+
+    def _reset_task(self) -> str:
+        number = int(self.np_random.integers(1000))
+        self.system_prompt = f"You are solving task {number}."
+        return f"Say {number}."
+
+
+def test_an_env_may_set_its_system_prompt_per_task(service):
+    texts = {}
+    for seed in (3, 4):
+        group = _run(service, [_TaskSystem(), _TaskSystem()], seed=seed)
+        a, b = (service.tokenizer.decode(t.tokens) for t in group.trajectories)
+        first = a[: a.index("Say")]
+        assert "You are solving task" in first and b.startswith(first)  # shared by the group
+        texts[seed] = first
+    assert texts[3] != texts[4]
+    assert "Reply with anything" not in texts[3]
