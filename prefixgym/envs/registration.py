@@ -4,7 +4,9 @@
     make_env("my_envs:myenvs/Hangman-v0")              # import my_envs (it registers), then the id
     make_env("my_envs:Hangman")                        # a class in a module
     make_env("path/to/hangman.py:Hangman", {"max_turns": 8})   # a class in a file
+    make_env("reasoning_gym:leg_counting", {"max_animals": 3})  # another ecosystem's env
 
+Another ecosystem's envs go by its prefix, up to the first colon (`envs/ecosystems/`).
 Modules are looked up on `sys.path` and in the working directory (the `prefixgym`
 console script does not put it there itself). Installed packages can make their ids
 available with an entry point in the `prefixgym.envs` group, the env id as its name
@@ -34,6 +36,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
+
+from prefixgym.envs.ecosystems import ecosystem_of, make_ecosystem_env
 
 if TYPE_CHECKING:  # `import prefixgym` registers ids without loading the envs
     from prefixgym.envs.base import Observation
@@ -68,6 +72,9 @@ def make_env(spec: str, kwargs: EnvKwargs | None = None) -> AnyEnv:
     kwargs = dict(kwargs or {})
     source, _, name = spec.rpartition(":")
     try:
+        if ecosystem_of(spec) is not None:  # reasoning_gym:TASK, ...: their own adapters
+            env: AnyEnv = make_ecosystem_env(spec, kwargs)
+            return env
         if not source:
             try:
                 return gym.make(spec, **kwargs)
@@ -79,7 +86,7 @@ def make_env(spec: str, kwargs: EnvKwargs | None = None) -> AnyEnv:
         if isinstance(target, type):
             if not issubclass(target, gym.Env):
                 raise ValueError(f"{name} in {source} is not a gymnasium.Env subclass")
-            env: AnyEnv = target(**kwargs)
+            env = target(**kwargs)
             return env
         if target is None and name not in gym.registry:
             raise ValueError(f"{source} has no class {name!r}, and no env id {name!r} is "

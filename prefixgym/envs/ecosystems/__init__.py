@@ -1,0 +1,36 @@
+"""Envs written for other ecosystems, named by `--env ECOSYSTEM:NAME` alone.
+
+    make_env("reasoning_gym:leg_counting", {"min_animals": 1, "max_animals": 3})
+
+Each adapter is a prefixgym `AgentEnv` over the ecosystem's own package, an optional
+extra (`pip install 'prefixgym[reasoning-gym]'`), imported only when its prefix is
+named. The prefix ends at the first colon, so a name may hold colons itself. The
+registry (`envs/registration.py`) looks here before the module/class forms.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+ECOSYSTEMS: dict[str, tuple[str, str]] = {  # prefix -> (adapter module:class, pip extra)
+    "reasoning_gym": ("prefixgym.envs.ecosystems.reasoning_gym_task:ReasoningGymTask",
+                      "reasoning-gym"),
+}
+
+
+def ecosystem_of(spec: str) -> str | None:
+    """The ecosystem prefix `spec` names (`PREFIX:NAME`), or None."""
+    prefix, sep, name = spec.partition(":")
+    return prefix if sep and name and prefix in ECOSYSTEMS else None
+
+
+def make_ecosystem_env(spec: str, kwargs: Mapping[str, Any]) -> Any:
+    """The adapter env of `spec` (`PREFIX:NAME`), made with `kwargs`. ValueError when
+    the ecosystem's package is missing or refuses the name or kwargs."""
+    prefix, _, name = spec.partition(":")
+    target, extra = ECOSYSTEMS[prefix]
+    module_name, _, class_name = target.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, class_name).create(name, dict(kwargs), extra)
