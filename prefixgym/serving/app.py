@@ -1,7 +1,8 @@
-"""The HTTP face of the built-in engine: an OpenAI-compatible completions endpoint.
+"""The HTTP face of the built-in engine: OpenAI-compatible completions and chat.
 
-Routes: `POST /v1/completions`, `GET /v1/models`, `GET /health`, and the weight
-routes of `serving.weights` (`/update_weights_from_disk`, `/v1/load_lora_adapter`, ...).
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (chat.py), `GET /v1/models`,
+`GET /health`, and the weight routes of `serving.weights` (`/update_weights_from_disk`,
+`/v1/load_lora_adapter`, ...).
 With an API key configured, every route but /health wants `Authorization: Bearer KEY`
 (401 otherwise), as OpenAI-compatible servers do.
 
@@ -42,8 +43,10 @@ from transformers import PreTrainedTokenizerBase
 
 from prefixgym.engine.service import EngineService
 from prefixgym.serving.bodies import BodyError, parse_json_object, read_body
+from prefixgym.serving.chat import add_chat_route
 from prefixgym.serving.config import ServeConfig
 from prefixgym.serving.protocol import (
+    APIError,
     CompletionRequest,
     describe_validation_error,
     error_body,
@@ -52,13 +55,6 @@ from prefixgym.serving.weights import ServedWeights, WeightsError, add_weight_ro
 from prefixgym.types import JSONObject, SampleResponse
 
 log = logging.getLogger("prefixgym.serve")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
 def create_app(
@@ -112,6 +108,8 @@ def create_app(
                            None, "authentication_error")
 
     add_weight_routes(app, weights, authorize, config.max_body_bytes)
+    add_chat_route(app, authorize, weights, tokenizer, config.max_n, max_request_tokens,
+                   max_prompt_chars, config.max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

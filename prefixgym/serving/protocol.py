@@ -48,7 +48,8 @@ def json_depth(body: bytes) -> int:
     return int(np.cumsum(steps, dtype=np.int32).max())
 
 
-def _valid_text(value: str, where: str) -> str:
+def valid_text(value: str, where: str) -> str:
+    """`value`, or ValueError when it holds a lone surrogate (no tokenizer encodes it)."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -92,7 +93,7 @@ class CompletionRequest(BaseModel):
         items = [value] if isinstance(value, str) else value
         for item in items:
             if isinstance(item, str):
-                _valid_text(item, "prompt")
+                valid_text(item, "prompt")
             for t in [item] if isinstance(item, int) else item if isinstance(item, list) else []:
                 if t < 0:
                     raise ValueError(f"prompt holds the token id {t}; ids are non-negative")
@@ -102,7 +103,7 @@ class CompletionRequest(BaseModel):
     @classmethod
     def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
         for text in [value] if isinstance(value, str) else value or []:
-            _valid_text(text, "stop")
+            valid_text(text, "stop")
         return value
 
     @field_validator("stream")
@@ -155,6 +156,15 @@ class CompletionRequest(BaseModel):
             top_p=self.top_p, stop=self.stop_strings, stop_token_ids=self.stop_token_ids or [],
             seed=self.seed,
         )
+
+
+class APIError(Exception):
+    """A request this server refuses: its HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

@@ -170,7 +170,9 @@ def test_an_api_key_guards_the_v1_routes(closed_service: LocalService) -> None:
     client = TestClient(app, raise_server_exceptions=False)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
         for reply in (client.get("/v1/models", headers=headers),
-                      client.post("/v1/completions", json={"prompt": [1]}, headers=headers)):
+                      client.post("/v1/completions", json={"prompt": [1]}, headers=headers),
+                      client.post("/v1/chat/completions", headers=headers,
+                                  json={"messages": [{"role": "user", "content": "hi"}]})):
             assert reply.status_code == 401
             assert reply.json()["error"]["type"] == "authentication_error"
     good = {"Authorization": "Bearer s3cret"}

@@ -1,0 +1,300 @@
+"""`POST /v1/chat/completions`: OpenAI's chat API on the engine, for chat clients
+(verifiers' `vf-eval`, OpenEnv agents, ART, the `openai` package).
+
+A request goes as a completion does (app.py), with two more steps:
+  1) the body, bounded and labelled JSON, parsed into a `ChatRequest` (strict types,
+     text that is valid Unicode, OpenAI's roles);
+  2) the messages rendered by the tokenizer's own chat template, `tools` passed to it
+     (and `chat_template_kwargs`, vLLM's name, e.g. `{"enable_thinking": false}`),
+     with the generation prompt; a template that refuses the messages is a 400 with
+     its reason. Then this server's limits, as for completions (`max_n`, the request's
+     tokens; `max_tokens` defaults to what the limit leaves);
+  3) one engine request: the prompt is prefilled once for the `n` choices, and
+     served from the prefix cache where an earlier request shares its start (a chat
+     client that resends the whole conversation each turn hits it, as long as the
+     template renders the history as it rendered it before);
+  4) each choice's text, cut at a stop string, with `<tool_call>{...}</tool_call>`
+     blocks (the tool-call syntax of the built-in template, Qwen's and Hermes') turned
+     into OpenAI `tool_calls` when the request has tools; logprobs of the sampled
+     tokens (no top alternatives); the sampled `token_ids` (and with
+     `return_token_ids`, the prompt's), and usage with `cached_tokens`.
+With `stream`, the same answer goes as server-sent chunks once it is sampled (the
+engine returns whole sequences): a role chunk, a content chunk and a finish chunk per
+choice, a usage chunk with `stream_options.include_usage`, then `[DONE]`.
+
+Knows the HTTP shapes and the tokenizer's template; the engine only through the
+sampling client it is handed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.concurrency import run_in_threadpool
+from transformers import PreTrainedTokenizerBase
+
+from prefixgym.serving.bodies import parse_json_object, read_body
+from prefixgym.serving.protocol import APIError, describe_validation_error, valid_text
+from prefixgym.serving.weights import ServedWeights
+from prefixgym.types import JSONObject, SampleResponse, SamplingParams
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[JSONObject] | None = None
+    tool_call_id: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> JSONObject:
+        """What a chat template reads: role and text, and the tool fields given (a
+        call's `arguments` as an object, which templates render; OpenAI sends a string)."""
+        out: JSONObject = {"role": "system" if self.role == "developer" else self.role,
+                           "content": self.text}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [_arguments_as_object(call) for call in self.tool_calls]
+        return out
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[JSONObject] | None = None
+    tool_choice: str | JSONObject | None = None
+    n: int = Field(default=1, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = -1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    stream: bool = False
+    stream_options: JSONObject | None = None
+    chat_template_kwargs: JSONObject | None = None
+    skip_special_tokens: bool = True
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+    @field_validator("messages")
+    @classmethod
+    def _texts(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        for i, m in enumerate(messages):
+            valid_text(m.text, f"messages[{i}].content")
+        return messages
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        for text in [value] if isinstance(value, str) else value or []:
+            valid_text(text, "stop")
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) \
+            else list(self.stop)
+
+    def render(self, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
+        """The prompt's ids: the messages through the tokenizer's chat template, with the
+        generation prompt (ValueError: no template, or it refused them)."""
+        if tokenizer is None or not tokenizer.chat_template:
+            raise ValueError("this server's tokenizer has no chat template; use "
+                             "/v1/completions with a rendered prompt")
+        try:
+            text = tokenizer.apply_chat_template(
+                [m.for_template() for m in self.messages],
+                tools=list[Any](self.tools) if self.tools else None,
+                add_generation_prompt=True, tokenize=False, **(self.chat_template_kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - a template raises what its author wrote
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"the chat template refused these messages: {first}") from None
+        return list(tokenizer.encode(str(text), add_special_tokens=False))
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                              top_k=self.top_k, top_p=self.top_p, stop=self.stop_strings,
+                              stop_token_ids=self.stop_token_ids or [], seed=self.seed)
+
+
+def add_chat_route(
+    app: FastAPI, authorize: Callable[[Request], None], weights: ServedWeights,
+    tokenizer: PreTrainedTokenizerBase | None, max_n: int, max_request_tokens: int,
+    max_prompt_chars: int, max_body_bytes: int,
+) -> None:
+    """`POST /v1/chat/completions` on `app`, under the same key and limits as completions."""
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+        authorize(request)
+        body = await read_body(request, max_body_bytes)
+        req = await run_in_threadpool(_parse, body)
+        model = req.model or weights.model_name
+        if not weights.serves(req.model):
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+                                f"{weights.model_name!r}", "model", "not_found_error")
+        if req.n > max_n:
+            raise APIError(400, f"n = {req.n} exceeds this server's limit of {max_n}", "n")
+        chars = sum(len(m.text) for m in req.messages)
+        if chars > max_prompt_chars:
+            raise APIError(400, f"messages of {chars:,} characters cannot fit in this server's "
+                                f"limit of {max_request_tokens} tokens per request", "messages")
+        try:
+            prompt = await run_in_threadpool(req.render, tokenizer)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        asked = req.max_completion_tokens or req.max_tokens
+        room = max_request_tokens - len(prompt)
+        if room < 1 or (asked is not None and asked > room):
+            raise APIError(400, f"the messages render to {len(prompt)} tokens"
+                                f"{f' and max_tokens is {asked}' if asked else ''}: this "
+                                f"server's limit is {max_request_tokens} tokens per request",
+                           "max_tokens")
+        sampler, weight_version = weights.sampler_for(req.model, not req.ignore_eos)
+        try:
+            params = req.sampling_params(asked or room)
+            response = await sampler.sample(prompt, num_samples=req.n, sampling_params=params)
+        except ValidationError as e:
+            raise APIError(400, *describe_validation_error(e)) from None
+        except ValueError as e:
+            raise APIError(400, str(e).splitlines()[0]) from None
+        answer = await run_in_threadpool(_answer, req, prompt, response, tokenizer, model)
+        answer["metadata"] = {"weight_version": weight_version}
+        if req.stream:
+            return StreamingResponse(_chunks(answer, req), media_type="text/event-stream")
+        return JSONResponse(answer)
+
+
+def _parse(body: bytes) -> ChatRequest:
+    try:
+        return ChatRequest.model_validate(parse_json_object(body))
+    except ValidationError as e:
+        raise APIError(400, *describe_validation_error(e)) from None
+
+
+def _arguments_as_object(call: JSONObject) -> JSONObject:
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            return call
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
+
+
+def _tool_calls(text: str) -> tuple[str, list[JSONObject]]:
+    """The text outside `<tool_call>` blocks, and the blocks that hold a call (a JSON
+    object with a name) as OpenAI tool calls; a block that does not stays in the text."""
+    calls: list[JSONObject] = []
+
+    def take(match: re.Match[str]) -> str:
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return match.group(0)
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return match.group(0)
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": call["name"],
+                                   "arguments": json.dumps(call.get("arguments", {}))}})
+        return ""
+
+    rest = _TOOL_CALL.sub(take, text)
+    return (rest.strip() if calls else rest), calls
+
+
+def _answer(req: ChatRequest, prompt: list[int], response: SampleResponse,
+            tokenizer: PreTrainedTokenizerBase | None, model: str) -> JSONObject:
+    def decode(ids: list[int], skip_special: bool = True) -> str:
+        if tokenizer is None or not ids:
+            return ""
+        return str(tokenizer.decode(ids, skip_special_tokens=skip_special))
+
+    choices = []
+    for i, seq in enumerate(response.sequences):
+        text = decode(seq.tokens, req.skip_special_tokens)
+        if seq.stop_reason == "stop" and req.stop_strings:
+            hits = [j for j in (text.find(s) for s in req.stop_strings) if j >= 0]
+            text = text[: min(hits)] if hits else text
+        content, calls = _tool_calls(text) if req.tools else (text, [])
+        message: JSONObject = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = calls
+        choice: JSONObject = {
+            "index": i, "message": message, "logprobs": None, "token_ids": list(seq.tokens),
+            "finish_reason": "tool_calls" if calls else seq.stop_reason}
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = list(prompt)
+        if req.logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": piece, "logprob": value, "bytes": list(piece.encode()),
+                 "top_logprobs": []}
+                for piece, value in zip((decode([t], False) for t in seq.tokens), seq.logprobs)]}
+        choices.append(choice)
+    completion_tokens = sum(len(s.tokens) for s in response.sequences)
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+        "created": int(time.time()), "model": model, "choices": choices,
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
+                  "total_tokens": len(prompt) + completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens":
+                                            response.usage.prefill_cached_tokens}},
+    }
+
+
+def _chunks(answer: JSONObject, req: ChatRequest) -> Iterator[str]:
+    """The answer as OpenAI's stream of chat.completion.chunk events."""
+    head = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
+            "model": answer["model"]}
+
+    def event(choices: list[Any], **more: Any) -> str:
+        return f"data: {json.dumps({**head, 'choices': choices, **more})}\n\n"
+
+    for choice in answer["choices"]:
+        i, message = choice["index"], choice["message"]
+        yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None}])
+        delta: JSONObject = {"content": message["content"]}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": k, **call}
+                                   for k, call in enumerate(message["tool_calls"])]
+        yield event([{"index": i, "delta": delta, "logprobs": choice["logprobs"],
+                      "finish_reason": None, "token_ids": choice["token_ids"]}])
+        yield event([{"index": i, "delta": {}, "logprobs": None,
+                      "finish_reason": choice["finish_reason"]}])
+    if (req.stream_options or {}).get("include_usage"):
+        yield event([], usage=answer["usage"])
+    yield "data: [DONE]\n\n"

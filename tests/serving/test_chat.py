@@ -1,0 +1,149 @@
+"""`prefixgym serve`'s /v1/chat/completions, driven by the official openai client and raw
+HTTP: the chat template, n, seeds, logprobs, streaming, tools, the prefix cache, limits."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from prefixgym.serving.chat import _tool_calls
+
+openai = pytest.importorskip("openai")
+
+MESSAGES = [{"role": "system", "content": "You add numbers."},
+            {"role": "user", "content": "What is 2 + 3?"}]
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                   "b": {"type": "integer"}}}}}]
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+
+
+def chat(server, payload=None, **kwargs) -> httpx.Response:
+    if payload is not None:
+        kwargs["json"] = payload
+    return httpx.post(f"{server.url}/v1/chat/completions", timeout=60, **kwargs)
+
+
+def test_messages_go_through_the_chat_template_and_repeat_from_the_cache(server, client):
+    tok = server.service.tokenizer
+    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    first = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6,
+                                           temperature=0, extra_body={"return_token_ids": True})
+    choice = first.choices[0]
+    assert choice.model_extra["prompt_token_ids"] == ids
+    assert first.usage.prompt_tokens == len(ids)
+    tokens = choice.model_extra["token_ids"]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert choice.message.content == tok.decode(tokens, skip_special_tokens=True)
+    again = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6,
+                                           temperature=0)
+    assert again.choices[0].model_extra["token_ids"] == tokens
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(ids) - 16
+
+
+def test_n_seeds_and_the_sampled_tokens_logprobs(server, client):
+    ask = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5, "n": 3, "seed": 11,
+           "logprobs": True}
+    a = client.chat.completions.create(**ask)
+    b = client.chat.completions.create(**ask)
+    assert len(a.choices) == 3
+    assert [c.model_extra["token_ids"] for c in a.choices] == \
+        [c.model_extra["token_ids"] for c in b.choices]
+    prompt = a.choices[0].model_extra  # (the prompt ids come from the template, as above)
+    tok = server.service.tokenizer
+    ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False)
+    sampler = server.service.create_sampling_client()
+    for choice in a.choices:
+        tokens = choice.model_extra["token_ids"]
+        got = [t.logprob for t in choice.logprobs.content]
+        full = sampler.compute_logprobs(ids + tokens).result()
+        assert got == pytest.approx(full[len(ids):], abs=1e-4)
+        assert [t.token for t in choice.logprobs.content] == \
+            [tok.decode([t]) for t in tokens]
+    assert prompt is not None
+
+
+def test_a_stream_carries_the_same_answer_then_usage(client):
+    ask = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and finishes[:-1] == [None, None]
+    assert not chunks[-1].choices and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_tools_reach_the_template_and_tool_turns_render(server):
+    plain = chat(server, {"messages": MESSAGES, "max_tokens": 1}).json()
+    tooled = chat(server, {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 1}).json()
+    assert tooled["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 20
+    history = [*MESSAGES,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    reply = chat(server, {"messages": history, "tools": TOOLS, "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+
+
+def test_tool_call_blocks_become_openai_tool_calls():
+    text = ('Let me add. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+            '<tool_call>not json</tool_call>')
+    rest, calls = _tool_calls(text)
+    assert rest == "Let me add. <tool_call>not json</tool_call>"
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in calls] == [("function", "add", {"a": 2, "b": 3})]
+    assert _tool_calls("no calls here ") == ("no calls here ", [])
+
+
+@pytest.mark.parametrize(("payload", "status", "param"), [
+    ({"max_tokens": 2}, 400, "messages"),                                 # no messages
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+     400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "2"}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400,
+     "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400,
+     "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": 3}, 400,
+     "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "x" * 70_000}]}, 413, None),  # body too large
+    ([{"role": "user", "content": "hi"}], 400, None),                     # not an object
+])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, payload, status, param):
+    reply = chat(server, payload)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["message"] and "\n" not in error["message"] and error["param"] == param
+    assert chat(server, {"messages": MESSAGES, "max_tokens": 1}).status_code == 200
+
+
+def test_hostile_bodies_are_one_line_errors(server):
+    lone = b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    for body, status, words in (
+            (lone, 400, "lone surrogate"),
+            (b'{"messages": [', 400, "not valid JSON"),
+            (b"[" * 100 + b"]" * 100, 400, "deep"),
+            (b'\xff\xfe{"messages": 1}', 400, "UTF-8")):
+        reply = chat(server, content=body, headers={"content-type": "application/json"})
+        assert reply.status_code == status, (body[:20], reply.text)
+        assert words in reply.json()["error"]["message"]
+    unlabelled = chat(server, content=json.dumps({"messages": MESSAGES}).encode())
+    assert unlabelled.status_code == 415
