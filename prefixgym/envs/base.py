@@ -291,8 +291,13 @@ def share(name: str, value: object) -> float:
 
 def has_expert(env: gym.Env[Observation, str]) -> bool:
     """Whether the env (under its wrappers) plays a scripted expert: its class overrides
-    `expert_action`, which the warm start's episodes are made of."""
-    return type(agent_of(env)).expert_action is not AgentEnv.expert_action
+    `expert_action`, which the warm start's episodes are made of (an adapter whose games
+    differ says per instance, in `expert_available`)."""
+    agent = agent_of(env)
+    available = getattr(agent, "expert_available", None)
+    if available is not None:
+        return bool(available)
+    return type(agent).expert_action is not AgentEnv.expert_action
 
 
 def agent_of(env: gym.Env[Observation, str]) -> AgentEnv:

@@ -1,4 +1,5 @@
-"""Envs of other ecosystems by `--env PREFIX:NAME` alone: reasoning-gym's tasks."""
+"""Envs of other ecosystems by `--env PREFIX:NAME` alone: reasoning-gym's tasks,
+TextArena's and GEM's games."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from prefixgym.envs.ecosystems import ecosystem_of
 from prefixgym.envs.registration import absolute_spec, make_env
 
 pytest.importorskip("reasoning_gym")
+pytest.importorskip("textarena")
+pytest.importorskip("gem")
 
 SUMS = {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"],
         "allow_negation": False, "allow_parentheses": False}
@@ -86,3 +89,58 @@ def test_train_runs_a_task_without_a_glue_file(tmp_path: Path) -> None:
                  "--sft-episodes-per-step", "4", "--groups-per-step", "2", "--group-size", "2",
                  "--eval-episodes", "4", "--max-tokens", "4", "--no-progress"]) == 0
     assert "reasoning_gym:basic_arithmetic" in (out / "report.md").read_text()
+
+
+GAMES = ["textarena:GuessTheNumber-v0-raw", "gem:game:GuessTheNumber-v0-easy"]
+
+
+@pytest.mark.parametrize("spec", GAMES)
+def test_a_game_is_replayed_by_its_seed_and_the_expert_bisects_to_a_win(spec: str) -> None:
+    a, b = make_env(spec), make_env(spec)
+    assert a.reset(seed=5)[0] == b.reset(seed=5)[0]
+    agent = agent_of(a)
+    assert has_expert(a)
+    for _ in range(10):
+        reply = agent.expert_action()
+        _, reward, terminated, truncated, info = a.step(reply)
+        b.step(reply)
+        if terminated or truncated:
+            break
+    assert (reward, terminated, info["is_success"]) == (1.0, True, True)
+    assert b.reset(seed=6)[0] == make_env(spec).reset(seed=6)[0]
+    a.close()
+    b.close()
+
+
+def test_a_textarena_invalid_move_is_an_invalid_reply() -> None:
+    env = make_env("textarena:GuessTheNumber-v0-raw")
+    env.reset(seed=1)
+    obs, reward, terminated, _, info = env.step("[500]")  # outside the range
+    assert info["invalid_action"] and not terminated and reward < 0
+    assert "invalid move" in obs[0]["content"]
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("textarena:TicTacToe-v0-raw", r"textarena cannot make TicTacToe-v0-raw for one player "
+                                   r"with \{\}: AssertionError: The number of players has to "
+                                   r"be 2"),
+    ("gem:game:NoSuch", r"gem cannot make game:NoSuch with \{\}: ValueError: Environment "
+                        r"game:NoSuch not found"),
+])
+def test_what_a_game_library_refuses_is_one_line(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as err:
+        make_env(spec)
+    assert "\n" not in str(err.value)
+
+
+def test_a_game_without_an_expert_asks_for_no_warm_start() -> None:
+    assert not has_expert(make_env("gem:game:Minesweeper-v0-easy"))
+
+
+@pytest.mark.parametrize("spec", GAMES)
+def test_train_plays_a_game_without_a_glue_file(spec: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--env", spec, "--out", str(out), "--steps", "1", "--sft-steps", "2",
+                 "--sft-episodes-per-step", "2", "--groups-per-step", "1", "--group-size", "2",
+                 "--eval-episodes", "2", "--max-tokens", "6", "--no-progress"]) == 0
+    assert spec in (out / "report.md").read_text()

@@ -1,6 +1,8 @@
 """Envs written for other ecosystems, named by `--env ECOSYSTEM:NAME` alone.
 
     make_env("reasoning_gym:leg_counting", {"min_animals": 1, "max_animals": 3})
+    make_env("textarena:GuessTheNumber-v0-raw")
+    make_env("gem:game:GuessTheNumber-v0-easy")      # the name keeps its colon
 
 Each adapter is a prefixgym `AgentEnv` over the ecosystem's own package, an optional
 extra (`pip install 'prefixgym[reasoning-gym]'`), imported only when its prefix is
@@ -17,6 +19,8 @@ from typing import Any
 ECOSYSTEMS: dict[str, tuple[str, str]] = {  # prefix -> (adapter module:class, pip extra)
     "reasoning_gym": ("prefixgym.envs.ecosystems.reasoning_gym_task:ReasoningGymTask",
                       "reasoning-gym"),
+    "textarena": ("prefixgym.envs.ecosystems.games:TextArenaGame", "textarena"),
+    "gem": ("prefixgym.envs.ecosystems.games:GemEnv", "gem"),
 }
 
 
