@@ -28,7 +28,7 @@ from prefixgym.engine.device import describe_device, has_fast_bf16, resolve_devi
 from prefixgym.engine.sampler.options import SamplerOptions
 from prefixgym.engine.trainer.options import TrainerOptions
 from prefixgym.engine.trainer.training import TrainingClient as LocalTrainingClient
-from prefixgym.envs.base import has_expert
+from prefixgym.envs.base import has_expert, replays_its_seed
 from prefixgym.envs.registration import make_agent_env
 from prefixgym.files import ensure_writable_dir
 from prefixgym.local_service import LocalService
@@ -76,6 +76,16 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
                 f"--env {config.env} has no expert (its class does not define expert_action), "
                 f"whose episodes the warm start (--sft-steps {config.sft_steps}) trains on; "
                 "pass --sft-steps 0 to train with GRPO alone")
+        try:
+            replays = replays_its_seed(env)
+        except Exception as e:  # noqa: BLE001 - the env's own failure, in one line
+            raise ValueError(f"--env {config.env}: reset(seed=0) failed: "
+                             f"{type(e).__name__}: {e}") from None
+        if not replays:
+            raise ValueError(
+                f"--env {config.env} ignores its reset seed (reset(seed=0) twice gave two first "
+                "observations): a GRPO group's samples would each play another task; make "
+                "its reset honour the seed")
     finally:
         env.close()
     for i, stage in enumerate(config.sft_stages):  # and so does a stage's bad env_kwargs

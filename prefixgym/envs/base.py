@@ -300,6 +300,14 @@ def has_expert(env: gym.Env[Observation, str]) -> bool:
     return type(agent).expert_action is not AgentEnv.expert_action
 
 
+def replays_its_seed(env: gym.Env[Observation, str], seed: int = 0) -> bool:
+    """Whether two resets with one seed give the same first observation: what a GRPO
+    group needs (its G envs are reset with one seed and must pose one task)."""
+    first, _ = env.reset(seed=seed)
+    again, _ = env.reset(seed=seed)
+    return first == again
+
+
 def agent_of(env: gym.Env[Observation, str]) -> AgentEnv:
     """The `AgentEnv` under an env's wrappers; ValueError for an env that is not one."""
     agent = env.unwrapped

@@ -18,6 +18,8 @@ from prefixgym.recipes import config_path, recipe_names
 from prefixgym.trainer.config import TrainConfig
 
 ENV_MODULE = textwrap.dedent('''
+    import itertools
+
     import gymnasium as gym
     from prefixgym.envs import AgentEnv, Outcome
 
@@ -55,6 +57,15 @@ ENV_MODULE = textwrap.dedent('''
 
         def _act(self, text: str) -> Outcome:
             return Outcome("", rewards={"ok": 1.0}, done=True, success=True)
+
+    class Unseeded(Countdown):
+        """Countdown whose start ignores the seed (a server that draws its own secret)."""
+
+        _starts = itertools.count(3)
+
+        def _reset_task(self) -> str:
+            self.start = next(self._starts)
+            return super()._reset_task()
 
     OPEN: set[int] = set()  # the Tracked envs made and not closed
 
@@ -306,3 +317,13 @@ def test_env_errors_are_counted_apart_from_failures(
     assert "session refused" in evaluation["eval/first_error"]
     report = (out / "report.md").read_text()
     assert "| env errors |" in report and "session refused: capacity reached" in report
+
+
+def test_an_env_that_ignores_its_seed_is_refused_for_grpo(
+    workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--env", "formtest_envs:Unseeded", "--out", str(workdir / "run"),
+                 *TINY_RUN]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("prefixgym train: --env formtest_envs:Unseeded ignores its reset "
+                          "seed") and "\n" not in err
