@@ -80,10 +80,10 @@ ENV_MODULE = textwrap.dedent('''
             OPEN.discard(id(self))
 
     class Flaky(Countdown):
-        """Countdown whose server refuses the sessions of even seeds."""
+        """Countdown whose server refuses the sessions of odd seeds."""
 
         def reset(self, *, seed=None, options=None):
-            if seed is not None and seed % 2 == 0:
+            if seed is not None and seed % 2 == 1:
                 raise ConnectionError("session refused: capacity reached")
             return super().reset(seed=seed, options=options)
 
