@@ -3,6 +3,7 @@
     make_env("reasoning_gym:leg_counting", {"min_animals": 1, "max_animals": 3})
     make_env("textarena:GuessTheNumber-v0-raw")
     make_env("gem:game:GuessTheNumber-v0-easy")      # the name keeps its colon
+    make_env("openenv:http://127.0.0.1:8000")         # an OpenEnv server's env
 
 Each adapter is a prefixgym `AgentEnv` over the ecosystem's own package, an optional
 extra (`pip install 'prefixgym[reasoning-gym]'`), imported only when its prefix is
@@ -21,6 +22,7 @@ ECOSYSTEMS: dict[str, tuple[str, str]] = {  # prefix -> (adapter module:class, p
                       "reasoning-gym"),
     "textarena": ("prefixgym.envs.ecosystems.games:TextArenaGame", "textarena"),
     "gem": ("prefixgym.envs.ecosystems.games:GemEnv", "gem"),
+    "openenv": ("prefixgym.envs.ecosystems.openenv_client:OpenEnvSession", "openenv"),
 }
 
 
