@@ -42,9 +42,14 @@ from starlette.concurrency import run_in_threadpool
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.serving.bodies import parse_json_object, read_body
-from prefixgym.serving.protocol import APIError, describe_validation_error, valid_text
+from prefixgym.serving.protocol import (
+    APIError,
+    SamplingFields,
+    describe_validation_error,
+    valid_text,
+)
 from prefixgym.serving.weights import ServedWeights
-from prefixgym.types import JSONObject, SampleResponse, SamplingParams
+from prefixgym.types import JSONObject, SampleResponse
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -83,30 +88,17 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str | None = None
+class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[JSONObject] | None = None
     tool_choice: str | JSONObject | None = None
-    n: int = Field(default=1, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = -1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=0)
     stream: bool = False
     stream_options: JSONObject | None = None
     chat_template_kwargs: JSONObject | None = None
-    skip_special_tokens: bool = True
-    ignore_eos: bool = False
-    return_token_ids: bool = False
 
     @field_validator("messages")
     @classmethod
@@ -114,18 +106,6 @@ class ChatRequest(BaseModel):
         for i, m in enumerate(messages):
             valid_text(m.text, f"messages[{i}].content")
         return messages
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        for text in [value] if isinstance(value, str) else value or []:
-            valid_text(text, "stop")
-        return value
-
-    @property
-    def stop_strings(self) -> list[str]:
-        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) \
-            else list(self.stop)
 
     def render(self, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
         """The prompt's ids: the messages through the tokenizer's chat template, with the
@@ -142,11 +122,6 @@ class ChatRequest(BaseModel):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"the chat template refused these messages: {first}") from None
         return list(tokenizer.encode(str(text), add_special_tokens=False))
-
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
-                              top_k=self.top_k, top_p=self.top_p, stop=self.stop_strings,
-                              stop_token_ids=self.stop_token_ids or [], seed=self.seed)
 
 
 def add_chat_route(
@@ -184,7 +159,7 @@ def add_chat_route(
                            "max_tokens")
         sampler, weight_version = weights.sampler_for(req.model, not req.ignore_eos)
         try:
-            params = req.sampling_params(asked or room)
+            params = req.engine_params(asked or room)
             response = await sampler.sample(prompt, num_samples=req.n, sampling_params=params)
         except ValidationError as e:
             raise APIError(400, *describe_validation_error(e)) from None

@@ -58,26 +58,52 @@ def valid_text(value: str, where: str) -> str:
     return value
 
 
-class CompletionRequest(BaseModel):
+class SamplingFields(BaseModel):
+    """The fields completions and chat share: the model, how many samples, and how."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]]
     n: int = Field(default=1, ge=1)
-    max_tokens: int = Field(default=16, ge=0)
     temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = -1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    logprobs: int | bool | None = None
-    echo: bool = False
     seed: int | None = None
-    stream: bool = False
-    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        for text in [value] if isinstance(value, str) else value or []:
+            valid_text(text, "stop")
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def engine_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's SamplingParams (raises pydantic's ValidationError, a ValueError)."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+            top_p=self.top_p, stop=self.stop_strings, stop_token_ids=self.stop_token_ids or [],
+            seed=self.seed,
+        )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = Field(default=16, ge=0)
+    logprobs: int | bool | None = None
+    echo: bool = False
+    stream: bool = False
+    include_stop_str_in_output: bool = False
 
     @field_validator("logprobs")
     @classmethod
@@ -99,13 +125,6 @@ class CompletionRequest(BaseModel):
                     raise ValueError(f"prompt holds the token id {t}; ids are non-negative")
         return value
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        for text in [value] if isinstance(value, str) else value or []:
-            valid_text(text, "stop")
-        return value
-
     @field_validator("stream")
     @classmethod
     def _no_stream(cls, value: bool) -> bool:
@@ -122,12 +141,6 @@ class CompletionRequest(BaseModel):
         """The prompt's text parts (none for token ids)."""
         prompt = self.prompt
         return [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
         """The prompt as token ids: ids as given, text through `tokenizer` (no special tokens)."""
@@ -150,12 +163,7 @@ class CompletionRequest(BaseModel):
         return ids
 
     def sampling_params(self) -> SamplingParams:
-        """The engine's SamplingParams (raises pydantic's ValidationError, a ValueError)."""
-        return SamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
-            top_p=self.top_p, stop=self.stop_strings, stop_token_ids=self.stop_token_ids or [],
-            seed=self.seed,
-        )
+        return self.engine_params(self.max_tokens)
 
 
 class APIError(Exception):

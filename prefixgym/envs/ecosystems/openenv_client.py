@@ -105,10 +105,19 @@ class OpenEnvSession(AgentEnv):
     def _call(self, message: dict[str, Any]) -> dict[str, Any]:
         """Send one message of the session and read the server's answer (RuntimeError for
         an error: a server at capacity, an action it refuses, its env failing)."""
+        from websockets.exceptions import ConnectionClosed
+
         if self._socket is None:
             raise RuntimeError("the OpenEnv session is closed")
-        self._socket.send(json.dumps(message))
-        answer = json.loads(self._socket.recv(timeout=self.timeout_s))
+        try:
+            self._socket.send(json.dumps(message))
+        except ConnectionClosed:
+            pass  # a server that refused the session says why before closing: read it
+        try:
+            answer = json.loads(self._socket.recv(timeout=self.timeout_s))
+        except ConnectionClosed as e:
+            self._end_session()
+            raise RuntimeError(f"OpenEnv server {self.url} closed the session ({e})") from None
         if answer.get("type") == "error":
             error = answer.get("data") or {}
             self._end_session()
