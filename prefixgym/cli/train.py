@@ -73,7 +73,7 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
     try:
         if config.sft_steps and not has_expert(env):
             raise ValueError(
-                f"--env {config.env} has no expert (its class does not define expert_action), "
+                f"--env {config.env} has no scripted expert (expert_action), "
                 f"whose episodes the warm start (--sft-steps {config.sft_steps}) trains on; "
                 "pass --sft-steps 0 to train with GRPO alone")
         try:
@@ -130,7 +130,7 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
 
         training = DistributedTrainingClient(training)  # type: ignore[arg-type]
     clients = Clients(training, service.create_sampling_client(), service.tokenizer,
-                      service.usage, ranks=ranks)
+                      service.usage, ranks=ranks, seconds=service.seconds)
     if config.sampler_url:  # rollouts and evaluation on remote servers (docs/scaling.md)
         clients = remote_clients(config, service, training, ranks)
     # the training worker runs on this thread's count (engine/trainer/training.py)
@@ -232,7 +232,7 @@ def remote_clients(config: TrainConfig, service: LocalService, training: Trainin
         is_main=ranks.is_main, barrier=ranks.barrier)
     first = sync.save_weights_and_get_sampling_client()
     return Clients(sync, first, service.tokenizer, service.usage,
-                   sampler_metrics=pool.metrics, ranks=ranks)
+                   sampler_metrics=pool.metrics, ranks=ranks, seconds=service.seconds)
 
 
 def torchrun_ranks(service: LocalService) -> Ranks:

@@ -227,6 +227,10 @@ class EngineService:
     def usage(self) -> Usage:
         return self.ledger.total()
 
+    def seconds(self) -> dict[str, float]:
+        """Seconds the engine and the trainers spent per phase (`usage.SECONDS_PHASES`)."""
+        return self.ledger.seconds()
+
     def cache_stats(self) -> dict[str, int]:
         """block_size, capacity_bytes (the KV pool), used_bytes and num_blocks (cached),
         running/free/reserved blocks, query/hit tokens, insertions, evictions."""

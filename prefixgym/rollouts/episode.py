@@ -26,6 +26,7 @@ Knows envs (text), conversations (tokens) and the rollout types; not samplers.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, SupportsFloat
 
@@ -61,6 +62,7 @@ class Episode:
     async def reset(self, seed: int | None) -> bool:
         """1) Reset the env with `seed` and append its first message. False when the env
         raised: the episode has then ended ("env_error")."""
+        start = time.perf_counter()
         try:
             if self._awaits("areset"):
                 obs, _ = await self.agent.areset(seed=seed)
@@ -69,8 +71,10 @@ class Episode:
             else:
                 obs, _ = self.env.reset(seed=seed)
         except Exception as e:  # an env that raises ends its episode, never the run
+            self.traj.env_s += time.perf_counter() - start
             self.finish("env_error", error=f"{type(e).__name__}: {e}")
             return False
+        self.traj.env_s += time.perf_counter() - start
         self.begin(obs)
         return True
 
@@ -100,6 +104,7 @@ class Episode:
     async def step(self, turn: Turn) -> bool:
         """3) The env's answer to `turn`'s reply, recorded; True while the episode goes on
         (the env's next message appended), False once it has ended."""
+        start = time.perf_counter()
         try:
             if self._awaits("astep"):
                 result = await self.agent.astep(turn.reply_text)
@@ -108,8 +113,10 @@ class Episode:
             else:
                 result = self.env.step(turn.reply_text)
         except Exception as e:  # an env that raises ends its episode, never the run
+            self.traj.env_s += time.perf_counter() - start
             self.finish("env_error", error=f"{type(e).__name__}: {e}")
             return False
+        self.traj.env_s += time.perf_counter() - start
         return self.record(turn, result)
 
     def record(self, turn: Turn, result: StepResult) -> bool:

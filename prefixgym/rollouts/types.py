@@ -64,6 +64,8 @@ class Trajectory:
     failed: bool = False
     error: str | None = None
     extension_ok: bool = True
+    env_s: float = 0.0
+    """Seconds the env spent in its reset and steps (its own work, or its server's)."""
 
     @property
     def total_reward(self) -> float:

@@ -36,6 +36,7 @@ class EvalResult:
     usage: Usage
     env_errors: int = 0
     first_error: str = ""
+    env_s: float = 0.0  # seconds the envs spent in reset and step, summed over episodes
 
     def as_metrics(self, prefix: str = "eval") -> dict[str, float]:
         return {
@@ -64,7 +65,8 @@ def summarize(trajectories: Sequence[Trajectory]) -> EvalResult:
     reward = sum(rewards) / n if n else 0.0
     spread = math.sqrt(sum((r - reward) ** 2 for r in rewards) / n) if n else 0.0
     return EvalResult(p, success_stderr(p, n), reward, spread / math.sqrt(n) if n else 0.0,
-                      n, usage, len(errors), errors[0].error or "" if errors else "")
+                      n, usage, len(errors), errors[0].error or "" if errors else "",
+                      sum(t.env_s for t in trajectories))
 
 
 def evaluate(

@@ -1,4 +1,4 @@
-"""The run's two figures, drawn from metrics.jsonl: training.png and tokens.png.
+"""The run's figures, drawn from metrics.jsonl: training.png, tokens.png and time.png.
 
 - training.png: the warm-start loss against the warm-start step (its own axis: a
   warm start of 400 steps would otherwise squeeze 60 GRPO steps into a sliver; a
@@ -12,6 +12,8 @@
   computed, train positions a shared prefix saved, train in the loss -- and the cache
   hit rate, per GRPO step, each on its own scale, so no series hides another (the
   warm start's totals are in report.md).
+- time.png: each GRPO step's seconds, stacked by phase (prefill, decode,
+  forward_backward, optim_step, publish, env steps) and the rest of its wall time.
 Knows metric names; not how they were produced.
 """
 
@@ -19,9 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from prefixgym.trainer.report import eval_kind
+from prefixgym.trainer.report import TIME_PHASES, eval_kind
 from prefixgym.types import JSONObject
 
 if TYPE_CHECKING:
@@ -81,7 +83,7 @@ def smoothed(values: Sequence[float], window: int) -> list[float]:
 
 
 def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
-    """training.png and tokens.png in `out`; returns their paths."""
+    """training.png, tokens.png and time.png in `out`; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,7 +170,34 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     fig.tight_layout()
     fig.savefig(paths[1], dpi=100)
     plt.close(fig)
+    paths.append(_time_plot(plt, out / "time.png", t))
     return paths
+
+
+def _time_plot(plt: Any, path: Path, t: _Timeline) -> Path:
+    """time.png: each GRPO step's seconds, stacked by phase, and the rest of its wall."""
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    timed = [r for r in t.grpo if "time/prefill_s" in r]
+    if timed:
+        xs = [x for x, r in zip(t.grpo_x(), t.grpo) if "time/prefill_s" in r]
+        bottom = [0.0] * len(timed)
+        for key, name in TIME_PHASES:
+            values = [float(r.get(f"time/{key}_s", 0.0)) for r in timed]
+            ax.bar(xs, values, bottom=bottom, label=name, width=0.85)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        rest = [max(float(r.get("time/step_s", 0.0)) - b, 0.0) for r, b in zip(timed, bottom)]
+        ax.bar(xs, rest, bottom=bottom, label="the rest of the step", width=0.85,
+               color="lightgrey")
+        ax.legend(loc="upper right", fontsize=8, ncol=4)
+        ax.set_ylim(top=max(b + r for b, r in zip(bottom, rest)) * 1.35)
+    _label(ax, "seconds per step", bool(timed), "no timed GRPO steps")
+    ax.set_xlabel("GRPO step")
+    _integer_steps(ax)
+    fig.suptitle("Where each GRPO step's time went (the whole run's: report.md)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _health(ax: Axes, t: _Timeline) -> None:

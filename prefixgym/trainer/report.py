@@ -186,9 +186,52 @@ def improvement_lines(evals: Sequence[JSONObject]) -> list[str]:
             f"(SE of the difference{ratio}).", ""]
 
 
+TIME_PHASES = (("prefill", "prefill"), ("decode", "decode"),
+               ("forward_backward", "forward_backward"), ("optim_step", "optim_step"),
+               ("publish", "publish"), ("env", "env steps"))
+"""(`time/<key>_s`, column name): the seconds each record of metrics.jsonl splits out."""
+_PARTS = (("warm start", "sft", "time/step_s"), ("GRPO", "grpo", "time/step_s"),
+          ("evaluations", "eval", "time/eval_s"))
+
+
+def seconds_table(records: Sequence[JSONObject], wall_s: float) -> str:
+    """Where the wall time went: per part of the run, its wall seconds and those of each
+    phase within it (metrics.jsonl's `time/*`), and the rest of the run."""
+    head = " | ".join(name for _, name in TIME_PHASES)
+    lines = [f"| part of the run | wall | {head} |",
+             "|---|---:|" + "---:|" * len(TIME_PHASES)]
+    totals = dict.fromkeys([k for k, _ in TIME_PHASES], 0.0)
+    accounted = 0.0
+    for label, phase, wall_key in _PARTS:
+        rows = [r for r in records if r.get("phase") == phase]
+        if not rows:
+            continue
+        wall = sum(float(r.get(wall_key, 0.0)) for r in rows)
+        accounted += wall
+        cells = []
+        for key, _ in TIME_PHASES:
+            value = sum(float(r.get(f"time/{key}_s", 0.0)) for r in rows)
+            totals[key] += value
+            cells.append(f"{value:.1f} s")
+        lines.append(f"| {label} | {wall:.1f} s | {' | '.join(cells)} |")
+    lines.append(f"| the rest (start-up, checkpoints, report) | {max(wall_s - accounted, 0.0):.1f} s"
+                 f" |{' |' * len(TIME_PHASES)}")
+    lines.append(f"| **whole run** | **{wall_s:.1f} s** | "
+                 + " | ".join(f"{v:.1f} s" for v in totals.values()) + " |")
+    lines += ["", "Each phase's seconds are timed where the work runs: the engine's forwards "
+              "by kind (prefill, decode), the trainer's calls (forward_backward, optim_step, "
+              "publishing the weights to the sampler), the envs' resets and steps (summed over "
+              "episodes: concurrent ones overlap). A part's wall time beyond its phases is "
+              "Python, scheduling, tokenizing and waiting; with `--async` the next step's "
+              "sampling overlaps this step's training, so phases can add up to more than the "
+              "wall."]
+    return "\n".join(lines)
+
+
 def write_report(
     out: Path, title: str, config: JSONObject, total: Usage, sft_usage: Usage,
     evals: Sequence[JSONObject], wall_s: float, numerics: JSONObject | None = None,
+    records: Sequence[JSONObject] = (),
 ) -> Path:
     eval_usage = Usage.total(usage_of(e) for e in evals)
     grpo_usage = total - sft_usage - eval_usage
@@ -205,6 +248,9 @@ def write_report(
         eval_table(evals) if evals else "No evaluation ran.",
         "",
         *improvement_lines(evals),
+        *(["## Seconds per phase", "", seconds_table(records, wall_s), ""]
+          if any(k.startswith("time/") and k != "time/sample_s" for r in records for k in r)
+          else []),
         "## Tokens per phase, whole run",
         "",
         phase_table(total),

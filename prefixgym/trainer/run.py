@@ -105,6 +105,14 @@ class Clients:
     numerics: JSONObject | None = None
     """How the trainer computes (compute_dtype, threads, device), saved with each checkpoint:
     a resume that computes otherwise says its steps will not repeat the saved run's bits."""
+    seconds: Callable[[], dict[str, float]] = dict
+    """The cumulative seconds per phase the clients' engine and trainer timed (none for
+    a hosted backend)."""
+
+    def seconds_since(self, before: dict[str, float]) -> dict[str, float]:
+        """`time/<phase>_s` for the seconds each phase took since `before` was read."""
+        now = self.seconds()
+        return {f"time/{phase}_s": now[phase] - before.get(phase, 0.0) for phase in now}
 
 
 @dataclass
@@ -158,6 +166,7 @@ class Run:
             return
         temperature = self.config.eval_temperature
         assert temperature is not None  # resolved by TrainConfig
+        t0, before = time.perf_counter(), self.clients.seconds()
         with Progress(f"eval ({when})", self.config.eval_episodes, "episode",
                       self.config.progress) as progress:
             result = evaluate(
@@ -168,7 +177,8 @@ class Run:
             )
         record = {"step": step, "phase": "eval", "when": when, **result.as_metrics(),
                   "eval/temperature": temperature,
-                  **phase_metrics(result.usage)}
+                  **phase_metrics(result.usage), **self.clients.seconds_since(before),
+                  "time/env_s": result.env_s, "time/eval_s": time.perf_counter() - t0}
         if result.env_errors:
             record["eval/first_error"] = result.first_error
             print(f"eval ({when}): {result.env_errors} of {self.config.eval_episodes} episodes "
@@ -268,11 +278,17 @@ class Run:
         with Progress("warm start", c.sft_steps, "step", c.progress and self.main,
                       initial=first) as progress:
 
+            wall, seconds = [time.perf_counter()], [self.clients.seconds()]  # at the last step
+
             def on_step(i: int, metrics: dict[str, float], usage: Usage) -> None:
+                now = time.perf_counter()
                 self.write({"step": 0, "phase": "sft", "sft_step": i, **metrics,
                             "tokens/train_computed": usage.train_computed_tokens,
                             "tokens/train_loss": usage.train_loss_tokens,
-                            "tokens/train_shared": usage.train_shared_tokens})
+                            "tokens/train_shared": usage.train_shared_tokens,
+                            **self.clients.seconds_since(seconds[0]),
+                            "time/step_s": now - wall[0]})
+                wall[0], seconds[0] = now, self.clients.seconds()
                 state.sft_usage = state.sft_usage + usage
                 state.next_sft_step = i + 1
                 if state.next_sft_step % c.checkpoint_every == 0 and i + 1 < c.sft_steps:
@@ -353,7 +369,7 @@ class Run:
                 pipeline.start(sampler, state.next_step)
             # 3) GRPO: sample, learn, publish
             for step in range(state.next_step, c.steps):
-                t0 = time.perf_counter()
+                t0, before = time.perf_counter(), self.clients.seconds()
                 (groups, sample_s), weights = pipeline.take(sampler, step, c.steps)
                 if self.ranks.gather is not None:  # every rank trains on every rank's groups
                     groups = self.ranks.gather(groups)
@@ -364,7 +380,9 @@ class Run:
                 pipeline.after_update(sampler, step, c.steps)
                 if self.clients.sampler_metrics is not None:
                     metrics.update(self.clients.sampler_metrics())
+                env_s = sum(t.env_s for g in groups for t in g.trajectories)
                 self.write({"step": step, "phase": "grpo", **metrics, **phase_metrics(usage),
+                            **self.clients.seconds_since(before), "time/env_s": env_s,
                             "time/sample_s": sample_s, "time/step_s": time.perf_counter() - t0})
                 state.next_step = step + 1
                 if state.next_step % c.eval_every == 0 or state.next_step == c.steps:
@@ -384,7 +402,9 @@ class Run:
         # 4) report
         self.account(state, base_usage, t_start)
         if self.main:
+            records = self.log.read()
             write_report(self.out, f"prefixgym train: {c.env}", asdict(c), state.usage,
-                         state.sft_usage, state.evals, state.wall_s, self.clients.numerics)
-            write_plots(self.out, self.log.read())
+                         state.sft_usage, state.evals, state.wall_s, self.clients.numerics,
+                         records)
+            write_plots(self.out, records)
         return RunResult(self.out, state.evals, state.usage)

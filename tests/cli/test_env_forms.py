@@ -288,9 +288,9 @@ def test_a_warm_start_without_an_expert_is_refused_before_the_model_loads(
     out = workdir / "run"
     assert main(["train", "--env", "formtest_envs:Silent", "--out", str(out), *TINY_RUN]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("prefixgym train: --env formtest_envs:Silent has no expert (its class does "
-                   "not define expert_action), whose episodes the warm start (--sft-steps 1) "
-                   "trains on; pass --sft-steps 0 to train with GRPO alone")
+    assert err == ("prefixgym train: --env formtest_envs:Silent has no scripted expert "
+                   "(expert_action), whose episodes the warm start (--sft-steps 1) trains on; "
+                   "pass --sft-steps 0 to train with GRPO alone")
     assert not (out / "config.json").exists()
     assert main(["train", "--env", "formtest_envs:Silent", "--out", str(out), *TINY_RUN,
                  "--sft-steps", "0"]) == 0

@@ -46,6 +46,29 @@ def test_training_then_publishing_changes_the_sampler() -> None:
         assert svc.usage().train_computed_tokens == 5 * len(tokens[:-1])
 
 
+def test_each_phase_times_its_own_work() -> None:
+    """The engine adds each forward's seconds to its kind, the trainer each call's."""
+    with LocalService(SMALL, seed=0) as svc:
+        zero = svc.seconds()
+        assert zero == dict.fromkeys(
+            ("prefill", "decode", "forward_backward", "optim_step", "publish"), 0.0)
+        svc.create_sampling_client().sample(list(range(30, 50)), sampling_params=SamplingParams(
+            max_tokens=1, seed=0)).result()
+        one_token = svc.seconds()  # one prefill samples the first token: no decode step
+        assert one_token["prefill"] > 0 and one_token["decode"] == 0
+        svc.create_sampling_client().sample(list(range(60, 80)), sampling_params=SamplingParams(
+            max_tokens=4, seed=0)).result()
+        assert svc.seconds()["decode"] > 0
+        trainer = svc.create_training_client()
+        datum = Datum(model_input=ModelInput.from_ints(list(range(30, 49))),
+                      loss_fn_inputs={"target_tokens": list(range(31, 50))})
+        trainer.forward_backward([datum], "cross_entropy").result()
+        trainer.optim_step(AdamParams(learning_rate=1e-3)).result()
+        trainer.save_weights_and_get_sampling_client()
+        after = svc.seconds()
+        assert all(after[p] > 0 for p in ("forward_backward", "optim_step", "publish"))
+
+
 def test_cache_stats_and_disabled_cache() -> None:
     with LocalService(SMALL, block_size=8, cache_bytes=2**20) as svc:
         svc.create_sampling_client().sample(list(range(1, 30)),

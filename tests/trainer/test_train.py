@@ -95,8 +95,26 @@ def test_cli_run_writes_metrics_report_plots_and_checkpoints(tmp_path, numerics)
     assert "prefill, served from the prefix cache" in report and "train, in the loss" in report
     # what `auto` chose (here the test dtype: tests/conftest.py) and on how many threads
     assert f"Trained in {numerics.name} on {torch.get_num_threads()} threads of cpu (" in report
-    assert (out / "training.png").stat().st_size > 0 and (out / "tokens.png").stat().st_size > 0
+    assert all((out / f"{name}.png").stat().st_size > 0 for name in ("training", "tokens", "time"))
     assert (out / "checkpoints" / "latest").read_text() == "step-000001"
+    # seconds per phase: each GRPO step, evaluation and warm-start step splits its time
+    # (sequential in a deterministic run: within its wall time), and report.md sums them
+    engine_phases = ["prefill", "decode", "forward_backward", "optim_step", "publish"]
+    for r in steps:
+        split = [r[f"time/{p}_s"] for p in engine_phases]
+        assert all(v >= 0 for v in split) and r["time/env_s"] >= 0
+        assert r["time/prefill_s"] > 0 and r["time/forward_backward_s"] > 0
+        assert sum(split) <= r["time/step_s"]
+    for e in evals:
+        assert e["time/prefill_s"] > 0 and e["time/forward_backward_s"] == 0
+        assert e["time/prefill_s"] + e["time/decode_s"] <= e["time/eval_s"]
+    sft = [r for r in records if r["phase"] == "sft"]
+    assert sft and all(r["time/forward_backward_s"] > 0 and r["time/prefill_s"] == 0
+                       and r["time/forward_backward_s"] <= r["time/step_s"] for r in sft)
+    table = report[report.index("## Seconds per phase"):report.index("## Tokens per phase")]
+    grpo_row = next(line for line in table.splitlines() if line.startswith("| GRPO |"))
+    assert grpo_row.split(" | ")[1] == f"{sum(r['time/step_s'] for r in steps):.1f} s"
+    assert "| **whole run** |" in table
     # the full resolved config, in the report and in every checkpoint
     config = json.loads((out / "config.json").read_text())
     assert config["steps"] == 2 and config["deterministic"] is True

@@ -34,6 +34,7 @@ from __future__ import annotations
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -95,6 +96,7 @@ class Engine:
                                     kv_element_size=kv_element_size)
         self.deterministic = options.deterministic
         self._decode = decode
+        self._ledger = ledger
         self._seed_rng = random.Random(seed)
         self._submit_lock = threading.Lock()  # guards the seed generator and closing
         self._stats_lock = threading.Lock()  # guards the scheduler between steps
@@ -199,7 +201,11 @@ class Engine:
         try:
             batch = scheduler.schedule()
             if batch is not None:
-                scheduler.postprocess(batch, self.runner.run(batch))
+                start = time.perf_counter()
+                output = self.runner.run(batch)
+                if self._ledger is not None:  # the forward's seconds, by kind
+                    self._ledger.add_seconds(batch.kind, time.perf_counter() - start)
+                scheduler.postprocess(batch, output)
         except Exception as error:  # noqa: BLE001 - handed to the requests it concerns
             scheduler.fail(scheduler.handling or scheduler.in_flight(), error)
 

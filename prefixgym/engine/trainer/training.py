@@ -38,7 +38,9 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Generic, TypeVar, TypeVarTuple
 
 import torch
@@ -151,7 +153,7 @@ class TrainingClient(Generic[SamplerT]):
         """Add d(loss)/d(params) to the accumulated gradients; return logprobs, metrics, usage.
         `data` and `loss_fn` as the hosted service names them."""
         request = self._validate(data, _loss_arg(loss_fn), loss_fn_config)
-        return self._submit(self._run, *request, True)
+        return self._submit(self._timed, "forward_backward", partial(self._run, *request, True))
 
     def forward(
         self,
@@ -161,7 +163,7 @@ class TrainingClient(Generic[SamplerT]):
     ) -> APIFuture[ForwardBackwardOutput]:
         """`forward_backward` without gradients (evaluation); counted as train compute."""
         request = self._validate(data, _loss_arg(loss_fn), loss_fn_config)
-        return self._submit(self._run, *request, False)
+        return self._submit(self._timed, "forward_backward", partial(self._run, *request, False))
 
     def forward_backward_custom(
         self, data: Sequence[Datum], loss_fn: CustomLossFn
@@ -182,13 +184,14 @@ class TrainingClient(Generic[SamplerT]):
             raise ValueError(f"loss_fn must be a callable (data, logprobs) -> (loss, metrics), "
                              f"got {type(loss_fn).__name__}")
         request = self._validate(data, "cross_entropy", None, any_keys=True)
-        return self._submit(self._run_custom, data, request[0], loss_fn)
+        return self._submit(self._timed, "forward_backward",
+                            partial(self._run_custom, data, request[0], loss_fn))
 
     def optim_step(self, adam: AdamParams) -> APIFuture[OptimStepOutput]:
         """One AdamW update from the accumulated gradients, then zero them."""
         if not isinstance(adam, AdamParams):
             adam = AdamParams.model_validate(adam)
-        return self._submit(self._update.apply, adam)
+        return self._submit(self._timed, "optim_step", partial(self._update.apply, adam))
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplerT:
         """Publish the current weights as a new version and return a SamplingClient for them."""
@@ -197,7 +200,8 @@ class TrainingClient(Generic[SamplerT]):
                 "this TrainingClient has no publish callable; create it with "
                 "LocalService.create_training_client() to sample from trained weights"
             )
-        return self._submit(self._checked, "publishing weights", self._publish).result()
+        return self._submit(self._timed, "publish", partial(
+            self._checked, "publishing weights", self._publish)).result()
 
     def save_weights_for_sampler(self, name: str | os.PathLike[str]) -> APIFuture[str]:
         """Write the trained weights where a sampler can load them (a LoRA client: a
@@ -241,6 +245,14 @@ class TrainingClient(Generic[SamplerT]):
 
     def _submit(self, fn: Callable[[*Ts], T], *args: *Ts) -> APIFuture[T]:
         return APIFuture(self._worker.submit(fn, *args))
+
+    def _timed(self, phase: str, fn: Callable[[], T]) -> T:
+        """`fn()`, its seconds added to the ledger's `phase` (on the worker)."""
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.ledger.add_seconds(phase, time.perf_counter() - start)
 
     def _validate(
         self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None,

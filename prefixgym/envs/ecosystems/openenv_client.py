@@ -26,6 +26,7 @@ nothing of tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -49,6 +50,7 @@ class OpenEnvSession(AgentEnv):
         self.action_field, self.observation_field = action_field, observation_field
         self.system_prompt, self.timeout_s = system_prompt, float(timeout_s)
         self._socket: Any = None
+        self._session = contextlib.ExitStack()
         self._seed: int | None = None
 
     @classmethod
@@ -77,8 +79,9 @@ class OpenEnvSession(AgentEnv):
         from websockets.sync.client import connect
 
         self._end_session()
-        self._socket = connect(self.ws_url, open_timeout=self.timeout_s,
-                               close_timeout=self.timeout_s)
+        self._session = contextlib.ExitStack()  # (websockets wants its connection entered)
+        self._socket = self._session.enter_context(connect(
+            self.ws_url, open_timeout=self.timeout_s, close_timeout=self.timeout_s))
         data = {} if self._seed is None else {"seed": self._seed}
         reply = self._call({"type": "reset", "data": data})
         return self._render(reply.get("observation") or {}, first=True)
@@ -134,7 +137,7 @@ class OpenEnvSession(AgentEnv):
             socket.send(json.dumps({"type": "close"}))
         except Exception:  # noqa: BLE001, S110 - a session the server ended already
             pass
-        socket.close()
+        self._session.close()
 
     # --- what the model reads -----------------------------------------------------------
 
