@@ -21,8 +21,9 @@ from prefixgym.serving.config import API_KEY_VARIABLE, ServeConfig
 def main(argv: list[str]) -> int:
     config = parse_config(
         ServeConfig, argv, prog="prefixgym serve",
-        description="Serve the built-in engine (with its prefix cache) on an OpenAI-compatible "
-        "/v1/completions endpoint: token ids in and out, cached tokens in usage.",
+        description="Serve the built-in engine (with its prefix cache) on OpenAI-compatible "
+        "/v1/completions (token ids in and out) and /v1/chat/completions (messages through "
+        "the chat template) endpoints, cached tokens in usage.",
     )
     if not config.api_key and os.environ.get(API_KEY_VARIABLE):
         config = dataclasses.replace(config, api_key=os.environ[API_KEY_VARIABLE])
