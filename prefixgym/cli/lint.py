@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     template.add_argument("--bos-token", help="BOS string, when the file does not say")
     template.add_argument("--eos-token", help="EOS (end of generation) string, when the file does not say")
     template.add_argument("--tokenizer", help="a local tokenizer directory: also compare token ids")
+    template.add_argument("--strict", action="store_true",
+                          help="PG112 (the template trims whitespace at a reply's edges) stays an "
+                               "error and makes append_only no, even when only such replies break")
 
     trace = sub.add_parser("trace", parents=[common], help="replay a rollout trace (JSONL)")
     trace.add_argument("path", help="trace file, one sampling request per line")
@@ -102,7 +105,8 @@ def _run(args: argparse.Namespace, config: LintConfig) -> Report:
 
         source = load_template(args.path, args.bos_token, args.eos_token)
         tokenizer = load_tokenizer_dir(args.tokenizer) if args.tokenizer else None
-        return probe_template(source.template, source.bos_token, source.eos_token, tokenizer, source.origin)
+        return probe_template(source.template, source.bos_token, source.eos_token, tokenizer,
+                              source.origin, strict=args.strict)
     if args.what == "trace":
         from prefixgym.prompting.lint.trace import analyze_trace
         from prefixgym.prompting.lint.trace_file import load_trace

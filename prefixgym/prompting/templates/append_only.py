@@ -15,9 +15,12 @@ for `HFTemplateFormat`, which refuses a template that breaks under its defaults.
 5) One finding per rule, at its first sighting; when every sighting shares a
    condition that not every probe had, the finding says so ("breaks only when the
    reply contains a <think> block").
-The verdict is append-only only when no rule broke, no render hit a limit, and at
-least one probe was checked under the template's defaults (a template that raises
-on every probe has shown nothing).
+6) A PG112 break seen only for replies with whitespace at their edges (the template
+   trims them, as Llama 3's, Gemma's and SmolLM3's do) is graded a warning that names
+   the condition: replies written as the template expects extend the prompt.
+The verdict is append-only only when no rule broke (a graded PG112 aside, unless
+`strict`), no render hit a limit, and at least one probe was checked under the
+template's defaults (a template that raises on every probe has shown nothing).
 Knows nothing of files or output formats.
 """
 
@@ -50,6 +53,8 @@ if TYPE_CHECKING:  # a tokenizer is optional here; transformers loads only with 
     from transformers import PreTrainedTokenizerBase
 
 BREAK_RULES = {"PG101", "PG102", "PG103", "PG104", "PG105", "PG107", "PG111", "PG112"}
+EDGE_WHITESPACE = frozenset({"the reply has spaces around it", "the reply has newlines around it"})
+"""The reply conditions a template does not control: whitespace a model put at its edges."""
 _DIMENSIONS = ("setting", "system", "tools", "reply", "end")
 _REASONING_CLAUSE = "the reply contains a "
 
@@ -159,11 +164,12 @@ def _date_finding(renderer: TemplateRenderer, origin: str) -> Finding | None:
 def probe_template(template_str: str, bos_token: str | None = None, eos_token: str | None = None,
                    tokenizer: PreTrainedTokenizerBase | None = None, origin: str = "<template>",
                    variables: Mapping[str, Any] | None = None,
-                   limits: RenderLimits | None = None) -> TemplateReport:
+                   limits: RenderLimits | None = None, strict: bool = False) -> TemplateReport:
     """Render `template_str` over the probe conversations and report every break.
 
     `variables` go to every render (a tokenizer's other special tokens); `limits`
-    bound each render. Raises `LintInputError` when the template does not compile.
+    bound each render; `strict` keeps every PG112 an error (step 6 off). Raises
+    `LintInputError` when the template does not compile.
     """
     renderer = TemplateRenderer(template_str, bos_token, eos_token, origin, variables, limits)
     # 1) what the template knows
@@ -209,13 +215,15 @@ def probe_template(template_str: str, bos_token: str | None = None, eos_token: s
     if date is not None:
         findings.append(date)
     findings.sort(key=lambda f: f.rule)
+    if not strict:  # 6)
+        _grade_edge_whitespace(findings, prober.sightings)
     by_default = sorted({s.rule for s in prober.sightings
                          if s.setting == DEFAULT and s.rule in BREAK_RULES})
     shape = prober.shapes.get(DEFAULT)
     return TemplateReport(
         target=origin,
-        append_only=(not any(f.rule in BREAK_RULES | {"PG113"} for f in findings)
-                     and num_checked_by_default > 0),
+        append_only=(not any(f.rule in BREAK_RULES | {"PG113"} and f.severity == "error"
+                             for f in findings) and num_checked_by_default > 0),
         findings=findings,
         reads_date=date is not None,
         probes_checked=checked,
@@ -224,6 +232,18 @@ def probe_template(template_str: str, bos_token: str | None = None, eos_token: s
         closing=shape.closing if shape else None,
         num_checked_by_default=num_checked_by_default,
     )
+
+
+def _grade_edge_whitespace(findings: list[Finding], sightings: list[Sighting]) -> None:
+    """Step 6: a PG112 every sighting of which had whitespace at the reply's edges."""
+    pg112 = [s for s in sightings if s.rule == "PG112"]
+    finding = next((f for f in findings if f.rule == "PG112"), None)
+    if finding is None or not all(s.conditions.get("reply") in EDGE_WHITESPACE for s in pg112):
+        return
+    finding.extra["severity"] = "warning"
+    finding.extra["condition"] = "the reply has whitespace at its edges"
+    finding.message += ("; graded a warning: a reply without whitespace at its edges, as the "
+                        "template writes replies, extends the prompt (`--strict`: an error)")
 
 
 def _first_per_rule(findings: list[Finding]) -> list[Finding]:

@@ -189,3 +189,14 @@ def test_trace_block_size_from_pyproject(tmp_path: Path, capsys: pytest.CaptureF
     code, out = run_json(["trace", str(path)], capsys)
     assert out["block_size"] == 4096
     assert code == 0 and out["append_only"] is False  # the miss is within one block: not reported
+
+
+def test_strict_keeps_an_edge_whitespace_pg112_an_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "trims.jinja", T.TRIMS_REPLY)
+    code, out = run_json(["template", str(path), "--eos-token", "<|im_end|>"], capsys)
+    assert code == 1 and out["append_only"] is True  # a finding, graded a warning
+    assert [(f["rule"], f["severity"]) for f in out["findings"]] == [("PG112", "warning")]
+    code, out = run_json(["template", str(path), "--eos-token", "<|im_end|>", "--strict"], capsys)
+    assert code == 1 and out["append_only"] is False
+    assert [(f["rule"], f["severity"]) for f in out["findings"]] == [("PG112", "error")]

@@ -142,3 +142,30 @@ def test_text_summary_counts_checked_and_skipped_probes() -> None:
     # items=True and items=False both cannot be iterated: 2 x 18 probes skipped
     assert first_line == ("<template>: append_only=yes, 18 probes checked, 36 skipped (the "
                           "template raised under a switch setting the probes chose)")
+
+
+LLAMA3_LIKE = (  # Llama 3.x's shape: every message's content trimmed
+    "{{- bos_token }}{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim"
+    " + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}")
+
+
+def test_a_template_trimming_only_edge_whitespace_is_append_only_with_a_warning() -> None:
+    """PG112 seen only for replies with whitespace at their edges: a warning naming the
+    condition, and append_only holds; `strict` keeps the error and the no."""
+    for template, eos in ((T.TRIMS_REPLY, "<|im_end|>"), (LLAMA3_LIKE, "<|eot_id|>")):
+        report = probe_template(template, "<|begin_of_text|>", eos)
+        assert [(f.rule, f.severity) for f in report.findings] == [("PG112", "warning")]
+        assert report.findings[0].extra["condition"] == "the reply has whitespace at its edges"
+        assert "graded a warning" in report.findings[0].message and report.append_only
+        strict = probe_template(template, "<|begin_of_text|>", eos, strict=True)
+        assert [(f.rule, f.severity) for f in strict.findings] == [("PG112", "error")]
+        assert not strict.append_only
+
+
+def test_a_template_that_breaks_plain_replies_stays_an_error() -> None:
+    report = report_of(T.STRIPS_REPLY, eos="</s>", bos="<s>")  # ' ' before EOS: every reply
+    assert [(f.rule, f.severity) for f in report.findings] == [("PG112", "error")]
+    assert not report.append_only
