@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import textwrap
@@ -32,6 +33,14 @@ C = TypeVar("C")
 
 def field_docs(cls: type) -> dict[str, str]:
     """The string literal placed right under each field of a dataclass."""
+    return dict(_field_docs(cls))
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """(Parsed once per class: CPython 3.11's AST constructor is not thread-safe, and
+    a command run in a thread beside a server that parses too can fail with
+    "AST constructor recursion depth mismatch".)"""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}

@@ -24,10 +24,14 @@ from openenv.core.env_server.types import Action, State  # noqa: E402
 from openenv.core.env_server.types import Observation as EnvObservation  # noqa: E402
 
 from prefixgym.cli import main  # noqa: E402
+from prefixgym.cli.flags import field_docs  # noqa: E402
 from prefixgym.envs.base import agent_of, replays_its_seed  # noqa: E402
 from prefixgym.envs.registration import make_env  # noqa: E402
 from prefixgym.local_service import LocalService  # noqa: E402
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts  # noqa: E402
+from prefixgym.trainer.config import TrainConfig  # noqa: E402
+
+field_docs(TrainConfig)  # parsed before any server thread runs (see flags._field_docs)
 
 
 class GuessAction(Action):
