@@ -38,8 +38,9 @@ from prefixgym.protocols import TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.types import TrajectoryGroup
 from prefixgym.serving.config import API_KEY_VARIABLE
+from prefixgym.trainer.clients import Clients, Ranks, RunResult
 from prefixgym.trainer.config import TrainConfig
-from prefixgym.trainer.run import Clients, Ranks, Run, RunResult
+from prefixgym.trainer.run import Run
 from prefixgym.types import JSONObject, Usage
 
 
