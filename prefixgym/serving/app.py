@@ -48,6 +48,7 @@ from prefixgym.serving.config import ServeConfig
 from prefixgym.serving.protocol import (
     APIError,
     CompletionRequest,
+    decode_ids,
     describe_validation_error,
     error_body,
 )
@@ -197,17 +198,11 @@ def _parse(body: bytes) -> CompletionRequest:
 
 def _render(req: CompletionRequest, prompt: list[int], response: SampleResponse,
             tokenizer: PreTrainedTokenizerBase | None, model_name: str) -> JSONObject:
-    def decode(ids: list[int], skip_special: bool) -> str:
-        if tokenizer is None or not ids:
-            return ""
-        return str(tokenizer.decode(ids, skip_special_tokens=skip_special))
-
-    prompt_text = decode(prompt, req.skip_special_tokens) if req.echo else ""
+    prompt_text = decode_ids(tokenizer, prompt, req.skip_special_tokens) if req.echo else ""
     choices = []
     for i, seq in enumerate(response.sequences):
-        text = decode(seq.tokens, req.skip_special_tokens)
-        if seq.stop_reason == "stop" and req.stop_strings and not req.include_stop_str_in_output:
-            text = _cut_at_stop(text, req.stop_strings)
+        text = req.reply_text(tokenizer, seq.tokens, seq.stop_reason,
+                              keep_stop=req.include_stop_str_in_output)
         choice: JSONObject = {
             "index": i, "text": prompt_text + text, "finish_reason": seq.stop_reason,
             "logprobs": None, "token_ids": list(seq.tokens),
@@ -218,7 +213,7 @@ def _render(req: CompletionRequest, prompt: list[int], response: SampleResponse,
             ids, values = list(seq.tokens), list[float | None](seq.logprobs)
             if req.echo:
                 ids, values = prompt + ids, list(response.prompt_logprobs or []) + values
-            pieces = [decode([t], False) for t in ids]
+            pieces = [decode_ids(tokenizer, [t], False) for t in ids]
             offsets, at = [], 0
             for piece in pieces:
                 offsets.append(at)
@@ -236,8 +231,3 @@ def _render(req: CompletionRequest, prompt: list[int], response: SampleResponse,
             "prompt_tokens_details": {"cached_tokens": response.usage.prefill_cached_tokens},
         },
     }
-
-
-def _cut_at_stop(text: str, stops: list[str]) -> str:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[: min(hits)] if hits else text

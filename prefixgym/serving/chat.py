@@ -45,6 +45,7 @@ from prefixgym.serving.bodies import parse_json_object, read_body
 from prefixgym.serving.protocol import (
     APIError,
     SamplingFields,
+    decode_ids,
     describe_validation_error,
     valid_text,
 )
@@ -213,17 +214,9 @@ def _tool_calls(text: str) -> tuple[str, list[JSONObject]]:
 
 def _answer(req: ChatRequest, prompt: list[int], response: SampleResponse,
             tokenizer: PreTrainedTokenizerBase | None, model: str) -> JSONObject:
-    def decode(ids: list[int], skip_special: bool = True) -> str:
-        if tokenizer is None or not ids:
-            return ""
-        return str(tokenizer.decode(ids, skip_special_tokens=skip_special))
-
     choices = []
     for i, seq in enumerate(response.sequences):
-        text = decode(seq.tokens, req.skip_special_tokens)
-        if seq.stop_reason == "stop" and req.stop_strings:
-            hits = [j for j in (text.find(s) for s in req.stop_strings) if j >= 0]
-            text = text[: min(hits)] if hits else text
+        text = req.reply_text(tokenizer, seq.tokens, seq.stop_reason)
         content, calls = _tool_calls(text) if req.tools else (text, [])
         message: JSONObject = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
@@ -237,7 +230,8 @@ def _answer(req: ChatRequest, prompt: list[int], response: SampleResponse,
             choice["logprobs"] = {"content": [
                 {"token": piece, "logprob": value, "bytes": list(piece.encode()),
                  "top_logprobs": []}
-                for piece, value in zip((decode([t], False) for t in seq.tokens), seq.logprobs)]}
+                for piece, value in zip((decode_ids(tokenizer, [t], False) for t in seq.tokens),
+                                        seq.logprobs)]}
         choices.append(choice)
     completion_tokens = sum(len(s.tokens) for s in response.sequences)
     return {

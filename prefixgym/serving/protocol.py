@@ -88,6 +88,16 @@ class SamplingFields(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def reply_text(self, tokenizer: PreTrainedTokenizerBase | None, tokens: list[int],
+                   stop_reason: str, keep_stop: bool = False) -> str:
+        """A sampled sequence's text, cut before the stop string that ended it (unless
+        `keep_stop`: vLLM's `include_stop_str_in_output`)."""
+        text = decode_ids(tokenizer, tokens, self.skip_special_tokens)
+        if stop_reason != "stop" or keep_stop:
+            return text
+        hits = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
+        return text[: min(hits)] if hits else text
+
     def engine_params(self, max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams (raises pydantic's ValidationError, a ValueError)."""
         return SamplingParams(
@@ -164,6 +174,14 @@ class CompletionRequest(SamplingFields):
 
     def sampling_params(self) -> SamplingParams:
         return self.engine_params(self.max_tokens)
+
+
+def decode_ids(tokenizer: PreTrainedTokenizerBase | None, ids: list[int],
+               skip_special: bool) -> str:
+    """The text of token ids ("" without a tokenizer)."""
+    if tokenizer is None or not ids:
+        return ""
+    return str(tokenizer.decode(ids, skip_special_tokens=skip_special))
 
 
 class APIError(Exception):
