@@ -17,12 +17,15 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-ECOSYSTEMS: dict[str, tuple[str, str]] = {  # prefix -> (adapter module:class, pip extra)
+ECOSYSTEMS: dict[str, tuple[str, str, str, str]] = {
+    # prefix -> (adapter module:class, the library it imports, its package, the pip extra)
     "reasoning_gym": ("prefixgym.envs.ecosystems.reasoning_gym_task:ReasoningGymTask",
-                      "reasoning-gym"),
-    "textarena": ("prefixgym.envs.ecosystems.games:TextArenaGame", "textarena"),
-    "gem": ("prefixgym.envs.ecosystems.games:GemEnv", "gem"),
-    "openenv": ("prefixgym.envs.ecosystems.openenv_client:OpenEnvSession", "openenv"),
+                      "reasoning_gym", "reasoning-gym", "reasoning-gym"),
+    "textarena": ("prefixgym.envs.ecosystems.games:TextArenaGame", "textarena", "textarena",
+                  "textarena"),
+    "gem": ("prefixgym.envs.ecosystems.games:GemEnv", "gem", "gem", "gem"),
+    "openenv": ("prefixgym.envs.ecosystems.openenv_client:OpenEnvSession",
+                "websockets.sync.client", "websockets", "openenv"),
 }
 
 
@@ -34,9 +37,15 @@ def ecosystem_of(spec: str) -> str | None:
 
 def make_ecosystem_env(spec: str, kwargs: Mapping[str, Any]) -> Any:
     """The adapter env of `spec` (`PREFIX:NAME`), made with `kwargs`. ValueError when
-    the ecosystem's package is missing or refuses the name or kwargs."""
+    the ecosystem's package is missing (naming the extra that installs it) or refuses
+    the name or kwargs."""
     prefix, _, name = spec.partition(":")
-    target, extra = ECOSYSTEMS[prefix]
+    target, library, package, extra = ECOSYSTEMS[prefix]
+    try:
+        importlib.import_module(library)
+    except ImportError:
+        raise ValueError(f"{spec} needs the {package} package: pip install "
+                         f"'prefixgym[{extra}]'") from None
     module_name, _, class_name = target.partition(":")
     module = importlib.import_module(module_name)
-    return getattr(module, class_name).create(name, dict(kwargs), extra)
+    return getattr(module, class_name).create(name, dict(kwargs))

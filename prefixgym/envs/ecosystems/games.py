@@ -85,14 +85,6 @@ class _Game(AgentEnv):
         return self._expert.guess()
 
 
-def _library(name: str, extra: str, spec: str) -> Any:
-    try:
-        return __import__(name)
-    except ImportError:
-        raise ValueError(f"{spec} needs the {extra} package: pip install "
-                         f"'prefixgym[{extra}]'") from None
-
-
 def _first_line(error: Exception) -> str:
     """`Type: ` and the error's first line that says something (not a rule of `*`s)."""
     lines = [line.strip() for line in str(error).splitlines() if any(c.isalnum() for c in line)]
@@ -104,8 +96,9 @@ class TextArenaGame(_Game):
     answer = re.compile(r"\[(-?\d+)\]")
 
     @classmethod
-    def create(cls, name: str, kwargs: dict[str, Any], extra: str) -> TextArenaGame:
-        ta = _library("textarena", extra, f"textarena:{name}")
+    def create(cls, name: str, kwargs: dict[str, Any]) -> TextArenaGame:
+        import textarena as ta
+
         max_turns = kwargs.pop("max_turns", 64)
         try:
             game = ta.make(env_id=name, **kwargs)
@@ -140,8 +133,9 @@ class GemEnv(_Game):
     answer = re.compile(r"\\boxed\{(-?\d+)\}")
 
     @classmethod
-    def create(cls, name: str, kwargs: dict[str, Any], extra: str) -> GemEnv:
-        gem = _library("gem", extra, f"gem:{name}")
+    def create(cls, name: str, kwargs: dict[str, Any]) -> GemEnv:
+        import gem
+
         max_turns = kwargs.pop("max_turns", 64)
         try:
             game = gem.make(name, **kwargs)

@@ -54,12 +54,7 @@ class OpenEnvSession(AgentEnv):
         self._seed: int | None = None
 
     @classmethod
-    def create(cls, url: str, kwargs: dict[str, Any], extra: str) -> OpenEnvSession:
-        try:
-            import websockets.sync.client  # noqa: F401
-        except ImportError:
-            raise ValueError(f"openenv:{url} needs the websockets package: pip install "
-                             f"'prefixgym[{extra}]'") from None
+    def create(cls, url: str, kwargs: dict[str, Any]) -> OpenEnvSession:
         if not url.startswith(("http://", "https://", "ws://", "wss://")):
             raise ValueError(f"openenv:{url}: the server's URL must start with http:// or "
                              "https:// (or ws://, wss://)")

@@ -40,13 +40,10 @@ class ReasoningGymTask(AgentEnv):
         self._seed: int | None = None
 
     @classmethod
-    def create(cls, task: str, kwargs: dict[str, Any], extra: str) -> ReasoningGymTask:
-        try:
-            import reasoning_gym
-            from reasoning_gym.factory import DATASETS
-        except ImportError:
-            raise ValueError(f"reasoning_gym:{task} needs the reasoning-gym package: "
-                             f"pip install 'prefixgym[{extra}]'") from None
+    def create(cls, task: str, kwargs: dict[str, Any]) -> ReasoningGymTask:
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+
         if task not in DATASETS:
             raise ValueError(f"reasoning-gym has no task {task!r}; its {len(DATASETS)} tasks "
                              f"include {', '.join(sorted(DATASETS)[:8])}, ...")
