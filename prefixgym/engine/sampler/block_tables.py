@@ -29,7 +29,7 @@ from prefixgym.engine.sampler.requests import Continuation
 def new_block(cache: PrefixCache, seq: Continuation, fresh: list[int]) -> None:
     """A block of positions at the end of the sequence, one block in each group, from
     those promised to it; the never-used ones (to zero) are appended to `fresh`."""
-    for table in (seq.table, *seq.window_tables):
+    for table in seq.group_tables:
         seq.reserved -= 1
         block, new = cache.allocate()
         if new:
@@ -49,8 +49,7 @@ def share_prompt(cache: PrefixCache, first: Continuation, seq: Continuation,
     cache.acquire(seq.blocks())
     if prompt_len % bs:
         new_block(cache, seq, fresh)
-        for src, dst in zip((first.table, *first.window_tables),
-                            (seq.table, *seq.window_tables)):
+        for src, dst in zip(first.group_tables, seq.group_tables):
             copies.append((src[-1], dst[-1], prompt_len % bs))
 
 

@@ -105,9 +105,14 @@ class Continuation:
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
 
+    @property
+    def group_tables(self) -> list[list[int]]:
+        """Its table in each group of the pool's layout: `table`, then `window_tables`."""
+        return [self.table, *self.window_tables]
+
     def blocks(self) -> list[int]:
         """Every block it references, in every group."""
-        return [b for t in (self.table, *self.window_tables) for b in t if b]
+        return [b for t in self.group_tables for b in t if b]
 
     @property
     def kv_len(self) -> int:

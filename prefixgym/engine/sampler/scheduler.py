@@ -214,7 +214,7 @@ class Scheduler:
             n_hit = len(first.table)
             for _ in range(-(-P // bs) - n_hit):
                 block_tables.new_block(self.cache, first, batch.new_blocks)
-            for src, table in zip(req.tail_pin, (first.table, *first.window_tables)):
+            for src, table in zip(req.tail_pin, first.group_tables):
                 batch.tail_copies.append((src, table[n_hit], req.num_cached_tokens % bs))
             batch.tables.append(first.table)
             batch.starts.append(req.num_cached_tokens)
