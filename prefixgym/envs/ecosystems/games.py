@@ -54,6 +54,22 @@ class _Game(AgentEnv):
 
     ask = "{}"
     answer = re.compile(r"(-?\d+)")
+    making = "{name}"  # how a failure to make the game begins
+
+    @staticmethod
+    def make_game(name: str, kwargs: dict[str, Any]) -> Any:
+        """The library's game `name`, made with `kwargs`."""
+        raise NotImplementedError
+
+    @classmethod
+    def create(cls, name: str, kwargs: dict[str, Any]) -> _Game:
+        max_turns = kwargs.pop("max_turns", 64)
+        try:
+            game = cls.make_game(name, kwargs)
+        except Exception as e:  # noqa: BLE001 - the library's own errors, said in one line
+            raise ValueError(f"{cls.making.format(name=name)} with {kwargs}: "
+                             f"{_first_line(e)}") from None
+        return cls(game, name, max_turns)
 
     def __init__(self, game: Any, game_id: str, max_turns: int) -> None:
         super().__init__(max_turns=max_turns)
@@ -95,18 +111,15 @@ class TextArenaGame(_Game):
     ask = "[{}]"
     answer = re.compile(r"\[(-?\d+)\]")
 
-    @classmethod
-    def create(cls, name: str, kwargs: dict[str, Any]) -> TextArenaGame:
+    making = "textarena cannot make {name} for one player"
+
+    @staticmethod
+    def make_game(name: str, kwargs: dict[str, Any]) -> Any:
         import textarena as ta
 
-        max_turns = kwargs.pop("max_turns", 64)
-        try:
-            game = ta.make(env_id=name, **kwargs)
-            game.reset(num_players=1, seed=0)  # a game of more players refuses here
-        except Exception as e:  # noqa: BLE001 - the library's own errors, said in one line
-            raise ValueError(f"textarena cannot make {name} for one player with {kwargs}: "
-                             f"{_first_line(e)}") from None
-        return cls(game, name, max_turns)
+        game = ta.make(env_id=name, **kwargs)
+        game.reset(num_players=1, seed=0)  # a game of more players refuses here
+        return game
 
     def _reset_task(self) -> str:
         self.game.reset(num_players=1, seed=self.game_seed())
@@ -132,16 +145,13 @@ class GemEnv(_Game):
     ask = "\\boxed{{{}}}"
     answer = re.compile(r"\\boxed\{(-?\d+)\}")
 
-    @classmethod
-    def create(cls, name: str, kwargs: dict[str, Any]) -> GemEnv:
+    making = "gem cannot make {name}"
+
+    @staticmethod
+    def make_game(name: str, kwargs: dict[str, Any]) -> Any:
         import gem
 
-        max_turns = kwargs.pop("max_turns", 64)
-        try:
-            game = gem.make(name, **kwargs)
-        except Exception as e:  # noqa: BLE001 - the library's own errors, said in one line
-            raise ValueError(f"gem cannot make {name} with {kwargs}: {_first_line(e)}") from None
-        return cls(game, name, max_turns)
+        return gem.make(name, **kwargs)
 
     def _reset_task(self) -> str:
         observation, info = self.game.reset(seed=self.game_seed())
