@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple, get_args
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from prefixgym.pricing import Cost, Prices
 
 StopReason = Literal["stop", "length"]
 JSONObject = dict[str, Any]
@@ -219,6 +222,15 @@ class Usage(_Wire):
     def cache_hit_rate(self) -> float:
         total = self.prefill_tokens
         return self.prefill_cached_tokens / total if total else 0.0
+
+    def cost(self, prices: Prices) -> Cost:
+        """These tokens' money per phase at `prices` (`prefixgym.pricing`), with what
+        they would have cost without the prefix cache and without shared prefixes."""
+        return prices.cost(prefill_computed=self.prefill_computed_tokens,
+                           prefill_cached=self.prefill_cached_tokens,
+                           sampled=self.sampled_tokens,
+                           train_computed=self.train_computed_tokens,
+                           train_shared=self.train_shared_tokens)
 
 
 TopkLogprobs = list[tuple[int, float]]

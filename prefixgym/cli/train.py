@@ -32,6 +32,7 @@ from prefixgym.envs.base import has_expert, replays_its_seed
 from prefixgym.envs.registration import make_agent_env
 from prefixgym.files import ensure_writable_dir
 from prefixgym.local_service import LocalService
+from prefixgym.pricing import run_prices
 from prefixgym.prompting.chat_format import ChatMLFormat
 from prefixgym.prompting.conversation import make_chat_format, mismatch_lines, use_chat_format
 from prefixgym.protocols import TrainingClient
@@ -95,6 +96,7 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
         except ValueError as e:
             raise ValueError(f"--sft-stages: stage {i + 1}: {e}") from None
     ensure_writable_dir(Path(config.out))
+    pricing = run_prices(config.model, config.price_model, config.prices)
     if config.sampler_url and config.kl_coef > 0:
         raise ValueError(
             "--kl-coef needs the warm-start weights as a reference, and remote samplers keep "
@@ -105,7 +107,7 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
             "time: --async (sampling the next step from the previous version) needs LoRA "
             "adapters (--lora-rank) or in-process sampling")
     if config.backend == "tinker":
-        return Run(config, tinker_clients(config, tinker_service), make), None
+        return Run(config, tinker_clients(config, tinker_service), make, pricing), None
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None,
         device=config.device, sampler=SamplerOptions(deterministic=config.deterministic),
@@ -138,7 +140,7 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
     clients.numerics = {"compute_dtype": str(options.compute_dtype).removeprefix("torch."),
                         "threads": torch.get_num_threads(),
                         "device": describe_device(service.device)}
-    return Run(config, clients, make), service
+    return Run(config, clients, make, pricing), service
 
 
 def tinker_clients(config: TrainConfig, service_client: Any = None) -> Clients:

@@ -33,7 +33,7 @@ LORA_TARGETS = ("attn", "mlp", "unembed")
 RESUMABLE_CHANGES = (
     "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
     "num_threads", "device", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
-    "recompute_activations", "eval_on_start", "keep_checkpoints",
+    "recompute_activations", "eval_on_start", "keep_checkpoints", "prices", "price_model",
 )
 """Fields a resumed run may set differently from the run it continues. `steps` extends
 (or shortens) a run; with the cosine schedule the remaining steps then follow the new
@@ -43,7 +43,8 @@ length. `sampler_url` moves sampling to another server, whose weights are its ow
 `device` moves the run (its numbers round otherwise there, which a resume says);
 `share_prefixes` changes how the same sums are computed, not what;
 `recompute_activations` changes only what is kept for backward (bit-for-bit the same).
-`eval_on_start` only matters to a new run (a resumed one has evaluated already).
+`eval_on_start` only matters to a new run (a resumed one has evaluated already);
+`prices` and `price_model` only price the report.
 Every other field determines results (`eval_episodes` too: evaluations before and
 after the change would not compare)."""
 
@@ -217,6 +218,12 @@ class TrainConfig:
     several (episodes stick to one, groups spread by load, a failed one is left out).
     Every update is pushed to them from OUT/sampler_weights, which they must be able to
     read (a shared filesystem). None: sample in-process."""
+    prices: str = ""
+    """A price table (TOML, docs/files.md) whose rows go on top of the shipped one, the
+    hosted service's published rates: report.md prices the run's tokens per phase."""
+    price_model: str = ""
+    """The price table's row to price the run at (e.g. Qwen/Qwen3-8B). Unset: the row
+    --model names, else Qwen/Qwen3-8B's, as what the same tokens would cost there."""
     backend: str = "local"
     """Where training and sampling run: local (the built-in engine) or tinker (the hosted
     service, docs/tinker.md: API key from TINKER_API_KEY, --model names its base model,

@@ -3,16 +3,19 @@
 `report.md` lists the whole run's tokens per phase, as the source document asks:
 prefill computed and cached, sampled, train computed and shared and train loss tokens,
 and what prefill and training would have computed without the cache and without shared
-prefixes. Knows metric dicts and `Usage`; not how they were produced.
+prefixes; their money per phase at a price table's rates (`pricing`). Knows metric
+dicts and `Usage`; not how they were produced.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
 from prefixgym.files import write_text_atomically
+from prefixgym.pricing import Prices
 from prefixgym.trainer.tracking import Tracker
 from prefixgym.types import JSONObject, Usage
 
@@ -144,6 +147,42 @@ def phase_table(usage: Usage) -> str:
     return "\n".join(lines)
 
 
+def money(value: float, currency: str = "USD") -> str:
+    """`value` to the cent, or to three significant digits below a dollar ($0.000685)."""
+    places = 2 if abs(value) >= 0.1 or value == 0 else 2 - math.floor(math.log10(abs(value)))
+    digits = f"{value:,.{places}f}"
+    if places > 2:
+        digits = digits.rstrip("0")
+    return f"${digits}" if currency == "USD" else f"{digits} {currency}"
+
+
+def money_table(columns: Sequence[tuple[str, Usage]], prices: Prices, note: str) -> str:
+    """Each column's tokens priced per phase at `prices`, with the counterfactuals."""
+    costs = [(name, usage.cost(prices)) for name, usage in columns]
+    cur = prices.currency
+    rows = [("prefill, computed", prices.prefill, lambda c: c.prefill_computed),
+            ("prefill, served from the prefix cache", prices.prefill_cached,
+             lambda c: c.prefill_cached),
+            ("sample", prices.sample, lambda c: c.sample),
+            ("train, computed", prices.train, lambda c: c.train)]
+    lines = [f"Priced at the rates of {prices.model} ({note}), per million tokens; source: "
+             f"{prices.source}.", "",
+             "| phase | rate | " + " | ".join(name for name, _ in costs) + " |",
+             "|---|---:|" + "---:|" * len(costs)]
+    for label, rate, part in rows:
+        lines.append(f"| {label} | {money(rate, cur)} | "
+                     + " | ".join(money(part(c), cur) for _, c in costs) + " |")
+    lines.append("| **total** | | " + " | ".join(f"**{money(c.total, cur)}**" for _, c in costs)
+                 + " |")
+    for label, part in (("without the prefix cache", lambda c: c.without_cache),
+                        ("without shared prefixes in training",
+                         lambda c: c.without_shared_prefixes),
+                        ("without either", lambda c: c.without_either)):
+        lines.append(f"| {label} | | " + " | ".join(money(part(c), cur) for _, c in costs)
+                     + " |")
+    return "\n".join(lines)
+
+
 def eval_kind(evals: Sequence[JSONObject]) -> str:
     """How the evaluations sampled: "greedy", or the temperature (runs before the
     option logged none: greedy)."""
@@ -231,7 +270,7 @@ def seconds_table(records: Sequence[JSONObject], wall_s: float) -> str:
 def write_report(
     out: Path, title: str, config: JSONObject, total: Usage, sft_usage: Usage,
     evals: Sequence[JSONObject], wall_s: float, numerics: JSONObject | None = None,
-    records: Sequence[JSONObject] = (),
+    records: Sequence[JSONObject] = (), pricing: tuple[Prices, str] | None = None,
 ) -> Path:
     eval_usage = Usage.total(usage_of(e) for e in evals)
     grpo_usage = total - sft_usage - eval_usage
@@ -251,6 +290,9 @@ def write_report(
         *(["## Seconds per phase", "", seconds_table(records, wall_s), ""]
           if any(k.startswith("time/") and k != "time/sample_s" for r in records for k in r)
           else []),
+        *(["## Money per phase", "",
+           money_table([("whole run", total), ("GRPO only", grpo_usage)], *pricing), ""]
+          if pricing is not None else []),
         "## Tokens per phase, whole run",
         "",
         phase_table(total),

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from prefixgym.envs.registration import close_all
 from prefixgym.files import ensure_writable_dir, write_text_atomically
+from prefixgym.pricing import Prices
 from prefixgym.protocols import SamplingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.rollout import RolloutConfig
@@ -74,8 +75,11 @@ class Run:
     def __init__(
         self, config: TrainConfig, clients: Clients,
         make_env: Callable[[JSONObject | None], AgentGymEnv],
+        pricing: tuple[Prices, str] | None = None,
     ) -> None:
         self.config = config
+        self.pricing = pricing
+        """The rates report.md prices the run at, and why those (`pricing.run_prices`)."""
         self.identity = run_identity(config)
         self.clients = clients
         self.training = clients.training
@@ -353,6 +357,6 @@ class Run:
             records = self.log.read()
             write_report(self.out, f"prefixgym train: {c.env}", asdict(c), state.usage,
                          state.sft_usage, state.evals, state.wall_s, self.clients.numerics,
-                         records)
+                         records, self.pricing)
             write_plots(self.out, records)
         return RunResult(self.out, state.evals, state.usage)

@@ -11,11 +11,14 @@ from prefixgym.cli import main as cli_main
 from prefixgym.cli.train import train
 from prefixgym.envs.registration import make_env
 from prefixgym.local_service import LocalService
+from prefixgym.pricing import run_prices
 from prefixgym.rollouts.rollout import RolloutConfig
 from prefixgym.trainer import run as run_module
 from prefixgym.trainer import sft
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.grpo import assemble, collect, grpo_step
+from prefixgym.trainer.report import money, usage_of
+from prefixgym.types import Usage
 
 MKL = torch.backends.mkl.is_available()
 SMALL = dict(env="tests/Lengthy-v0", sft_steps=1, sft_episodes_per_step=2, groups_per_step=2,
@@ -115,6 +118,14 @@ def test_cli_run_writes_metrics_report_plots_and_checkpoints(tmp_path, numerics)
     grpo_row = next(line for line in table.splitlines() if line.startswith("| GRPO |"))
     assert grpo_row.split(" | ")[1] == f"{sum(r['time/step_s'] for r in steps):.1f} s"
     assert "| **whole run** |" in table
+    # money per phase: the whole run's tokens (every metrics line's) at the reference rates
+    total = Usage.total(usage_of(r) for r in records)
+    prices, _ = run_prices("tiny")
+    money_section = report[report.index("## Money per phase"):report.index("## Tokens per")]
+    total_row = next(line for line in money_section.splitlines() if "**total**" in line)
+    cells = [c.strip() for c in total_row.strip("|").split("|")]
+    assert cells[2] == f"**{money(total.cost(prices).total)}**"
+    assert f"Priced at the rates of {prices.model}" in money_section
     # the full resolved config, in the report and in every checkpoint
     config = json.loads((out / "config.json").read_text())
     assert config["steps"] == 2 and config["deterministic"] is True
