@@ -38,6 +38,10 @@ class Prices:
     currency: str = "USD"
     source: str = ""
 
+    def miss_cost(self, tokens: int) -> float:
+        """What `tokens` prompt tokens cost prefilled, beyond what a cache hit costs."""
+        return (self.prefill - self.prefill_cached) * tokens / PER_MILLION
+
     def cost(self, *, prefill_computed: int = 0, prefill_cached: int = 0, sampled: int = 0,
              train_computed: int = 0, train_shared: int = 0) -> Cost:
         """What these token counts cost per phase, and without the cache (every prompt
@@ -88,6 +92,15 @@ class Cost:
                 "sample": self.sample, "train": self.train, "total": self.total,
                 "without_cache": self.without_cache,
                 "without_shared_prefixes": self.without_shared_prefixes}
+
+
+def money(value: float, currency: str = "USD") -> str:
+    """`value` to the cent, or to three significant digits below a dime ($0.000685)."""
+    places = 2 if abs(value) >= 0.1 or value == 0 else 2 - math.floor(math.log10(abs(value)))
+    digits = f"{value:,.{places}f}"
+    if places > 2:
+        digits = digits.rstrip("0")
+    return f"${digits}" if currency == "USD" else f"{digits} {currency}"
 
 
 def _rate(value: object, where: str) -> float:

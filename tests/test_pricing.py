@@ -97,7 +97,7 @@ def test_a_bad_price_file_is_one_line_naming_the_file_and_key(tmp_path: Path, te
     assert "\n" not in str(e.value)
 
 
-def test_train_refuses_a_bad_price_flag_before_the_model_loads(
+def test_train_refuses_a_bad_price_or_trace_flag_before_the_model_loads(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     assert cli_main(["train", "--out", str(out), "--prices", str(tmp_path / "no.toml")]) == 2
@@ -108,3 +108,7 @@ def test_train_refuses_a_bad_price_flag_before_the_model_loads(
     assert err.startswith("prefixgym train: --price-model acme/Nothing: no such row in the "
                           "price table; it has ") and "Qwen/Qwen3-8B" in err
     assert not (out / "config.json").exists()
+    assert cli_main(["train", "--out", str(out), "--trace", str(tmp_path / "no" / "t.jsonl")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"prefixgym train: --trace {tmp_path / 'no' / 't.jsonl'}: cannot write it: "
+        "No such file or directory")

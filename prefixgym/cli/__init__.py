@@ -19,6 +19,7 @@ USAGE = """usage: prefixgym COMMAND [ARGS]
 
 commands:
   train     SFT warm start + GRPO on an env (the main job)
+  estimate  what a train run will cost (tokens, seconds, money per part), from a short pilot
   rollout   sample episodes of an env, print transcripts and cache hits
   demo      a short multi-turn sampling demo that prints the usage ledger
   lint      find what makes prompts miss the prefix cache (template | trace | env)
@@ -36,6 +37,12 @@ def _train(argv: list[str]) -> int:
     from prefixgym.cli.train import run_command
 
     return run_command(config)
+
+
+def _estimate(argv: list[str]) -> int:
+    from prefixgym.cli.estimate import parse_estimate, run_estimate
+
+    return run_estimate(*parse_estimate(argv))  # --help answers before torch loads
 
 
 def _rollout(argv: list[str]) -> int:
@@ -70,6 +77,7 @@ def _bench(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": _train,
+    "estimate": _estimate,
     "rollout": _rollout,
     "demo": _demo,
     "lint": _lint,

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import json_object
-from prefixgym.prompting.findings import LintInputError, filter_findings, parse_codes
+from prefixgym.pricing import Prices, money, run_prices
+from prefixgym.prompting.findings import Finding, LintInputError, filter_findings, parse_codes
 from prefixgym.prompting.lint.config import LintConfig, load_config
 from prefixgym.prompting.lint.report import Report, render_json, render_text
 from prefixgym.types import JSONObject
@@ -36,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--format", choices=["text", "json"], default="text", help="output format")
     common.add_argument("--select", help="comma-separated rule codes or prefixes to report (e.g. PG1,PG203)")
     common.add_argument("--ignore", help="comma-separated rule codes or prefixes to leave out")
+    common.add_argument("--prices", metavar="FILE.toml", help="a price table on top of the "
+                        "shipped one (docs/files.md): price what each finding costs")
+    common.add_argument("--price-model", metavar="NAME", help="the price table's row to price "
+                        "findings at (given --prices alone: Qwen/Qwen3-8B)")
     sub = parser.add_subparsers(dest="what", required=True)
 
     template = sub.add_parser("template", parents=[common], help="probe a chat template")
@@ -144,6 +149,21 @@ def lint_env(env_id: str, episodes: int = 3, block_size: int = 16,
     return lint_conversations(env_id, conversations, block_size=block_size)
 
 
+def price_findings(findings: list[Finding], prices: Prices) -> None:
+    """Put in each finding that counted the tokens it makes prefill again what they cost
+    beyond a cache hit, at `prices`."""
+    rates = f"at {prices.model}'s rates"
+    for finding in findings:
+        tokens = finding.extra.get("reprefilled_tokens")
+        per_turn = finding.extra.get("reprefilled_tokens_per_turn")
+        if tokens is not None:
+            cost = money(prices.miss_cost(tokens), prices.currency)
+            finding.extra["reprefill_money"] = f"{cost} beyond cache hits {rates}"
+        elif per_turn is not None:
+            cost = money(prices.miss_cost(per_turn) * 1_000_000, prices.currency)
+            finding.extra["reprefill_money"] = f"{cost} per million turns beyond cache hits {rates}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -161,11 +181,15 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "capacity_tokens", None) is not None:
             config.capacity_tokens = args.capacity_tokens
         config.__post_init__()
+        prices = (run_prices("", args.price_model or "", args.prices or "")[0]
+                  if args.prices or args.price_model else None)
         report = _run(args, config)
     except (LintInputError, ValueError) as exc:
         print(f"prefixgym lint: error: {error_line(exc)}", file=sys.stderr)
         return 2
     report.findings = filter_findings(report.findings, config.select, config.ignore)
+    if prices is not None:
+        price_findings(report.findings, prices)
     try:
         if args.format == "json":
             print(render_json(report))

@@ -97,6 +97,12 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
             raise ValueError(f"--sft-stages: stage {i + 1}: {e}") from None
     ensure_writable_dir(Path(config.out))
     pricing = run_prices(config.model, config.price_model, config.prices)
+    if config.trace:  # a trace that cannot be written fails before the model loads
+        try:
+            open(config.trace, "w").close()  # noqa: SIM115
+        except OSError as e:
+            raise ValueError(f"--trace {config.trace}: cannot write it: "
+                             f"{e.strerror or e}") from None
     if config.sampler_url and config.kl_coef > 0:
         raise ValueError(
             "--kl-coef needs the warm-start weights as a reference, and remote samplers keep "

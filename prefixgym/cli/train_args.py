@@ -19,12 +19,16 @@ from prefixgym.types import JSONObject
 FLAG_NAMES = {"async_mode": "async", "lr": "lr"}
 
 
-def parse_train_config(argv: list[str]) -> TrainConfig:
+TRAIN_DESCRIPTION = ("SFT warm start on expert episodes, then GRPO, on one env; writes "
+                     "metrics.jsonl, report.md, plots and checkpoints to --out.")
+
+
+def parse_train_config(argv: list[str], prog: str = "prefixgym train",
+                       description: str = TRAIN_DESCRIPTION) -> TrainConfig:
     """The run `argv` asks for; a bad flag or file exits with a usage error (code 2)."""
     parser = build_parser(
-        TrainConfig, prog="prefixgym train",
-        description="SFT warm start on expert episodes, then GRPO, on one env; writes "
-        "metrics.jsonl, report.md, plots and checkpoints to --out. Settings come from the "
+        TrainConfig, prog=prog,
+        description=f"{description} Settings come from the "
         "defaults, then a resumed run's saved config.json, then --config FILE.toml (or a "
         f"shipped recipe's name: {', '.join(recipe_names()) or 'none'}), then the flags given "
         "here.",

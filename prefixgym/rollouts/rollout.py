@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
@@ -29,6 +30,7 @@ from prefixgym.rollouts.episode import AgentGymEnv, Episode
 from prefixgym.rollouts.rounds import Rounds
 from prefixgym.rollouts.types import Trajectory, TrajectoryGroup
 from prefixgym.types import (
+    JSONObject,
     ModelInput,
     SampledSequence,
     SampleRequest,
@@ -58,10 +60,12 @@ class RolloutConfig:
 
 
 class TraceWriter:
-    """Writes one JSONL line per sampling request (the trace format of docs/files.md)."""
+    """Writes one JSONL line per sampling request (the trace format of docs/files.md);
+    safe to share between threads (an async run samples and evaluates at once)."""
 
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
+        self._lock = threading.Lock()
 
     def write(
         self, episode_ids: Sequence[str], group_id: str, turn: int, prompt: ModelInput,
@@ -77,7 +81,18 @@ class TraceWriter:
             "include_prompt_logprobs": False,
             "usage": response.usage.model_dump(),
         }
-        self._stream.write(json.dumps(record) + "\n")
+        self._write(record)
+
+    def write_logprobs(self, prompt: ModelInput) -> None:
+        """A `compute_logprobs` request: every position computed, none read from the cache."""
+        usage = Usage(prefill_computed_tokens=prompt.length)
+        self._write({"prompt_tokens": prompt.tokens, "num_samples": 1,
+                     "include_prompt_logprobs": True, "usage": usage.model_dump()})
+
+    def _write(self, record: JSONObject) -> None:
+        line = json.dumps(record) + "\n"
+        with self._lock:
+            self._stream.write(line)
 
 
 class Rollouts:

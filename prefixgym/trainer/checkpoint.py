@@ -279,6 +279,22 @@ def find_checkpoint(out: Path, identity: JSONObject | None, force: bool = False)
     return found
 
 
+def load_warm_start(out: Path, identity: JSONObject, training: TrainingClient,
+                    resumed_from: Path, force: bool = False) -> None:
+    """Load the warm-start weights of run `identity` in `out` (a resumed run's KL
+    reference), checked; ValueError when they are damaged or another run's."""
+    warm = out / "checkpoints" / WARM_START
+    try:
+        theirs = verify_checkpoint(warm)
+    except ValueError as e:
+        raise ValueError(f"--kl-coef needs the warm-start weights as its reference: {e}") \
+            from None
+    if theirs != identity and not force:
+        raise ValueError(f"{warm} (the KL reference) belongs to another run than "
+                         f"{resumed_from}")
+    load_checkpoint(warm, training)
+
+
 def numerics_changes(path: Path, now: JSONObject | None) -> list[str]:
     """How this process computes otherwise than the steps saved in checkpoint `path`, in
     ways that round differently: the compute dtype (`auto` decides by device), the device

@@ -34,6 +34,7 @@ RESUMABLE_CHANGES = (
     "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
     "num_threads", "device", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
     "recompute_activations", "eval_on_start", "keep_checkpoints", "prices", "price_model",
+    "trace",
 )
 """Fields a resumed run may set differently from the run it continues. `steps` extends
 (or shortens) a run; with the cosine schedule the remaining steps then follow the new
@@ -44,7 +45,7 @@ length. `sampler_url` moves sampling to another server, whose weights are its ow
 `share_prefixes` changes how the same sums are computed, not what;
 `recompute_activations` changes only what is kept for backward (bit-for-bit the same).
 `eval_on_start` only matters to a new run (a resumed one has evaluated already);
-`prices` and `price_model` only price the report.
+`prices` and `price_model` only price the report; `trace` only writes what was sampled.
 Every other field determines results (`eval_episodes` too: evaluations before and
 after the change would not compare)."""
 
@@ -218,6 +219,11 @@ class TrainConfig:
     several (episodes stick to one, groups spread by load, a failed one is left out).
     Every update is pushed to them from OUT/sampler_weights, which they must be able to
     read (a shared filesystem). None: sample in-process."""
+    trace: str = ""
+    """Also write every sampling request of the run (GRPO, evaluations, the KL
+    reference's) to this JSONL file, the trace `prefixgym lint trace` reads; its counts
+    are report.md's. Under torchrun, rank N > 0 writes FILE.rankN.jsonl. A resumed run
+    writes the requests of its own process."""
     prices: str = ""
     """A price table (TOML, docs/files.md) whose rows go on top of the shipped one, the
     hosted service's published rates: report.md prices the run's tokens per phase."""

@@ -16,11 +16,18 @@ from transformers import PreTrainedTokenizerBase
 
 from prefixgym.protocols import SamplingClient
 from prefixgym.rollouts.episode import AgentGymEnv
-from prefixgym.rollouts.rollout import RolloutConfig, Rollouts
+from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 from prefixgym.rollouts.types import Trajectory
 from prefixgym.types import Usage
 
 EVAL_SEED_BASE = 1_000_000
+EVAL_WIDTH = 256
+"""Evaluation episodes a run plays at once (the local engine's default `max_running`):
+wider rounds than that only queue. Episodes are seeded one by one, so the width changes
+the time an evaluation takes, not what it measures: a row's logprobs could differ in
+their last bits with its batch, but no sampled token has changed with the width yet
+(1500 episodes of the default run at widths 100 and 256, each with the same outcome;
+tests/trainer/test_evaluate.py checks a small case)."""
 
 
 @dataclass
@@ -73,13 +80,15 @@ def evaluate(
     sampler: SamplingClient, tokenizer: PreTrainedTokenizerBase, envs: Sequence[AgentGymEnv],
     episodes: int, config: RolloutConfig, concurrency: int | None = None,
     on_episodes: Callable[[int, int, int], None] | None = None, temperature: float = 0.0,
+    trace: TraceWriter | None = None, name: str = "eval",
 ) -> EvalResult:
     """Episodes on seeds EVAL_SEED_BASE + i, `len(envs)` at a time, greedy or sampled at
     `temperature` (seeded per episode, so the same weights give the same result).
     `on_episodes(n, done, successes)` is called after each batch of n episodes (`done`
-    counts env errors too)."""
+    counts env errors too). Each sampling request goes to `trace` too, when given; its
+    episodes' ids start with `name`, which a run makes unique to each evaluation."""
     rollouts = Rollouts(sampler, tokenizer,
-                        RolloutConfig(**{**config.__dict__, "temperature": temperature}))
+                        RolloutConfig(**{**config.__dict__, "temperature": temperature}), trace)
     width = min(concurrency or len(envs), len(envs))
 
     async def _all() -> list[Trajectory]:
@@ -87,7 +96,7 @@ def evaluate(
         for start in range(0, episodes, width):
             seeds = range(start, min(start + width, episodes))
             groups = await rollouts.run_groups([
-                ([envs[i % width]], EVAL_SEED_BASE + s, f"eval/{s}") for i, s in enumerate(seeds)
+                ([envs[i % width]], EVAL_SEED_BASE + s, f"{name}/{s}") for i, s in enumerate(seeds)
             ])
             out.extend(t for g in groups for t in g.trajectories)
             if on_episodes is not None:

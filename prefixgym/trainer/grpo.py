@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from prefixgym.protocols import SamplingClient, TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
-from prefixgym.rollouts.rollout import RolloutConfig, Rollouts
+from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 from prefixgym.rollouts.types import Trajectory, TrajectoryGroup
 from prefixgym.trainer.advantages import group_advantages
 from prefixgym.trainer.config import TrainConfig
@@ -47,11 +47,13 @@ def step_seeds(config: TrainConfig, step: int) -> list[int]:
 def collect(
     sampler: SamplingClient, tokenizer: PreTrainedTokenizerBase, envs: Sequence[AgentGymEnv],
     config: TrainConfig, step: int, rollout_config: RolloutConfig, rank: int = 0, world: int = 1,
+    trace: TraceWriter | None = None,
 ) -> Collected:
     """Step 1: B groups of G episodes, all concurrently; with `world` ranks, this rank's
-    groups (i % world == rank). Returns groups and seconds."""
+    groups (i % world == rank). Returns groups and seconds. Each sampling request goes
+    to `trace` too, when given."""
     start = time.perf_counter()
-    rollouts = Rollouts(sampler, tokenizer, rollout_config)
+    rollouts = Rollouts(sampler, tokenizer, rollout_config, trace)
     g = config.group_size
 
     groups = asyncio.run(rollouts.run_groups([
@@ -63,10 +65,11 @@ def collect(
 
 def assemble(
     groups: Sequence[TrajectoryGroup], config: TrainConfig,
-    ref_sampler: SamplingClient | None = None,
+    ref_sampler: SamplingClient | None = None, trace: TraceWriter | None = None,
 ) -> tuple[list[Datum], dict[str, float]]:
     """Steps 2-3: advantages, the KL penalty when asked for, and one complete datum per
-    trained episode; with the counts of what was left out."""
+    trained episode; with the counts of what was left out. The KL reference's requests
+    go to `trace` too, when given."""
     chosen: list[tuple[Trajectory, float]] = []
     skipped = failed = broken = 0
     for group in groups:
@@ -91,7 +94,7 @@ def assemble(
     penalties: list[list[float] | None] = [None] * len(chosen)
     if chosen and config.kl_coef > 0 and ref_sampler is not None:
         penalties, metrics["kl/sampled_vs_ref"] = kl_penalties(
-            [t for t, _ in chosen], ref_sampler, config.kl_coef)
+            [t for t, _ in chosen], ref_sampler, config.kl_coef, trace)
     # The losses are sums over tokens: dividing advantages by the step's loss tokens
     # makes the update a per-token mean, so the learning rate does not depend on B, G
     # or episode length.
@@ -101,17 +104,19 @@ def assemble(
 
 
 def kl_penalties(
-    trajectories: Sequence[Trajectory], ref_sampler: SamplingClient, kl_coef: float
+    trajectories: Sequence[Trajectory], ref_sampler: SamplingClient, kl_coef: float,
+    trace: TraceWriter | None = None,
 ) -> tuple[list[list[float] | None], float]:
     """kl_coef * (logp_sampler - logp_ref) per datum position (a k1 KL estimate, used
     on sampled targets), and the estimate's mean over sampled targets.
 
     The reference logprobs come from `compute_logprobs`, which never reads the cache.
     """
-    futures = [
-        ref_sampler.compute_logprobs(ModelInput.from_ints(t.tokens[: t.trained_length]))
-        for t in trajectories
-    ]
+    prompts = [ModelInput.from_ints(t.tokens[: t.trained_length]) for t in trajectories]
+    if trace is not None:
+        for prompt in prompts:
+            trace.write_logprobs(prompt)
+    futures = [ref_sampler.compute_logprobs(prompt) for prompt in prompts]
     penalties: list[list[float] | None] = []
     total_kl, n = 0.0, 0
     for traj, fut in zip(trajectories, futures):
@@ -199,10 +204,21 @@ class StepPipeline:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def samples_after_sync(config: TrainConfig, step: int) -> bool:
+    """Whether async step `step` must sample from the weights of the step before it,
+    so that a run resumed from a checkpoint samples as the uninterrupted one did:
+    a checkpoint was saved just before it, or it would sample from the weights that
+    the evaluation at a checkpoint just sampled from (and left in the cache)."""
+    at_checkpoint = step % config.checkpoint_every == 0
+    after_checkpoint_eval = ((step - 1) % config.checkpoint_every == 0
+                             and (step - 1) % config.eval_every == 0)
+    return at_checkpoint or after_checkpoint_eval
+
+
 def grpo_step(
     training: TrainingClient, groups: Sequence[TrajectoryGroup], config: TrainConfig,
     ref_sampler: SamplingClient | None, lr: float | None = None,
-    weights: StepWeights | None = None,
+    weights: StepWeights | None = None, trace: TraceWriter | None = None,
 ) -> tuple[dict[str, float], Usage]:
     """Steps 2-4 on one step's groups, sampled with `weights` (checked when given).
     Returns metrics and the step's usage."""
@@ -210,7 +226,7 @@ def grpo_step(
     if weights is not None:
         groups, checked = keep_on_policy(groups, weights)
         metrics.update(checked)
-    datums, counts = assemble(groups, config, ref_sampler)
+    datums, counts = assemble(groups, config, ref_sampler, trace)
     metrics.update(counts)
     if datums:
         out = training.forward_backward(datums, loss_fn=config.loss).result()

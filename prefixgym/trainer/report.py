@@ -10,12 +10,11 @@ dicts and `Usage`; not how they were produced.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
 from prefixgym.files import write_text_atomically
-from prefixgym.pricing import Prices
+from prefixgym.pricing import Prices, money
 from prefixgym.trainer.tracking import Tracker
 from prefixgym.types import JSONObject, Usage
 
@@ -145,15 +144,6 @@ def phase_table(usage: Usage) -> str:
         f"tokens instead of {_fmt(usage.train_computed_tokens)}."
     )
     return "\n".join(lines)
-
-
-def money(value: float, currency: str = "USD") -> str:
-    """`value` to the cent, or to three significant digits below a dollar ($0.000685)."""
-    places = 2 if abs(value) >= 0.1 or value == 0 else 2 - math.floor(math.log10(abs(value)))
-    digits = f"{value:,.{places}f}"
-    if places > 2:
-        digits = digits.rstrip("0")
-    return f"${digits}" if currency == "USD" else f"{digits} {currency}"
 
 
 def money_table(columns: Sequence[tuple[str, Usage]], prices: Prices, note: str) -> str:

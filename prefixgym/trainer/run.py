@@ -34,7 +34,7 @@ from prefixgym.files import ensure_writable_dir, write_text_atomically
 from prefixgym.pricing import Prices
 from prefixgym.protocols import SamplingClient
 from prefixgym.rollouts.episode import AgentGymEnv
-from prefixgym.rollouts.rollout import RolloutConfig
+from prefixgym.rollouts.rollout import RolloutConfig, TraceWriter
 from prefixgym.trainer.checkpoint import (
     WARM_START,
     ForeignCheckpointError,
@@ -42,18 +42,18 @@ from prefixgym.trainer.checkpoint import (
     find_checkpoint,
     in_warm_start,
     load_checkpoint,
+    load_warm_start,
     mark_latest,
     numerics_changes,
     prune_checkpoints,
     remove_leftovers,
     remove_warm_start_steps,
     save_checkpoint,
-    verify_checkpoint,
 )
 from prefixgym.trainer.clients import Clients, RunResult
 from prefixgym.trainer.config import RUN_CONFIG, TrainConfig, run_identity
-from prefixgym.trainer.evaluate import evaluate
-from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step
+from prefixgym.trainer.evaluate import EVAL_WIDTH, evaluate
+from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step, samples_after_sync
 from prefixgym.trainer.plots import write_plots
 from prefixgym.trainer.progress import Progress
 from prefixgym.trainer.report import MetricsLog, phase_metrics, write_report
@@ -61,14 +61,6 @@ from prefixgym.trainer.schedule import warmup_cosine_lr
 from prefixgym.trainer.sft import warm_start
 from prefixgym.trainer.tracking import open_tracker
 from prefixgym.types import JSONObject, Usage
-
-EVAL_WIDTH = 256
-"""Evaluation episodes played at once (the local engine's default `max_running`): wider
-rounds than that only queue. Episodes are seeded one by one, so the width changes the
-time an evaluation takes, not what it measures: a row's logprobs could differ in their
-last bits with its batch, but no sampled token has changed with the width yet (1500
-episodes of the default run at widths 100 and 256, each with the same outcome;
-tests/trainer/test_evaluate.py checks a small case)."""
 
 
 class Run:
@@ -98,6 +90,8 @@ class Run:
         self.log = MetricsLog(self.out / "metrics.jsonl", open_tracker(config.tracker, self.out))
         self._prior = (Usage(), 0.0)
         """What the checkpoint resumed from had counted: usage and wall time."""
+        self.trace: TraceWriter | None = None
+        """Where every sampling request goes too (`--trace`), while the run runs."""
 
     def write(self, record: JSONObject) -> None:
         if self.main:
@@ -125,7 +119,7 @@ class Run:
                 sampler, self.tokenizer, self.eval_envs, self.config.eval_episodes,
                 self.rollout_config,
                 on_episodes=lambda n, done, wins: progress.update(n, success=f"{wins / done:.1%}"),
-                temperature=temperature,
+                temperature=temperature, trace=self.trace, name=f"eval{len(state.evals)}",
             )
         record = {"step": step, "phase": "eval", "when": when, **result.as_metrics(),
                   "eval/temperature": temperature,
@@ -270,35 +264,27 @@ class Run:
 
     def reference(self, resumed_from: Path) -> SamplingClient:
         """The KL reference of a resumed run: its warm-start weights, checked."""
-        warm = self.out / "checkpoints" / WARM_START
-        try:
-            theirs = verify_checkpoint(warm)
-        except ValueError as e:
-            raise ValueError(f"--kl-coef needs the warm-start weights as its reference: {e}") \
-                from None
-        if theirs != self.identity and not self.config.force_resume:
-            raise ValueError(f"{warm} (the KL reference) belongs to another run than "
-                             f"{resumed_from}")
-        load_checkpoint(warm, self.training)
+        load_warm_start(self.out, self.identity, self.training, resumed_from,
+                        self.config.force_resume)
         return self.training.save_weights_and_get_sampling_client()
 
-    def _sync_before(self, step: int) -> bool:
-        """Whether async step `step` must sample from the weights of the step before it,
-        so that a run resumed from a checkpoint samples as the uninterrupted one did:
-        a checkpoint was saved just before it, or it would sample from the weights that
-        the evaluation at a checkpoint just sampled from (and left in the cache)."""
-        c = self.config
-        at_checkpoint = step % c.checkpoint_every == 0
-        after_checkpoint_eval = ((step - 1) % c.checkpoint_every == 0
-                                 and (step - 1) % c.eval_every == 0)
-        return at_checkpoint or after_checkpoint_eval
-
     def run(self) -> RunResult:
-        """The run (steps 1-4); every env it made is closed at its end, however it ends."""
+        """The run (steps 1-4); every env it made, and its trace, are closed at its end,
+        however it ends."""
+        stream = open(self.trace_path(), "w") if self.config.trace else None  # noqa: SIM115
+        self.trace = TraceWriter(stream) if stream is not None else None
         try:
             return self._run()
         finally:
             close_all([*self.envs, *self.eval_envs])
+            if stream is not None:
+                stream.close()
+
+    def trace_path(self) -> Path:
+        """`--trace`, or under torchrun for rank N > 0, FILE.rankN.jsonl beside it."""
+        path = Path(self.config.trace)
+        rank = self.ranks.rank
+        return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 
     def _run(self) -> RunResult:
         c = self.config
@@ -311,8 +297,8 @@ class Run:
         sampler = self.training.save_weights_and_get_sampling_client()
         pipeline = StepPipeline(
             lambda s, step: collect(s, self.tokenizer, self.envs, c, step, self.rollout_config,
-                                    self.ranks.rank, self.ranks.world),
-            c.async_mode, sync_before=self._sync_before,
+                                    self.ranks.rank, self.ranks.world, self.trace),
+            c.async_mode, sync_before=lambda step: samples_after_sync(c, step),
         )
         progress = Progress("GRPO", c.steps, "step", c.progress and self.main,
                             initial=state.next_step)
@@ -327,7 +313,8 @@ class Run:
                     groups = self.ranks.gather(groups)
                 lr = (warmup_cosine_lr(step, c.steps, c.lr, warmup_frac=0.0)
                       if c.lr_schedule == "cosine" else c.lr)
-                metrics, usage = grpo_step(self.training, groups, c, ref_sampler, lr, weights)
+                metrics, usage = grpo_step(self.training, groups, c, ref_sampler, lr, weights,
+                                           self.trace)
                 sampler = self.training.save_weights_and_get_sampling_client()
                 pipeline.after_update(sampler, step, c.steps)
                 if self.clients.sampler_metrics is not None:

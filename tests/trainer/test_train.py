@@ -11,13 +11,15 @@ from prefixgym.cli import main as cli_main
 from prefixgym.cli.train import train
 from prefixgym.envs.registration import make_env
 from prefixgym.local_service import LocalService
-from prefixgym.pricing import run_prices
+from prefixgym.pricing import money, run_prices
+from prefixgym.prompting.lint.trace import analyze_trace
+from prefixgym.prompting.lint.trace_file import load_trace
 from prefixgym.rollouts.rollout import RolloutConfig
 from prefixgym.trainer import run as run_module
 from prefixgym.trainer import sft
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.grpo import assemble, collect, grpo_step
-from prefixgym.trainer.report import money, usage_of
+from prefixgym.trainer.report import usage_of
 from prefixgym.types import Usage
 
 MKL = torch.backends.mkl.is_available()
@@ -302,7 +304,17 @@ def test_async_mode_and_kl_penalty_run(tmp_path, monkeypatch, extra):
     # the GRPO steps are what this checks: one evaluation episode, no plots
     monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
     config = {**SMALL, "eval_episodes": 1, "eval_every": 10}
-    result = train(TrainConfig(**config, steps=3, out=str(tmp_path), **extra))
+    trace = tmp_path / "trace.jsonl"
+    result = train(TrainConfig(**config, steps=3, out=str(tmp_path), trace=str(trace), **extra))
+    # the trace holds every sampling request: the linter counts what report.md counts
+    report = analyze_trace(load_trace(trace))
+    assert report.observed_tokens == {
+        "prefill_computed_tokens": result.usage.prefill_computed_tokens,
+        "prefill_cached_tokens": result.usage.prefill_cached_tokens,
+        "sampled_tokens": result.usage.sampled_tokens}
+    assert report.append_only  # each episode's id is its own in the run
+    # the KL reference's passes bypass the cache (PG205), and are all the linter finds
+    assert [f.rule for f in report.findings] == (["PG205"] if "kl_coef" in extra else [])
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if r["phase"] == "grpo"]
     assert [r["step"] for r in steps] == [0, 1, 2]

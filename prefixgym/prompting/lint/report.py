@@ -62,7 +62,10 @@ def format_finding(finding: Finding, use_colour: bool = False) -> list[str]:
     lines = [f"{finding.rule} {severity} [{rule.name}] {finding.location}", f"  {finding.message}"]
     occurrences = finding.extra.get("occurrences")
     if occurrences:
-        lines.append(f"  (seen {occurrences} times in the probes; the first is shown)")
+        lines.append(f"  (seen {occurrences} times; the first is shown)")
+    cost = cost_line(finding.extra)
+    if cost:
+        lines.append(f"  cost: {cost}")
     if finding.first_divergence is not None:
         where = f"  first divergence at index {finding.first_divergence}"
         token_at = finding.extra.get("first_divergence_token")
@@ -83,6 +86,23 @@ def format_finding(finding: Finding, use_colour: bool = False) -> list[str]:
     return lines
 
 
+def cost_line(extra: JSONObject) -> str:
+    """What a finding costs, from the counts its check left in `extra` and the money
+    the command priced them at (`reprefill_money`), or "" when it counted nothing."""
+    if "reprefilled_tokens" in extra:
+        text = f"{extra['reprefilled_tokens']:,} tokens prefilled again over the trace"
+    elif "reprefilled_tokens_per_turn" in extra:
+        text = (f"{extra['reprefilled_tokens_per_turn']:,} tokens prefilled again per turn "
+                f"({extra['reprefilled_chars_per_turn']:,} characters) for the reply shown")
+    elif "reprefilled_chars_per_turn" in extra:
+        text = (f"{extra['reprefilled_chars_per_turn']:,} characters prefilled again per turn "
+                "for the reply shown (with --tokenizer: in tokens, and priced)")
+    else:
+        return ""
+    money = extra.get("reprefill_money")
+    return f"{text}; {money}" if money else text
+
+
 def _summary(report: Report) -> str:
     data = report.to_json()
     parts = [f"{report.target}: append_only={'yes' if report.append_only else 'no'}"]
@@ -92,6 +112,11 @@ def _summary(report: Report) -> str:
                      f"(block {data['block_size']}, capacity {data['capacity_tokens']} tokens)")
         if data["observed_hit_rate"] is not None:
             parts.append(f"observed {data['observed_hit_rate']:.1%}")
+        observed = data.get("observed_tokens")
+        if observed:
+            parts.append(f"the sampler counted prefill {observed['prefill_computed_tokens']:,} "
+                         f"computed + {observed['prefill_cached_tokens']:,} cached, "
+                         f"{observed['sampled_tokens']:,} sampled")
     if data.get("kind") == "template":
         parts.append(f"{len(data['probes_checked'])} probes checked")
         if data["probes_skipped"]:
@@ -113,6 +138,10 @@ def render_text(report: Report, use_colour: bool = False) -> str:
     lines.append("")
     lines.append(f"{len(report.findings)} finding(s): {errors} error(s), {warnings} warning(s)"
                  if report.findings else "no findings")
+    by_rule = report.to_json().get("reprefilled_tokens_by_rule")
+    if by_rule:
+        lines.append("tokens prefilled again, by rule: " + ", ".join(
+            f"{rule} {tokens:,}" for rule, tokens in sorted(by_rule.items())))
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from prefixgym.types import JSONObject
 # Where the first user turn starts in common chat formats: before it lies the fixed prefix.
 USER_TURN = re.compile(r"<\|im_start\|>user|<\|start_header_id\|>user|<start_of_turn>user|\[INST\]|<\|user\|>")
 STRUCTURAL_RULES = {"PG201", "PG202", "PG203", "PG204"}
+OBSERVED_COUNTS = ("prefill_computed_tokens", "prefill_cached_tokens", "sampled_tokens")
 
 
 TokenDecoder = Callable[[list[int]], str]
@@ -47,6 +48,9 @@ class TraceReport:
     capacity_tokens: int
     decoded: bool
     episodes: int = 0
+    observed_tokens: dict[str, int] | None = None
+    """The sampler's own counts summed over the requests that recorded usage
+    (`OBSERVED_COUNTS`): for a `prefixgym train --trace` file, report.md's."""
     extra: JSONObject = field(default_factory=dict)
 
     @property
@@ -68,8 +72,19 @@ class TraceReport:
             "predicted_hit_rate": round(self.predicted_hit_rate, 4),
             "observed_hit_rate": None if self.observed_hit_rate is None else round(self.observed_hit_rate, 4),
             "block_size": self.block_size, "capacity_tokens": self.capacity_tokens,
+            "observed_tokens": self.observed_tokens,
+            "reprefilled_tokens_by_rule": reprefilled_by_rule(self.findings),
             "findings": [f.to_json() for f in self.findings], **self.extra,
         }
+
+
+def reprefilled_by_rule(findings: list[Finding]) -> dict[str, int]:
+    """Tokens prefilled again because of each rule's findings (their `reprefilled_tokens`)."""
+    totals: dict[str, int] = defaultdict(int)
+    for f in findings:
+        if "reprefilled_tokens" in f.extra:
+            totals[f.rule] += int(f.extra["reprefilled_tokens"])
+    return dict(totals)
 
 
 def _snippet(ids: list[int], at: int, decode: TokenDecoder | None) -> tuple[str, int]:
@@ -155,14 +170,14 @@ class _Analyzer:
                 self.finding(rule, f"{reason}; {missed} tokens of the previous prompt + reply miss the cache",
                              f"{self.target}:{cur.line}: episode {episode_id}, turn {cur.turn}",
                              expected, cur.prompt_tokens, at, episode_id=episode_id, turn=cur.turn,
-                             line=cur.line, missed_tokens=missed)
+                             line=cur.line, missed_tokens=missed, reprefilled_tokens=missed)
 
     def cross_episode(self) -> None:
         """3) first-turn prompts of different episodes that part inside the fixed prefix."""
         if self.decode is None or len(self.first_prompts) < 2:
             return
         reference_id, reference = next(iter(self.firsts)), self.first_prompts[0]
-        seen: set[str] = set()
+        seen: dict[str, Finding] = {}
         for r in list(self.firsts.values())[1:]:
             at = common_prefix_len(reference, r.prompt_tokens)
             if at >= min(len(reference), len(r.prompt_tokens)):
@@ -179,13 +194,29 @@ class _Analyzer:
                 rule, reason = "PG202", "the system prompt or tools differ between episodes"
             else:
                 continue
-            if rule in seen:
+            lost = max(0, self.tokens_before(reference, user.start() if user else len(left)) - at)
+            if rule in seen:  # one finding per rule, costing every episode it saw
+                seen[rule].extra["reprefilled_tokens"] += lost
+                seen[rule].extra["occurrences"] = seen[rule].extra.get("occurrences", 1) + 1
                 continue
-            seen.add(rule)
             self.finding(rule, f"{reason}, so episodes cannot share a cached prefix past token {at}",
                          f"{self.target}:{r.line}: episode {r.episode_id}, turn {r.turn} "
                          f"vs episode {reference_id}",
-                         reference, r.prompt_tokens, at, episode_id=r.episode_id, line=r.line)
+                         reference, r.prompt_tokens, at, episode_id=r.episode_id, line=r.line,
+                         reprefilled_tokens=lost)
+            seen[rule] = self.findings[-1]
+
+    def tokens_before(self, ids: list[int], char: int) -> int:
+        """How many of `ids` decode to text that ends at or before character `char`."""
+        assert self.decode is not None
+        lo, hi = 0, len(ids)
+        while lo < hi:  # the largest k with len(decode(ids[:k])) <= char
+            mid = (lo + hi + 1) // 2
+            if len(self.decode(ids[:mid])) <= char:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def bypass_and_groups(self) -> None:
         """2) prompt-logprob requests, and groups split into single-sample requests."""
@@ -197,7 +228,8 @@ class _Analyzer:
                 f"prompt without reading the cache ({tokens} prompt tokens recomputed); compute "
                 "logprobs once at the end, or only when needed",
                 f"{self.target}:{bypass[0].line}", None,
-                extra={"lines": [r.line for r in bypass], "tokens": tokens}))
+                extra={"lines": [r.line for r in bypass], "tokens": tokens,
+                       "reprefilled_tokens": tokens}))
         groups: dict[tuple[str, tuple[int, ...]], list[TraceRequest]] = defaultdict(list)
         for r in self.requests:
             if r.group_id is not None and r.turn == 0 and r.num_samples == 1:
@@ -210,7 +242,8 @@ class _Analyzer:
                 f"num_samples=1; send one request with num_samples={len(members)} so that one "
                 f"prefill serves the group ({(len(members) - 1) * len(prompt)} prompt tokens)",
                 f"{self.target}:{members[0].line}: group {group_id}", None,
-                extra={"lines": [m.line for m in members], "group_id": group_id}))
+                extra={"lines": [m.line for m in members], "group_id": group_id,
+                       "reprefilled_tokens": (len(members) - 1) * len(prompt)}))
 
 
 def analyze_trace(requests: list[TraceRequest], block_size: int = 16, capacity_tokens: int = 1 << 20,
@@ -221,6 +254,7 @@ def analyze_trace(requests: list[TraceRequest], block_size: int = 16, capacity_t
     prompt_tokens = predicted = 0
     obs_cached = obs_total = 0
     has_usage = False
+    observed = dict.fromkeys(OBSERVED_COUNTS, 0)
     for r in requests:
         cached = 0 if r.include_prompt_logprobs else cache.match(r.prompt_tokens)
         predicted += cached
@@ -228,6 +262,8 @@ def analyze_trace(requests: list[TraceRequest], block_size: int = 16, capacity_t
         cache.insert(r.prompt_tokens)
         for completion in r.completion_tokens:
             cache.insert(r.prompt_tokens + completion)
+        for key in OBSERVED_COUNTS:
+            observed[key] += int(r.usage.get(key, 0))
         if "prefill_cached_tokens" in r.usage:
             has_usage = True
             hit = int(r.usage["prefill_cached_tokens"])
@@ -245,4 +281,5 @@ def analyze_trace(requests: list[TraceRequest], block_size: int = 16, capacity_t
         observed_prompt_tokens=obs_total if has_usage else None,
         block_size=block_size, capacity_tokens=capacity_tokens, decoded=decode is not None,
         episodes=len({r.episode_id for r in requests if r.episode_id is not None}),
+        observed_tokens=observed if any(r.usage for r in requests) else None,
     )

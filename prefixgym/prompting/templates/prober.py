@@ -155,9 +155,13 @@ class Prober:
         rule, reason = classify(left, right, at, facts, check)
         expected, caret = context_window(left, at)
         actual, _ = context_window(right, at)
-        extra: JSONObject = {}
+        # what the break costs: the cached text after it is prefilled again next turn
+        extra: JSONObject = {"reprefilled_chars_per_turn": len(left) - at}
         if self.tokenizer is not None:
-            extra = _token_divergence(self.tokenizer, self._encode(left), self._encode(right))
+            left_ids = self._encode(left)
+            extra.update(_token_divergence(self.tokenizer, left_ids, self._encode(right)))
+            extra["reprefilled_tokens_per_turn"] = len(left_ids) - extra.get(
+                "first_divergence_token", len(left_ids))
         self.sightings.append(Sighting(
             rule, reason, check.what, f"{self.origin}: probe '{probe.name}', {check.where}",
             check.conditions, probe.setting, at, expected, actual, caret, extra))

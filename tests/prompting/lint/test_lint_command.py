@@ -111,6 +111,8 @@ def test_bad_pyproject_value_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
         (["trace", "fields.jsonl"], "fields.jsonl:1: 'prompt_tokens' must be a list of integer token ids"),
         (["template", "ok.jinja", "--select", "XX9"], "unknown rule code"),
         (["trace", "fields.jsonl", "--block-size", "0"], "block-size must be a positive integer"),
+        (["template", "ok.jinja", "--prices", "none.toml"], "none.toml: no such price table"),
+        (["template", "ok.jinja", "--price-model", "acme/X"], "--price-model acme/X: no such row"),
     ],
 )
 def test_bad_input_exits_2_with_one_clear_line(
@@ -180,6 +182,30 @@ def test_trace_retokenized_history_decoded_with_builtin_tokenizer(
     assert main(["trace", str(path), "--block-size", "4"]) == 1
     text = capsys.readouterr().out
     assert "predicted hit rate" in text and "PG201 error [retokenized-history]" in text
+
+
+def test_trace_findings_are_priced_with_a_price_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefixgym.pricing import money, price_table
+
+    path = tmp_path / "trace.jsonl"
+    _builtin_trace(path, retokenize=True)
+    code, out = run_json(["trace", str(path), "--block-size", "4"], capsys)
+    (finding,) = out["findings"]
+    tokens = finding["reprefilled_tokens"]
+    assert tokens == finding["missed_tokens"] > 0 and "reprefill_money" not in finding
+    assert out["reprefilled_tokens_by_rule"] == {"PG201": tokens}
+    code, out = run_json(["trace", str(path), "--block-size", "4", "--price-model",
+                          "gpt-oss-20b"], capsys)
+    prices = price_table()["openai/gpt-oss-20b"]
+    cost = (prices.prefill - prices.prefill_cached) * tokens / 1e6
+    assert out["findings"][0]["reprefill_money"] == (
+        f"{money(cost)} beyond cache hits at openai/gpt-oss-20b's rates")
+    assert main(["trace", str(path), "--block-size", "4"]) == 1
+    text = capsys.readouterr().out
+    assert f"  cost: {tokens:,} tokens prefilled again over the trace" in text
+    assert f"tokens prefilled again, by rule: PG201 {tokens:,}" in text
 
 
 def test_trace_block_size_from_pyproject(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

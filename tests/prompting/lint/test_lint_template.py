@@ -150,3 +150,19 @@ def test_token_boundary_merge_fires_pg110_only_with_a_tokenizer() -> None:
     assert report.findings[0].extra["expected_ids"][0] == ord("\n")
     assert report.findings[0].extra["actual_ids"][0] == 1000
     assert report.append_only
+
+
+def test_a_break_says_what_it_prefills_again_each_turn() -> None:
+    # STRIPS_THINK drops the reasoning block once the reply is history: everything from
+    # the block on (the reply and its end of turn) was cached and is prefilled again
+    from prefixgym.prompting.templates.probes import ANSWERS, REASONING
+
+    reply = f"<think>\n{REASONING[0]}\n</think>\n\n{ANSWERS[0]}"
+    [plain] = probe_template(T.STRIPS_THINK, "", "<|im_end|>").findings
+    assert plain.extra["reprefilled_chars_per_turn"] == len(reply + "<|im_end|>\n")
+    assert "reprefilled_tokens_per_turn" not in plain.extra  # no tokenizer, no tokens
+    [tokens] = [f for f in probe_template(T.STRIPS_THINK, "", "<|im_end|>",
+                                          tokenizer=_CharTokenizer()).findings
+                if f.rule == "PG101"]
+    # one character per token, but the '\n\n' after </think> is one
+    assert tokens.extra["reprefilled_tokens_per_turn"] == len(reply + "<|im_end|>\n") - 1

@@ -79,7 +79,11 @@ def test_system_prompts_differing_across_episodes_fire_pg202() -> None:
     other = L.msg("system", "You are a careless agent. Tools: lookup(query).")
     lines = (L.two_turn_episode("e0", "Capital of France?", REPLY, "Go on.")
              + L.two_turn_episode("e1", "Capital of Peru?", REPLY, "Go on.", system=other))
-    assert rules(lines) == ["PG202"]
+    [finding] = analyze_trace(L.requests(lines), 4, 1 << 16, L.decode).findings
+    assert finding.rule == "PG202"
+    # e1 could have shared e0's system prompt up to its first user turn
+    assert finding.extra["reprefilled_tokens"] == (len(L.encode(L.SYSTEM))
+                                                   - finding.first_divergence)
 
 
 def test_timestamp_in_the_prefix_fires_pg203() -> None:
@@ -117,6 +121,11 @@ def test_truncated_history_fires_pg204() -> None:
     assert [f.rule for f in report.findings] == ["PG204"]
     assert report.findings[0].extra["episode_id"] == "e0"
     assert report.findings[0].extra["line"] == 2
+    # what it costs: the first turn's prompt + reply from the divergence on
+    expected = lines[0]["prompt_tokens"] + lines[0]["completion_tokens"][0]
+    missed = len(expected) - report.findings[0].first_divergence
+    assert report.findings[0].extra["reprefilled_tokens"] == missed
+    assert report.to_json()["reprefilled_tokens_by_rule"] == {"PG204": missed}
     assert "PG204" not in rules(clean_trace())
 
 
@@ -137,6 +146,7 @@ def test_prompt_logprobs_fire_pg205_and_bypass_the_simulated_cache() -> None:
     report = analyze_trace(L.requests(lines), 4, 1 << 16, L.decode)
     assert [f.rule for f in report.findings] == ["PG205"]
     assert report.findings[0].extra["lines"] == [2]
+    assert report.findings[0].extra["reprefilled_tokens"] == len(lines[1]["prompt_tokens"])
     assert report.predicted_cached_tokens < plain.predicted_cached_tokens
     assert "PG205" not in rules(clean_trace())
 
@@ -147,6 +157,7 @@ def test_group_sent_as_separate_requests_fires_pg206() -> None:
     found = analyze_trace(L.requests(split), 4, 1 << 16, L.decode).findings
     assert [f.rule for f in found] == ["PG206"]
     assert found[0].extra["lines"] == [1, 2, 3]
+    assert found[0].extra["reprefilled_tokens"] == 2 * len(ids)  # the two extra requests
     together = [L.line("e0", 0, ids, None, group="g0", num_samples=3,
                        completion_tokens=[L.encode("50"), L.encode("25"), L.encode("75")])]
     assert rules(together) == []
