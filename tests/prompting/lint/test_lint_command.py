@@ -11,6 +11,7 @@ import lint_templates as T
 import pytest
 
 from prefixgym.cli.lint import main
+from prefixgym.pricing import money, price_table
 
 
 @pytest.fixture(autouse=True)
@@ -182,30 +183,18 @@ def test_trace_retokenized_history_decoded_with_builtin_tokenizer(
     assert main(["trace", str(path), "--block-size", "4"]) == 1
     text = capsys.readouterr().out
     assert "predicted hit rate" in text and "PG201 error [retokenized-history]" in text
-
-
-def test_trace_findings_are_priced_with_a_price_table(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from prefixgym.pricing import money, price_table
-
-    path = tmp_path / "trace.jsonl"
-    _builtin_trace(path, retokenize=True)
-    code, out = run_json(["trace", str(path), "--block-size", "4"], capsys)
-    (finding,) = out["findings"]
+    # what it costs: the tokens it makes prefill again, and with a price table, money
     tokens = finding["reprefilled_tokens"]
     assert tokens == finding["missed_tokens"] > 0 and "reprefill_money" not in finding
     assert out["reprefilled_tokens_by_rule"] == {"PG201": tokens}
+    assert f"  cost: {tokens:,} tokens prefilled again over the trace" in text
+    assert f"tokens prefilled again, by rule: PG201 {tokens:,}" in text
     code, out = run_json(["trace", str(path), "--block-size", "4", "--price-model",
                           "gpt-oss-20b"], capsys)
     prices = price_table()["openai/gpt-oss-20b"]
     cost = (prices.prefill - prices.prefill_cached) * tokens / 1e6
     assert out["findings"][0]["reprefill_money"] == (
         f"{money(cost)} beyond cache hits at openai/gpt-oss-20b's rates")
-    assert main(["trace", str(path), "--block-size", "4"]) == 1
-    text = capsys.readouterr().out
-    assert f"  cost: {tokens:,} tokens prefilled again over the trace" in text
-    assert f"tokens prefilled again, by rule: PG201 {tokens:,}" in text
 
 
 def test_trace_block_size_from_pyproject(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
