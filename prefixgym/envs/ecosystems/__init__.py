@@ -4,6 +4,7 @@
     make_env("textarena:GuessTheNumber-v0-raw")
     make_env("gem:game:GuessTheNumber-v0-easy")      # the name keeps its colon
     make_env("openenv:http://127.0.0.1:8000")         # an OpenEnv server's env
+    make_env("verifiers:my_taskset")                   # a verifiers 0.4 taskset module
 
 Each adapter is a prefixgym `AgentEnv` over the ecosystem's own package, an optional
 extra (`pip install 'prefixgym[reasoning-gym]'`), imported only when its prefix is
@@ -26,6 +27,8 @@ ECOSYSTEMS: dict[str, tuple[str, str, str, str]] = {
     "gem": ("prefixgym.envs.ecosystems.games:GemEnv", "gem", "gem", "gem"),
     "openenv": ("prefixgym.envs.ecosystems.openenv_client:OpenEnvSession",
                 "websockets.sync.client", "websockets", "openenv"),
+    "verifiers": ("prefixgym.envs.ecosystems.verifiers_env:VerifiersEnv", "verifiers.v1",
+                  "verifiers", "verifiers"),
 }
 
 
