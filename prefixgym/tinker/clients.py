@@ -7,9 +7,11 @@ meaning is accepted and ignored where harmless (`ttl_seconds`, `retry_config`,
 information is recorded), and refused with `NotImplementedError` naming itself
 otherwise (`stubs.py` adds one for every public method of tinker's clients not here).
 
-Checkpoints are directories under the `ServiceClient`'s checkpoint root; their paths
-are plain absolute paths where the hosted service returns `tinker://` URIs. This
-module knows tinker's client surface and the engine's clients; not the recipes.
+Each training client is a training run of the `ServiceClient`'s checkpoint root
+(`runs.py`); its checkpoints are directories there, named by the `tinker://` paths
+the hosted service would return (`tinker://<run id>/weights/<name>`); a method that
+takes a path takes such a path or a plain directory. This module knows tinker's
+client surface and the engine's clients; not the recipes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from prefixgym.engine.sampler.sampling import SamplingClient as EngineSamplingCl
 from prefixgym.engine.trainer.training import TrainingClient as EngineTrainingClient
 from prefixgym.futures import APIFuture
 from prefixgym.tinker import convert
+from prefixgym.tinker.runs import RunStore
 
 if TYPE_CHECKING:
     from prefixgym.local_service import LocalService
@@ -133,12 +136,14 @@ class SamplingClient:
 class TrainingClient:
     """tinker's `TrainingClient` on an engine training client (full weights or LoRA)."""
 
-    def __init__(self, engine: EngineTrainingClient[EngineSamplingClient], service: LocalService, kind: TrainerKind,
-                 checkpoint_dir: Path) -> None:
+    def __init__(self, engine: EngineTrainingClient[EngineSamplingClient],
+                 service: LocalService, kind: TrainerKind, runs: RunStore, run_id: str) -> None:
         self._engine = engine
         self._service = service
         self._kind = kind
-        self._checkpoint_dir = checkpoint_dir
+        self._runs = runs
+        self.model_id = run_id
+        """The training run's id, as the SDK's `TrainingClient.model_id`."""
 
     # -- training ----------------------------------------------------------------------
 
@@ -184,23 +189,24 @@ class TrainingClient:
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
                    user_metadata: dict[str, str] | None = None,
                    ) -> AwaitableConcurrentFuture[tt.SaveWeightsResponse]:
-        path = self._checkpoint_dir / "state" / name
+        path = self._runs.checkpoint_dir(self.model_id, "weights", name)
         if path.exists() and not overwrite and any(path.iterdir()):
             raise ValueError(f"a state named {name!r} exists ({path}); pass overwrite=True")
         path.mkdir(parents=True, exist_ok=True)
         self._engine.save_state(path).result()
         self._kind.write(path)
-        return done(tt.SaveWeightsResponse(path=str(path)))
+        return done(tt.SaveWeightsResponse(path=self._runs.path_of(self.model_id, "weights",
+                                                                   name)))
 
     def load_state(self, path: str, weights_access_token: str | None = None,
                    ) -> AwaitableConcurrentFuture[tt.LoadWeightsResponse]:
         """Weights only; the optimizer starts afresh (as the hosted service's)."""
-        self._engine.load_state(path, with_optimizer=False).result()
+        self._engine.load_state(self._runs.resolve(path), with_optimizer=False).result()
         return done(tt.LoadWeightsResponse(path=path))
 
     def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None,
                                   ) -> AwaitableConcurrentFuture[tt.LoadWeightsResponse]:
-        self._engine.load_state(path).result()
+        self._engine.load_state(self._runs.resolve(path)).result()
         return done(tt.LoadWeightsResponse(path=path))
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
@@ -210,12 +216,13 @@ class TrainingClient:
         if save is None:
             raise NotImplementedError("TrainingClient.save_weights_for_sampler needs a LoRA "
                                       "training client (create_lora_training_client)")
-        path = self._checkpoint_dir / "sampler_weights" / name
+        path = self._runs.checkpoint_dir(self.model_id, "sampler_weights", name)
         path.parent.mkdir(parents=True, exist_ok=True)
         saved = save(str(path))
         saved = Path(str(saved.result() if hasattr(saved, "result") else saved or path))
         self._kind.write(saved)
-        return done(tt.SaveWeightsForSamplerResponse(path=str(saved)))
+        return done(tt.SaveWeightsForSamplerResponse(
+            path=self._runs.path_of(self.model_id, "sampler_weights", name)))
 
     # -- sampling ----------------------------------------------------------------------
 
@@ -235,7 +242,7 @@ class TrainingClient:
                                record_stability_info: bool = False,
                                ) -> ClientFuture[SamplingClient]:
         return ClientFuture(done(sampling_client_from_path(
-            self._service, model_path, self._kind.base_model)).future())
+            self._service, self._runs.resolve(model_path), self._kind.base_model)).future())
 
     # -- information -------------------------------------------------------------------
 
@@ -243,14 +250,14 @@ class TrainingClient:
         return tt.GetInfoResponse(
             model_data=tt.ModelData(model_name=self._kind.base_model,
                                     tokenizer_id=self._kind.base_model),
-            model_id=f"local:{self._kind.base_model}", is_lora=self._kind.lora_rank is not None,
+            model_id=self.model_id, is_lora=self._kind.lora_rank is not None,
             lora_rank=self._kind.lora_rank, model_name=self._kind.base_model)
 
     def get_tokenizer(self) -> Any:
         return self._service.tokenizer
 
 
-def sampling_client_from_path(service: LocalService, model_path: str,
+def sampling_client_from_path(service: LocalService, model_path: str | os.PathLike[str],
                               base_model: str) -> SamplingClient:
     """A sampling client of weights saved by `save_weights_for_sampler` (LoRA)."""
     engine = service.create_sampling_client(stop_at_end_of_turn=False,

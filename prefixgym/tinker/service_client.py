@@ -7,9 +7,11 @@
 `base_model` is a built-in preset name or a local Hugging Face checkpoint directory;
 one `LocalService` per base model is built on first use (or pass `service=`). The
 constructor takes tinker's arguments (`base_url`, `api_key`, ... are accepted and
-unused: nothing leaves the machine) and prefixgym's: `service`, `seed`, and
-`checkpoint_dir` (where `save_state` writes; default `$PREFIXGYM_TINKER_DIR` or
-`~/.cache/prefixgym/tinker`, one folder per ServiceClient).
+unused: nothing leaves the machine; `user_metadata` goes to every training run it
+makes) and prefixgym's: `service`, `seed`, and `checkpoint_dir` (the checkpoint root:
+the training runs and their checkpoints, `runs.py`; default `$PREFIXGYM_TINKER_DIR` or
+`~/.cache/prefixgym/tinker`). Saved paths are `tinker://` paths, resolved under the
+root; `create_rest_client()` reads the runs (`rest_client.py`).
 
 Also here: the `*_async` variant of every method (as tinker has them), and a
 `NotImplementedError` naming itself for every public method of tinker's three clients
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ from prefixgym.tinker.clients import (
     done,
     sampling_client_from_path,
 )
+from prefixgym.tinker.rest_client import RestClient
+from prefixgym.tinker.runs import RunStore
 
 
 class ServiceClient:
@@ -51,9 +54,10 @@ class ServiceClient:
         self._services: dict[str, LocalService] = {}
         self._given_service = service
         self._seed = seed
+        self._user_metadata = dict(user_metadata or {})
         root = checkpoint_dir or os.environ.get("PREFIXGYM_TINKER_DIR") or (
             Path.home() / ".cache" / "prefixgym" / "tinker")
-        self._checkpoint_dir = Path(root) / uuid.uuid4().hex[:12]
+        self._runs = RunStore(root)
 
     def service(self, base_model: str) -> LocalService:
         """The LocalService of `base_model` (the given one, if any)."""
@@ -71,20 +75,22 @@ class ServiceClient:
         user_metadata: dict[str, str] | None = None, optimizer: object = None,
     ) -> ClientFuture[TrainingClient]:
         kind = TrainerKind(base_model, rank, train_mlp, train_attn, train_unembed, seed)
-        return ClientFuture(done(self._build(kind)).future())
+        return ClientFuture(done(self._build(kind, user_metadata)).future())
 
     def create_training_client(self, base_model: str, seed: int | None = None,
+                               user_metadata: dict[str, str] | None = None,
                                ) -> ClientFuture[TrainingClient]:
         """prefixgym's addition (tinker has LoRA clients only): full-weight training."""
-        return ClientFuture(done(self._build(TrainerKind(base_model, seed=seed))).future())
+        return ClientFuture(done(self._build(TrainerKind(base_model, seed=seed),
+                                             user_metadata)).future())
 
     def create_training_client_from_state(
         self, path: str, base_model: str | None = None,
         user_metadata: dict[str, str] | None = None, weights_access_token: str | None = None,
         optimizer: object = None,
     ) -> ClientFuture[TrainingClient]:
-        """A new trainer of the saved kind with the saved weights (optimizer afresh)."""
-        client = self._build(TrainerKind.read(Path(path)))
+        """A new run, of the saved kind, with the saved weights (optimizer afresh)."""
+        client = self._build(TrainerKind.read(self._runs.resolve(path)), user_metadata)
         client.load_state(path).result()
         return ClientFuture(done(client).future())
 
@@ -92,11 +98,13 @@ class ServiceClient:
         self, path: str, base_model: str | None = None,
         user_metadata: dict[str, str] | None = None, weights_access_token: str | None = None,
     ) -> ClientFuture[TrainingClient]:
-        client = self._build(TrainerKind.read(Path(path)))
+        client = self._build(TrainerKind.read(self._runs.resolve(path)), user_metadata)
         client.load_state_with_optimizer(path).result()
         return ClientFuture(done(client).future())
 
-    def _build(self, kind: TrainerKind) -> TrainingClient:
+    def _build(self, kind: TrainerKind, user_metadata: dict[str, str] | None = None,
+               ) -> TrainingClient:
+        """A training client of `kind`: a new training run under the checkpoint root."""
         service = self.service(kind.base_model)
         if kind.lora_rank is None:
             engine = service.create_training_client()
@@ -104,7 +112,9 @@ class ServiceClient:
             engine = service.create_lora_training_client(
                 rank=kind.lora_rank, train_attn=kind.train_attn, train_mlp=kind.train_mlp,
                 train_unembed=kind.train_unembed, seed=kind.seed)
-        return TrainingClient(engine, service, kind, self._checkpoint_dir)
+        run_id = self._runs.new_run(kind.base_model, kind.lora_rank,
+                                    {**self._user_metadata, **(user_metadata or {})})
+        return TrainingClient(engine, service, kind, self._runs, run_id)
 
     # -- sampling clients ---------------------------------------------------------------
 
@@ -113,9 +123,10 @@ class ServiceClient:
                                record_stability_info: bool = False,
                                ) -> ClientFuture[SamplingClient]:
         if model_path is not None:
-            kind = TrainerKind.read(Path(model_path)) if base_model is None else None
+            directory = self._runs.resolve(model_path)
+            kind = TrainerKind.read(directory) if base_model is None else None
             model = base_model or (kind.base_model if kind else "")
-            client = sampling_client_from_path(self.service(model), model_path, model)
+            client = sampling_client_from_path(self.service(model), directory, model)
         elif base_model is not None:
             service = self.service(base_model)
             client = SamplingClient(service.create_sampling_client(stop_at_end_of_turn=False),
@@ -123,6 +134,10 @@ class ServiceClient:
         else:
             raise ValueError("create_sampling_client needs model_path or base_model")
         return ClientFuture(done(client).future())
+
+    def create_rest_client(self) -> RestClient:
+        """The training runs and checkpoints under this client's checkpoint root."""
+        return RestClient(self._runs)
 
     # -- the rest ---------------------------------------------------------------------
 
@@ -179,3 +194,4 @@ def _complete(ours: type, theirs: type) -> None:
 _complete(ServiceClient, tinker.ServiceClient)
 _complete(TrainingClient, tinker.TrainingClient)
 _complete(SamplingClient, tinker.SamplingClient)
+_complete(RestClient, tinker.RestClient)
