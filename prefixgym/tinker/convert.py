@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from tinker import types as tt
 
 from prefixgym.types import (
@@ -125,11 +126,20 @@ def to_tinker_forward_backward(out: ForwardBackwardOutput) -> tt.ForwardBackward
 
 
 def to_tinker_sample_response(response: SampleResponse) -> tt.SampleResponse:
+    """The SDK's response, with both its list fields (our exact floats) and its numpy
+    ones (`tokens_np` int32, `logprobs_np` and `prompt_logprobs_np` float32, NaN where
+    a position has none), as its wire decoder fills them."""
     sequences = [tt.SampledSequence(stop_reason=s.stop_reason, sequence_id=s.sequence_id or "",
+                                    tokens_np=np.asarray(s.tokens, dtype=np.int32),
+                                    logprobs_np=np.asarray(s.logprobs, dtype=np.float32),
                                     _tokens_list=list(s.tokens), _logprobs_list=list(s.logprobs))
                  for s in response.sequences]
+    prompt = response.prompt_logprobs
+    prompt_np = (None if prompt is None else np.asarray(
+        [np.nan if p is None else p for p in prompt], dtype=np.float32))
     return tt.SampleResponse(sequences=sequences,
                              prompt_cache_hit_tokens=response.prompt_cache_hit_tokens,
+                             prompt_logprobs_np=prompt_np,
                              _prompt_logprobs_list=response.prompt_logprobs,
                              _topk_prompt_logprobs_list=response.topk_prompt_logprobs)
 

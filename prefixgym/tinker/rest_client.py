@@ -15,12 +15,14 @@ Knows the run store and tinker's types; nothing of engines.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import tinker
 from tinker import types as tt
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
+from prefixgym.engine.model.config import PRESETS
 from prefixgym.tinker.clients import MANIFEST, TrainerKind, done
 from prefixgym.tinker.runs import RunStore, parse
 
@@ -34,8 +36,21 @@ class NotFound(tinker.TinkerError, LookupError):
 class RestClient:
     """tinker's `RestClient` on the runs under one checkpoint root."""
 
-    def __init__(self, runs: RunStore) -> None:
+    def __init__(self, runs: RunStore, loaded: Callable[[], dict[str, int]] | None = None,
+                 ) -> None:
         self._runs = runs
+        self._loaded = loaded or dict
+        """The base models loaded now (name -> context length), beyond the presets."""
+
+    def get_server_capabilities(
+            self) -> AwaitableConcurrentFuture[tt.GetServerCapabilitiesResponse]:
+        """The local engine's models: the built-in presets, and any checkpoint directory
+        a client has loaded (any other local checkpoint of a supported family loads too)."""
+        models = {**{name: config.max_seq_len for name, config in PRESETS.items()},
+                  **self._loaded()}
+        return done(tt.GetServerCapabilitiesResponse(supported_models=[
+            tt.SupportedModel(model_name=name, max_context_length=length, trainable=True,
+                              sampleable=True) for name, length in models.items()]))
 
     def _found(self, fn: Any, *args: Any) -> Any:
         try:

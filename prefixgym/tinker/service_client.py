@@ -137,7 +137,12 @@ class ServiceClient:
 
     def create_rest_client(self) -> RestClient:
         """The training runs and checkpoints under this client's checkpoint root."""
-        return RestClient(self._runs)
+        return RestClient(self._runs, lambda: {
+            name: service.train_model.config.max_seq_len
+            for name, service in self._services.items()})
+
+    def get_server_capabilities(self) -> Any:
+        return self.create_rest_client().get_server_capabilities().result()
 
     # -- the rest ---------------------------------------------------------------------
 

@@ -91,3 +91,13 @@ def test_the_cookbook_reads_the_renderer_of_a_checkpoint(tmp_path: Path) -> None
         state = trainer.save_state("final").result().path
         assert checkpoint_utils.get_renderer_name_from_checkpoint(client, state) == "role_colon"
         assert checkpoint_utils.get_renderer_name_from_checkpoint(client, "/not/tinker") is None
+
+
+def test_server_capabilities_are_the_local_engines_models(tmp_path: Path) -> None:
+    with ServiceClient(checkpoint_dir=tmp_path) as client:
+        models = {m.model_name: m for m in client.get_server_capabilities().supported_models}
+        assert {"tiny", "small"} <= set(models)
+        assert models["tiny"].max_context_length == 2048
+        assert models["tiny"].trainable and models["tiny"].sampleable
+        rest = client.create_rest_client().get_server_capabilities().result()
+        assert [m.model_name for m in rest.supported_models] == list(models)

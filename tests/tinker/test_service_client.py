@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,6 +88,17 @@ def sampling_stops_as_tinker_says(client: ServiceClient) -> None:
     # token but the last, whose logits are computed, is a hit
     assert again.prompt_cache_hit_tokens == len(prompt.to_ints()) - 1
     assert isinstance(again.sequences[0].logprobs, list)
+    # the numpy fields too, as the SDK's wire decoder fills them
+    first = free.sequences[0]
+    assert first.tokens_np is not None and first.tokens_np.dtype == np.int32
+    assert first.tokens_np.tolist() == first.tokens
+    assert first.logprobs_np is not None and first.logprobs is not None
+    assert np.allclose(first.logprobs_np, first.logprobs)
+    scored = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1),
+                            include_prompt_logprobs=True).result()
+    assert scored.prompt_logprobs_np is not None and scored.prompt_logprobs is not None
+    assert np.isnan(scored.prompt_logprobs_np[0]) and scored.prompt_logprobs[0] is None
+    assert np.allclose(scored.prompt_logprobs_np[1:], scored.prompt_logprobs[1:])
     # max_tokens=None: up to the context's end (64 tokens here), or the end of sequence
     (seq,) = again.sequences
     if seq.stop_reason == "length":
