@@ -256,6 +256,9 @@ class TrainingClient:
     def get_tokenizer(self) -> Any:
         return self._service.tokenizer
 
+    def get_telemetry(self) -> None:
+        return None
+
 
 def sampling_client_from_path(service: LocalService, model_path: str | os.PathLike[str],
                               base_model: str) -> SamplingClient:

@@ -108,6 +108,17 @@ class RestClient:
         run_id, segment, name = parse(tinker_path)
         return self.delete_checkpoint(run_id, f"{segment}/{name}")
 
+    def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None,
+                                            ) -> AwaitableConcurrentFuture[None]:
+        """Accepted, and nothing is set: local checkpoints stay until deleted."""
+        if not self._runs.resolve(tinker_path).is_dir():
+            raise NotFound(f"no checkpoint at {tinker_path}")
+        return done(None)
+
+    def get_telemetry(self) -> None:
+        """None: nothing is reported anywhere."""
+        return None
+
     def publish_checkpoint_from_tinker_path(self, tinker_path: str,
                                             ) -> AwaitableConcurrentFuture[None]:
         return done(self._found(self._runs.set_public, tinker_path, True))

@@ -141,6 +141,10 @@ class ServiceClient:
             name: service.train_model.config.max_seq_len
             for name, service in self._services.items()})
 
+    def get_telemetry(self) -> None:
+        """None: nothing is reported anywhere (so the clients made here have none)."""
+        return None
+
     def get_server_capabilities(self) -> Any:
         return self.create_rest_client().get_server_capabilities().result()
 

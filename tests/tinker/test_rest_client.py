@@ -64,6 +64,8 @@ def test_runs_and_checkpoints_are_listed_published_and_deleted(tmp_path: Path) -
         rest.publish_checkpoint_from_tinker_path(two).result()
         assert [c.public for c in rest.list_checkpoints(first.model_id).result().checkpoints] \
             == [False, True]
+        rest.set_checkpoint_ttl_from_tinker_path(one, 60).result()  # accepted: none expire
+        assert rest.get_telemetry() is None and client.get_telemetry() is None
         rest.delete_checkpoint_from_tinker_path(one).result()
         assert [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints] == [two]
         assert rest.get_training_run(second.model_id).result().last_checkpoint is None
