@@ -119,6 +119,9 @@ class AgentEnv(gym.Env[Observation, str]):
         self.observation_space = messages_space()
         self.action_space = AnyText()
         self._transcript: list[Message] = []
+        self.reset_seed: int | None = None
+        """The last reset's seed (None: none given), for an env whose task another
+        library draws (`task_seed`)."""
         self._turn = 0
         self._done = True
         self._success = False
@@ -133,6 +136,13 @@ class AgentEnv(gym.Env[Observation, str]):
     def _act(self, text: str) -> Outcome:
         """Answer one assistant reply that contains no tool calls."""
         raise NotImplementedError
+
+    def task_seed(self) -> int:
+        """The seed to draw a task of another library with: the reset's own (so the envs
+        of a GRPO group, reset with one seed, draw one task), else one from `np_random`."""
+        if self.reset_seed is not None:
+            return self.reset_seed
+        return int(self.np_random.integers(2**31))
 
     def expert_action(self) -> str:
         """A scripted, near-optimal next reply in the exact syntax the env expects."""
@@ -162,6 +172,7 @@ class AgentEnv(gym.Env[Observation, str]):
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Observation, dict[str, Any]]:
         super().reset(seed=seed)
+        self.reset_seed = seed
         self._turn, self._done, self._success = 0, False, False
         self._counters = {"num_invalid_actions": 0, "num_tool_calls": 0, "num_tool_errors": 0}
         first = self._reset_task()

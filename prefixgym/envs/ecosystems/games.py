@@ -76,15 +76,6 @@ class _Game(AgentEnv):
         self.game, self.game_id = game, game_id
         self.expert_available = "GuessTheNumber" in game_id
         self._expert: _Bisection | None = None
-        self._seed: int | None = None
-
-    def reset(self, *, seed: int | None = None,
-              options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
-        self._seed = seed
-        return super().reset(seed=seed, options=options)
-
-    def game_seed(self) -> int:
-        return self._seed if self._seed is not None else int(self.np_random.integers(2**31))
 
     def started(self, first: str) -> str:
         self._expert = (_Bisection(first, self.ask, self.answer)
@@ -122,7 +113,7 @@ class TextArenaGame(_Game):
         return game
 
     def _reset_task(self) -> str:
-        self.game.reset(num_players=1, seed=self.game_seed())
+        self.game.reset(num_players=1, seed=self.task_seed())
         return self.started(self._observe())
 
     def _observe(self) -> str:
@@ -154,7 +145,7 @@ class GemEnv(_Game):
         return gem.make(name, **kwargs)
 
     def _reset_task(self) -> str:
-        observation, info = self.game.reset(seed=self.game_seed())
+        observation, info = self.game.reset(seed=self.task_seed())
         return self.started(_with_suffix(observation, info))
 
     def _act(self, text: str) -> Outcome:

@@ -51,7 +51,6 @@ class OpenEnvSession(AgentEnv):
         self.system_prompt, self.timeout_s = system_prompt, float(timeout_s)
         self._socket: Any = None
         self._session = contextlib.ExitStack()
-        self._seed: int | None = None
 
     @classmethod
     def create(cls, url: str, kwargs: dict[str, Any]) -> OpenEnvSession:
@@ -65,11 +64,6 @@ class OpenEnvSession(AgentEnv):
 
     # --- a session per episode ---------------------------------------------------------
 
-    def reset(self, *, seed: int | None = None,
-              options: dict[str, Any] | None = None) -> tuple[Observation, dict[str, Any]]:
-        self._seed = seed
-        return super().reset(seed=seed, options=options)
-
     def _reset_task(self) -> str:
         from websockets.sync.client import connect
 
@@ -77,7 +71,7 @@ class OpenEnvSession(AgentEnv):
         self._session = contextlib.ExitStack()  # (websockets wants its connection entered)
         self._socket = self._session.enter_context(connect(
             self.ws_url, open_timeout=self.timeout_s, close_timeout=self.timeout_s))
-        data = {} if self._seed is None else {"seed": self._seed}
+        data = {} if self.reset_seed is None else {"seed": self.reset_seed}
         reply = self._call({"type": "reset", "data": data})
         return self._render(reply.get("observation") or {}, first=True)
 

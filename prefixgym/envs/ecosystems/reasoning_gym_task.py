@@ -37,7 +37,6 @@ class ReasoningGymTask(AgentEnv):
         self.dataset, self.task, self.partial_credit = dataset, task, partial_credit
         self.system_prompt = system_prompt
         self.entry: dict[str, Any] = {}
-        self._seed: int | None = None
 
     @classmethod
     def create(cls, task: str, kwargs: dict[str, Any]) -> ReasoningGymTask:
@@ -58,13 +57,8 @@ class ReasoningGymTask(AgentEnv):
             raise ValueError(f"reasoning-gym refuses {task} with {kwargs}: {e}") from None
         return cls(dataset, task, **ours)
 
-    def reset(self, *, seed: int | None = None,
-              options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
-        self._seed = seed
-        return super().reset(seed=seed, options=options)
-
     def _reset_task(self) -> str:
-        index = self._seed if self._seed is not None else int(self.np_random.integers(2**31))
+        index = self.task_seed()
         try:
             self.entry = self.dataset[index]
         except IndexError:  # (a dataset over a fixed list of items)

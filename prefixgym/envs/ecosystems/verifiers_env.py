@@ -232,7 +232,6 @@ class VerifiersEnv(AgentEnv):
         super().__init__(max_turns=max_turns)
         self.host, self.success_reward, self.timeout_s = host, float(success_reward), timeout_s
         self.episode: _Episode | None = None
-        self._seed: int | None = None
 
     @classmethod
     def create(cls, name: str, kwargs: dict[str, Any]) -> VerifiersEnv:
@@ -249,15 +248,9 @@ class VerifiersEnv(AgentEnv):
             raise ValueError(f"verifiers cannot load {name!r}: {type(e).__name__}: {e}") from None
         return cls(host, **kwargs)
 
-    def reset(self, *, seed: int | None = None,
-              options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
-        self._seed = seed
-        return super().reset(seed=seed, options=options)
-
     def _reset_task(self) -> str:
         self.close()
-        index = self._seed if self._seed is not None else int(self.np_random.integers(2**31))
-        self.episode = self.host.start(index)
+        self.episode = self.host.start(self.task_seed())
         event = self.episode.next(self.timeout_s)
         if isinstance(event, _End):
             raise RuntimeError(event.error or "the episode ended before asking the model")
