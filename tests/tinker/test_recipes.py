@@ -152,27 +152,64 @@ def test_sl_loop_runs_saves_and_resumes(offline: dict[str, Any], tmp_path: Path,
     assert len(again) == 2 and again == pytest.approx(first[1:], rel=1e-4)
 
 
-def test_sl_basic_runs(offline: dict[str, Any], tmp_path: Path) -> None:
+def _renderer_of(state_path: str) -> str | None:
+    """What a resumed recipe reads back from the run a checkpoint belongs to (through
+    `create_rest_client`), from a new ServiceClient on the same checkpoint root."""
+    from tinker_cookbook import checkpoint_utils
+
+    with ServiceClient() as client:
+        return checkpoint_utils.get_renderer_name_from_checkpoint(client, state_path)
+
+
+def test_sl_basic_runs_and_resumes(offline: dict[str, Any], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from tinker_cookbook.recipes import sl_basic
     from tinker_cookbook.recipes.chat_sl.chat_datasets import NoRobotsBuilder
 
     config = sl_basic.build_config_blueprint("tiny").make()
-    common = chz.replace(config.dataset_builder.common_config, batch_size=2, max_length=256)
-    config = chz.replace(config, log_path=str(tmp_path / "sl_basic"), lora_rank=4,
-                         eval_every=0, save_every=2,
+    common = chz.replace(config.dataset_builder.common_config, batch_size=2, max_length=256,
+                         renderer_name="role_colon")
+    log_path = tmp_path / "sl_basic"
+    config = chz.replace(config, log_path=str(log_path), lora_rank=4, eval_every=0,
+                         save_every=1, renderer_name="role_colon",
                          dataset_builder=NoRobotsBuilder(common_config=common))
     sl_basic.main(config)
-    assert [c["name"] for c in _checkpoints(tmp_path / "sl_basic")] == ["000002", "final"]
+    records = _checkpoints(log_path)
+    assert [c["name"] for c in records] == ["000001", "000002", "000003", "final"]
+    assert records[0]["state_path"].startswith("tinker://")
+    assert _renderer_of(records[0]["state_path"]) == "role_colon"
+    # The supervised loop saves the state it names after batch k once batch k's update
+    # (and, pipelined, the next one's) was submitted, and resumes at batch k: on the
+    # service as here, a resumed run repeats those batches and cannot equal the first.
+    # What holds: it resumes at the checkpoint's batch, from its state, reproducibly.
+    monkeypatch.setattr("builtins.input", lambda prompt: "resume")  # the recipe asks
+    resumed = []
+    for _ in range(2):
+        _interrupt_after_first_checkpoint(log_path)
+        done = len(_metrics(log_path))
+        sl_basic.main(config)
+        resumed.append([m["train_mean_nll"] for m in _metrics(log_path)[done:]])
+    assert len(resumed[0]) == 3 and resumed[0] == resumed[1]  # batches 1-3, twice alike
 
 
-def test_rl_basic_runs(offline: dict[str, Any], tmp_path: Path) -> None:
+def test_rl_basic_runs_and_resumes(offline: dict[str, Any], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from tinker_cookbook.recipes import rl_basic
     from tinker_cookbook.recipes.math_rl.math_env import Gsm8kDatasetBuilder
 
     config = rl_basic.build_config_blueprint("tiny").make()
     builder = Gsm8kDatasetBuilder(batch_size=2, group_size=4, renderer_name="role_colon",
                                   model_name_for_tokenizer="tiny")
-    config = chz.replace(config, log_path=str(tmp_path / "rl_basic"), lora_rank=4,
-                         max_tokens=12, save_every=1, max_steps=2, dataset_builder=builder)
+    log_path = tmp_path / "rl_basic"
+    config = chz.replace(config, log_path=str(log_path), lora_rank=4, max_tokens=12,
+                         save_every=1, max_steps=2, dataset_builder=builder,
+                         renderer_name="role_colon")
     rl_basic.main(config)
-    assert _checkpoints(tmp_path / "rl_basic")[-1]["name"] == "final"
+    records = _checkpoints(log_path)
+    assert records[-1]["name"] == "final"
+    assert _renderer_of(records[0]["state_path"]) == "role_colon"
+    _interrupt_after_first_checkpoint(log_path)
+    monkeypatch.setattr("builtins.input", lambda prompt: "resume")  # the recipe asks
+    rl_basic.main(chz.replace(config, max_steps=3))
+    batches = [m["progress/batch"] for m in _metrics(log_path) if "progress/batch" in m]
+    assert batches[-2:] == [1, 2]  # resumed at batch 1, from its state
