@@ -179,8 +179,9 @@ def test_sl_basic_runs_and_resumes(offline: dict[str, Any], tmp_path: Path,
     assert records[0]["state_path"].startswith("tinker://")
     assert _renderer_of(records[0]["state_path"]) == "role_colon"
     # The supervised loop saves the state it names after batch k once batch k's update
-    # (and, pipelined, the next one's) was submitted, and resumes at batch k: on the
-    # service as here, a resumed run repeats those batches and cannot equal the first.
+    # (and, pipelined, the next one's) was submitted, and resumes at batch k: a resumed
+    # run repeats those batches (as on the service, if it keeps a session's requests in
+    # order) and cannot equal the first.
     # What holds: it resumes at the checkpoint's batch, from its state, reproducibly.
     monkeypatch.setattr("builtins.input", lambda prompt: "resume")  # the recipe asks
     resumed = []
