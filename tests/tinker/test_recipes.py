@@ -74,7 +74,11 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     """The one swap (ServiceClient), and what offline use forces, in every cookbook module
     that imported the names: the dataset, the tokenizer, the renderer."""
     import tinker_cookbook.recipes.chat_sl.chat_datasets
+    import tinker_cookbook.recipes.math_rl.arithmetic_env
     import tinker_cookbook.recipes.math_rl.math_env
+    import tinker_cookbook.recipes.math_rl.train
+    import tinker_cookbook.recipes.multiplayer_rl.guess_number.env
+    import tinker_cookbook.recipes.multiplayer_rl.guess_number.train
     import tinker_cookbook.recipes.rl_basic
     import tinker_cookbook.recipes.rl_loop
     import tinker_cookbook.recipes.sl_basic
@@ -214,3 +218,64 @@ def test_rl_basic_runs_and_resumes(offline: dict[str, Any], tmp_path: Path,
     rl_basic.main(chz.replace(config, max_steps=3))
     batches = [m["progress/batch"] for m in _metrics(log_path) if "progress/batch" in m]
     assert batches[-2:] == [1, 2]  # resumed at batch 1, from its state
+
+
+def _batches(log_path: Path) -> list[int]:
+    return [m["progress/batch"] for m in _metrics(log_path) if "progress/batch" in m]
+
+
+def test_math_rl_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
+    import asyncio
+
+    from tinker_cookbook.recipes.math_rl import train as math_rl
+
+    log_path = tmp_path / "math_rl"
+    cli = math_rl.CLIConfig(model_name="tiny", lora_rank=4, renderer_name="role_colon",
+                            env="arithmetic", group_size=2, groups_per_batch=2, max_tokens=5,
+                            eval_every=0, save_every=1, max_steps=2, log_path=str(log_path),
+                            behavior_if_log_dir_exists="resume")
+    asyncio.run(math_rl.cli_main(cli))
+    assert _checkpoints(log_path)[0]["state_path"].startswith("tinker://")
+    assert _renderer_of(_checkpoints(log_path)[0]["state_path"]) == "role_colon"
+    _interrupt_after_first_checkpoint(log_path)
+    asyncio.run(math_rl.cli_main(chz.replace(cli, max_steps=3)))
+    assert _batches(log_path)[-2:] == [1, 2]  # resumed at batch 1, from its state
+
+
+def test_multiplayer_guess_number_runs_and_resumes(offline: dict[str, Any],
+                                                   tmp_path: Path) -> None:
+    import asyncio
+
+    from tinker_cookbook.recipes.multiplayer_rl.guess_number import train as guess
+    from tinker_cookbook.rl import train as rl_train
+
+    def run(cli: Any) -> None:  # what the recipe's `__main__` does, but the prompt
+        asyncio.run(rl_train.main(chz.replace(guess.build_config(cli), lora_rank=4)))
+
+    log_path = tmp_path / "guess_number"
+    cli = guess.CLIConfig(model_name="tiny", renderer_name="role_colon", group_size=2,
+                          batch_size=2, max_tokens=6, eval_every=0, save_every=1,
+                          max_steps=2, log_path=str(log_path))
+    run(cli)
+    assert [c["name"] for c in _checkpoints(log_path)][-1] == "final"
+    _interrupt_after_first_checkpoint(log_path)
+    run(chz.replace(cli, max_steps=3))
+    assert _batches(log_path)[-2:] == [1, 2]
+
+
+def test_chat_sl_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
+    from tinker_cookbook.recipes.chat_sl import train as chat_sl
+
+    log_path = tmp_path / "chat_sl"
+    cli = chat_sl.CLIConfig(log_path=str(log_path), model_name="tiny", dataset="no_robots",
+                            lora_rank=4, save_every=1, eval_every=0, infrequent_eval_every=0,
+                            renderer_name="role_colon", max_length=256, batch_size=2,
+                            behavior_if_log_dir_exists="resume")
+    chat_sl.cli_main(cli)
+    records = _checkpoints(log_path)
+    assert records[-1]["name"] == "final" and len(records) >= 3
+    assert _renderer_of(records[0]["state_path"]) == "role_colon"
+    first = len(_metrics(log_path))
+    _interrupt_after_first_checkpoint(log_path)
+    chat_sl.cli_main(cli)  # resumes at the first checkpoint's batch (see sl_basic)
+    assert len(_metrics(log_path)) - first == first - 1
