@@ -36,6 +36,9 @@ pytestmark = pytest.mark.skipif(
 
 GSM8K = [{"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
          for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1), (4, 4), (6, 3)]]
+HHH = [{"chosen": f"\n\nHuman: Name a number near {n}.\n\nAssistant: {n + 1}.",
+        "rejected": f"\n\nHuman: Name a number near {n}.\n\nAssistant: A word."}
+       for n in range(8)]
 CHATS = [{"messages": [{"role": "user", "content": f"Name a number near {n}."},
                        {"role": "assistant", "content": f"{n + 1} is near {n}."}]}
          for n in range(8)]
@@ -65,6 +68,9 @@ class Rows:
     def to_list(self) -> list[dict[str, Any]]:
         return list(self.rows)
 
+    def take(self, n: int) -> Rows:
+        return Rows(self.rows[:n])
+
     def shuffle(self, seed: int = 0) -> Rows:
         return Rows(self.rows[seed % len(self.rows):] + self.rows[:seed % len(self.rows)])
 
@@ -79,6 +85,7 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     import tinker_cookbook.recipes.math_rl.train
     import tinker_cookbook.recipes.multiplayer_rl.guess_number.env
     import tinker_cookbook.recipes.multiplayer_rl.guess_number.train
+    import tinker_cookbook.recipes.preference.dpo.train
     import tinker_cookbook.recipes.rl_basic
     import tinker_cookbook.recipes.rl_loop
     import tinker_cookbook.recipes.sl_basic
@@ -91,7 +98,7 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
 
     def load_dataset(path: str, *args: object, split: str | None = None,
                      **kwargs: object) -> Any:
-        rows = GSM8K if "gsm8k" in path else CHATS
+        rows = GSM8K if "gsm8k" in path else HHH if "hh-rlhf" in path else CHATS
         splits = {"train": Rows(rows), "test": Rows(rows[:2])}
         return splits[split] if split else datasets.DatasetDict(splits)
 
@@ -278,4 +285,26 @@ def test_chat_sl_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> No
     first = len(_metrics(log_path))
     _interrupt_after_first_checkpoint(log_path)
     chat_sl.cli_main(cli)  # resumes at the first checkpoint's batch (see sl_basic)
+    assert len(_metrics(log_path)) - first == first - 1
+
+
+def test_dpo_runs_and_resumes(offline: dict[str, Any], tmp_path: Path,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinker_cookbook.preference import train_dpo
+    from tinker_cookbook.recipes.preference.dpo import train as dpo
+
+    main = train_dpo.main  # the recipe's CLI has no save_every: set it on its config
+    monkeypatch.setattr(train_dpo, "main", lambda config: main(chz.replace(
+        config, save_every=1, lora_rank=4)))
+    log_path = tmp_path / "dpo"
+    cli = dpo.CLIConfig(model_name="tiny", dataset="hhh", renderer_name="role_colon",
+                        batch_size=2, max_length=256, log_path=str(log_path), max_steps=3,
+                        behavior_if_log_dir_exists="resume")
+    dpo.cli_main(cli)
+    records = _checkpoints(log_path)
+    assert records[-1]["name"] == "final" and len(records) >= 3
+    assert _renderer_of(records[0]["state_path"]) == "role_colon"
+    first = len(_metrics(log_path))
+    _interrupt_after_first_checkpoint(log_path)
+    dpo.cli_main(cli)  # resumes at the first checkpoint's batch (see sl_basic)
     assert len(_metrics(log_path)) - first == first - 1
