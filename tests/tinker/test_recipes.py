@@ -85,7 +85,12 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     import tinker_cookbook.recipes.math_rl.train
     import tinker_cookbook.recipes.multiplayer_rl.guess_number.env
     import tinker_cookbook.recipes.multiplayer_rl.guess_number.train
+    import tinker_cookbook.recipes.multiplayer_rl.text_arena.env
+    import tinker_cookbook.recipes.multiplayer_rl.text_arena.train
     import tinker_cookbook.recipes.preference.dpo.train
+    import tinker_cookbook.recipes.preference.shorter.env
+    import tinker_cookbook.recipes.preference.shorter.train
+    import tinker_cookbook.recipes.prompt_distillation.train
     import tinker_cookbook.recipes.rl_basic
     import tinker_cookbook.recipes.rl_loop
     import tinker_cookbook.recipes.sl_basic
@@ -308,3 +313,65 @@ def test_dpo_runs_and_resumes(offline: dict[str, Any], tmp_path: Path,
     _interrupt_after_first_checkpoint(log_path)
     dpo.cli_main(cli)  # resumes at the first checkpoint's batch (see sl_basic)
     assert len(_metrics(log_path)) - first == first - 1
+
+
+def test_prompt_distillation_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
+    import tinker_cookbook
+    from tinker_cookbook.recipes.prompt_distillation import train as distill
+
+    shipped = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+    log_path = tmp_path / "prompt_distillation"
+    cli = distill.CLIConfig(file_path=str(shipped), log_path=str(log_path), model_name="tiny",
+                            num_epochs=1, lora_rank=4, save_every=1, eval_every=0,
+                            renderer_name="role_colon", max_length=256, batch_size=32,
+                            behavior_if_log_dir_exists="resume", max_steps=3)
+    distill.cli_main(cli)
+    records = _checkpoints(log_path)
+    assert records[-1]["name"] == "final" and _renderer_of(records[0]["state_path"]) == \
+        "role_colon"
+    first = len(_metrics(log_path))
+    _interrupt_after_first_checkpoint(log_path)
+    distill.cli_main(cli)  # resumes at the first checkpoint's batch (see sl_basic)
+    assert len(_metrics(log_path)) - first == first - 1
+
+
+def test_preference_shorter_runs_and_resumes(offline: dict[str, Any], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinker_cookbook.recipes.preference.shorter import train as shorter
+    from tinker_cookbook.rl import train as rl_train
+
+    main = rl_train.main  # the recipe's CLI has no save_every: set it on its config
+    monkeypatch.setattr(rl_train, "main", lambda config: main(chz.replace(
+        config, save_every=1, lora_rank=4)))
+    log_path = tmp_path / "shorter"
+    cli = shorter.CLIConfig(model_name="tiny", renderer_name="role_colon", batch_size=2,
+                            group_size=2, max_tokens=6, eval_every=0, log_path=str(log_path),
+                            behavior_if_log_dir_exists="resume", max_steps=2)
+    shorter.cli_main(cli)
+    assert _checkpoints(log_path)[-1]["name"] == "final"
+    _interrupt_after_first_checkpoint(log_path)
+    shorter.cli_main(chz.replace(cli, max_steps=3))
+    assert _batches(log_path)[-2:] == [1, 2]
+
+
+def test_multiplayer_text_arena_runs_and_resumes(offline: dict[str, Any],
+                                                 tmp_path: Path) -> None:
+    pytest.importorskip("textarena")
+    import asyncio
+
+    from tinker_cookbook.recipes.multiplayer_rl.text_arena import train as arena
+    from tinker_cookbook.rl import train as rl_train
+
+    def run(cli: Any) -> None:  # what the recipe's `__main__` does, but the prompt
+        asyncio.run(rl_train.main(chz.replace(arena.build_config(cli), lora_rank=4)))
+
+    log_path = tmp_path / "text_arena"
+    cli = arena.CLIConfig(model_name="tiny", renderer_name="role_colon", test_opponent="random",
+                          batch_size=2, num_train_datapoints=8, num_test_datapoints=2,
+                          max_tokens=6, eval_every=0, save_every=1, max_steps=2,
+                          log_path=str(log_path))
+    run(cli)
+    assert _checkpoints(log_path)[-1]["name"] == "final"
+    _interrupt_after_first_checkpoint(log_path)
+    run(chz.replace(cli, max_steps=3))
+    assert _batches(log_path)[-2:] == [1, 2]
