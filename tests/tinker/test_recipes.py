@@ -36,6 +36,8 @@ pytestmark = pytest.mark.skipif(
 
 GSM8K = [{"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
          for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1), (4, 4), (6, 3)]]
+DEEPMATH = [{"question": f"What is {a} times {b}?", "final_answer": str(a * b)}
+            for a, b in [(2, 3), (4, 5), (6, 7), (8, 9), (3, 3), (5, 5), (7, 2), (9, 1)]]
 HHH = [{"chosen": f"\n\nHuman: Name a number near {n}.\n\nAssistant: {n + 1}.",
         "rejected": f"\n\nHuman: Name a number near {n}.\n\nAssistant: A word."}
        for n in range(8)]
@@ -79,7 +81,9 @@ class Rows:
 def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     """The one swap (ServiceClient), and what offline use forces, in every cookbook module
     that imported the names: the dataset, the tokenizer, the renderer."""
+    import tinker_cookbook.distillation.datasets
     import tinker_cookbook.recipes.chat_sl.chat_datasets
+    import tinker_cookbook.recipes.distillation.on_policy_distillation
     import tinker_cookbook.recipes.math_rl.arithmetic_env
     import tinker_cookbook.recipes.math_rl.math_env
     import tinker_cookbook.recipes.math_rl.train
@@ -103,7 +107,8 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
 
     def load_dataset(path: str, *args: object, split: str | None = None,
                      **kwargs: object) -> Any:
-        rows = GSM8K if "gsm8k" in path else HHH if "hh-rlhf" in path else CHATS
+        rows = (GSM8K if "gsm8k" in path else HHH if "hh-rlhf" in path
+                else DEEPMATH if "DeepMath" in path else CHATS)
         splits = {"train": Rows(rows), "test": Rows(rows[:2])}
         return splits[split] if split else datasets.DatasetDict(splits)
 
@@ -236,14 +241,15 @@ def _batches(log_path: Path) -> list[int]:
     return [m["progress/batch"] for m in _metrics(log_path) if "progress/batch" in m]
 
 
-def test_math_rl_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize("env", ["arithmetic", "gsm8k"])
+def test_math_rl_runs_and_resumes(offline: dict[str, Any], tmp_path: Path, env: str) -> None:
     import asyncio
 
     from tinker_cookbook.recipes.math_rl import train as math_rl
 
     log_path = tmp_path / "math_rl"
     cli = math_rl.CLIConfig(model_name="tiny", lora_rank=4, renderer_name="role_colon",
-                            env="arithmetic", group_size=2, groups_per_batch=2, max_tokens=5,
+                            env=env, group_size=2, groups_per_batch=2, max_tokens=5,
                             eval_every=0, save_every=1, max_steps=2, log_path=str(log_path),
                             behavior_if_log_dir_exists="resume")
     asyncio.run(math_rl.cli_main(cli))
@@ -375,3 +381,23 @@ def test_multiplayer_text_arena_runs_and_resumes(offline: dict[str, Any],
     _interrupt_after_first_checkpoint(log_path)
     run(chz.replace(cli, max_steps=3))
     assert _batches(log_path)[-2:] == [1, 2]
+
+
+def test_on_policy_distillation_runs_and_resumes(offline: dict[str, Any],
+                                                 tmp_path: Path) -> None:
+    import asyncio
+
+    from tinker_cookbook.recipes.distillation import on_policy_distillation as distill
+
+    log_path = tmp_path / "on_policy_distillation"
+    cli = distill.CLIConfig(model_name="tiny", lora_rank=4, renderer_name="role_colon",
+                            teacher_model="tiny", dataset="deepmath", group_size=2,
+                            groups_per_batch=2, max_tokens=6, eval_every=0, save_every=1,
+                            max_steps=2, log_path=str(log_path),
+                            behavior_if_log_dir_exists="resume")
+    asyncio.run(distill.cli_main(cli))
+    assert _checkpoints(log_path)[-1]["name"] == "final"
+    _interrupt_after_first_checkpoint(log_path)
+    asyncio.run(distill.cli_main(chz.replace(cli, max_steps=3)))
+    assert _batches(log_path)[-2:] == [1, 2]
+
