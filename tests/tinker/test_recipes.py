@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,39 @@ def _batches(log_path: Path) -> list[int]:
     return [m["progress/batch"] for m in _metrics(log_path) if "progress/batch" in m]
 
 
+def _save_every_batch(monkeypatch: pytest.MonkeyPatch, trainer: Any) -> None:
+    """For a recipe whose command line has no save_every: its trainer's `main` gets the
+    config the recipe built with `save_every=1` (and a small LoRA rank) set on it."""
+    main = trainer.main
+    monkeypatch.setattr(trainer, "main", lambda config: main(chz.replace(
+        config, save_every=1, lora_rank=4)))
+
+
+def _supervised_run_resumes(run: Callable[[], None], log_path: Path) -> None:
+    """`run()` trains from scratch, saving every batch; cut back to its first checkpoint,
+    `run()` again resumes there: it trains the batches from it on (see sl_basic)."""
+    run()
+    records = _checkpoints(log_path)
+    assert records[-1]["name"] == "final" and len(records) >= 3
+    assert _renderer_of(records[0]["state_path"]) == "role_colon"
+    first = len(_metrics(log_path))
+    _interrupt_after_first_checkpoint(log_path)
+    run()
+    assert len(_metrics(log_path)) - first == first - 1
+
+
+def _rl_run_resumes(run: Callable[[int], None], log_path: Path) -> None:
+    """`run(max_steps)` trains, saving every batch; cut back to its first checkpoint, a
+    longer run resumes at batch 1 from its state."""
+    run(2)
+    records = _checkpoints(log_path)
+    assert records[-1]["name"] == "final"
+    assert _renderer_of(records[0]["state_path"]) == "role_colon"
+    _interrupt_after_first_checkpoint(log_path)
+    run(3)
+    assert _batches(log_path)[-2:] == [1, 2]
+
+
 @pytest.mark.parametrize("env", ["arithmetic", "gsm8k"])
 def test_math_rl_runs_and_resumes(offline: dict[str, Any], tmp_path: Path, env: str) -> None:
     import asyncio
@@ -252,12 +286,8 @@ def test_math_rl_runs_and_resumes(offline: dict[str, Any], tmp_path: Path, env: 
                             env=env, group_size=2, groups_per_batch=2, max_tokens=5,
                             eval_every=0, save_every=1, max_steps=2, log_path=str(log_path),
                             behavior_if_log_dir_exists="resume")
-    asyncio.run(math_rl.cli_main(cli))
-    assert _checkpoints(log_path)[0]["state_path"].startswith("tinker://")
-    assert _renderer_of(_checkpoints(log_path)[0]["state_path"]) == "role_colon"
-    _interrupt_after_first_checkpoint(log_path)
-    asyncio.run(math_rl.cli_main(chz.replace(cli, max_steps=3)))
-    assert _batches(log_path)[-2:] == [1, 2]  # resumed at batch 1, from its state
+    _rl_run_resumes(lambda steps: asyncio.run(math_rl.cli_main(
+        chz.replace(cli, max_steps=steps))), log_path)
 
 
 def test_multiplayer_guess_number_runs_and_resumes(offline: dict[str, Any],
@@ -274,11 +304,7 @@ def test_multiplayer_guess_number_runs_and_resumes(offline: dict[str, Any],
     cli = guess.CLIConfig(model_name="tiny", renderer_name="role_colon", group_size=2,
                           batch_size=2, max_tokens=6, eval_every=0, save_every=1,
                           max_steps=2, log_path=str(log_path))
-    run(cli)
-    assert [c["name"] for c in _checkpoints(log_path)][-1] == "final"
-    _interrupt_after_first_checkpoint(log_path)
-    run(chz.replace(cli, max_steps=3))
-    assert _batches(log_path)[-2:] == [1, 2]
+    _rl_run_resumes(lambda steps: run(chz.replace(cli, max_steps=steps)), log_path)
 
 
 def test_chat_sl_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
@@ -289,14 +315,7 @@ def test_chat_sl_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> No
                             lora_rank=4, save_every=1, eval_every=0, infrequent_eval_every=0,
                             renderer_name="role_colon", max_length=256, batch_size=2,
                             behavior_if_log_dir_exists="resume")
-    chat_sl.cli_main(cli)
-    records = _checkpoints(log_path)
-    assert records[-1]["name"] == "final" and len(records) >= 3
-    assert _renderer_of(records[0]["state_path"]) == "role_colon"
-    first = len(_metrics(log_path))
-    _interrupt_after_first_checkpoint(log_path)
-    chat_sl.cli_main(cli)  # resumes at the first checkpoint's batch (see sl_basic)
-    assert len(_metrics(log_path)) - first == first - 1
+    _supervised_run_resumes(lambda: chat_sl.cli_main(cli), log_path)
 
 
 def test_dpo_runs_and_resumes(offline: dict[str, Any], tmp_path: Path,
@@ -304,21 +323,12 @@ def test_dpo_runs_and_resumes(offline: dict[str, Any], tmp_path: Path,
     from tinker_cookbook.preference import train_dpo
     from tinker_cookbook.recipes.preference.dpo import train as dpo
 
-    main = train_dpo.main  # the recipe's CLI has no save_every: set it on its config
-    monkeypatch.setattr(train_dpo, "main", lambda config: main(chz.replace(
-        config, save_every=1, lora_rank=4)))
+    _save_every_batch(monkeypatch, train_dpo)
     log_path = tmp_path / "dpo"
     cli = dpo.CLIConfig(model_name="tiny", dataset="hhh", renderer_name="role_colon",
                         batch_size=2, max_length=256, log_path=str(log_path), max_steps=3,
                         behavior_if_log_dir_exists="resume")
-    dpo.cli_main(cli)
-    records = _checkpoints(log_path)
-    assert records[-1]["name"] == "final" and len(records) >= 3
-    assert _renderer_of(records[0]["state_path"]) == "role_colon"
-    first = len(_metrics(log_path))
-    _interrupt_after_first_checkpoint(log_path)
-    dpo.cli_main(cli)  # resumes at the first checkpoint's batch (see sl_basic)
-    assert len(_metrics(log_path)) - first == first - 1
+    _supervised_run_resumes(lambda: dpo.cli_main(cli), log_path)
 
 
 def test_prompt_distillation_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
@@ -331,14 +341,7 @@ def test_prompt_distillation_runs_and_resumes(offline: dict[str, Any], tmp_path:
                             num_epochs=1, lora_rank=4, save_every=1, eval_every=0,
                             renderer_name="role_colon", max_length=256, batch_size=32,
                             behavior_if_log_dir_exists="resume", max_steps=3)
-    distill.cli_main(cli)
-    records = _checkpoints(log_path)
-    assert records[-1]["name"] == "final" and _renderer_of(records[0]["state_path"]) == \
-        "role_colon"
-    first = len(_metrics(log_path))
-    _interrupt_after_first_checkpoint(log_path)
-    distill.cli_main(cli)  # resumes at the first checkpoint's batch (see sl_basic)
-    assert len(_metrics(log_path)) - first == first - 1
+    _supervised_run_resumes(lambda: distill.cli_main(cli), log_path)
 
 
 def test_preference_shorter_runs_and_resumes(offline: dict[str, Any], tmp_path: Path,
@@ -346,18 +349,13 @@ def test_preference_shorter_runs_and_resumes(offline: dict[str, Any], tmp_path: 
     from tinker_cookbook.recipes.preference.shorter import train as shorter
     from tinker_cookbook.rl import train as rl_train
 
-    main = rl_train.main  # the recipe's CLI has no save_every: set it on its config
-    monkeypatch.setattr(rl_train, "main", lambda config: main(chz.replace(
-        config, save_every=1, lora_rank=4)))
+    _save_every_batch(monkeypatch, rl_train)
     log_path = tmp_path / "shorter"
     cli = shorter.CLIConfig(model_name="tiny", renderer_name="role_colon", batch_size=2,
                             group_size=2, max_tokens=6, eval_every=0, log_path=str(log_path),
                             behavior_if_log_dir_exists="resume", max_steps=2)
-    shorter.cli_main(cli)
-    assert _checkpoints(log_path)[-1]["name"] == "final"
-    _interrupt_after_first_checkpoint(log_path)
-    shorter.cli_main(chz.replace(cli, max_steps=3))
-    assert _batches(log_path)[-2:] == [1, 2]
+    _rl_run_resumes(lambda steps: shorter.cli_main(chz.replace(cli, max_steps=steps)),
+                    log_path)
 
 
 def test_multiplayer_text_arena_runs_and_resumes(offline: dict[str, Any],
@@ -376,11 +374,7 @@ def test_multiplayer_text_arena_runs_and_resumes(offline: dict[str, Any],
                           batch_size=2, num_train_datapoints=8, num_test_datapoints=2,
                           max_tokens=6, eval_every=0, save_every=1, max_steps=2,
                           log_path=str(log_path))
-    run(cli)
-    assert _checkpoints(log_path)[-1]["name"] == "final"
-    _interrupt_after_first_checkpoint(log_path)
-    run(chz.replace(cli, max_steps=3))
-    assert _batches(log_path)[-2:] == [1, 2]
+    _rl_run_resumes(lambda steps: run(chz.replace(cli, max_steps=steps)), log_path)
 
 
 def test_on_policy_distillation_runs_and_resumes(offline: dict[str, Any],
@@ -395,9 +389,6 @@ def test_on_policy_distillation_runs_and_resumes(offline: dict[str, Any],
                             groups_per_batch=2, max_tokens=6, eval_every=0, save_every=1,
                             max_steps=2, log_path=str(log_path),
                             behavior_if_log_dir_exists="resume")
-    asyncio.run(distill.cli_main(cli))
-    assert _checkpoints(log_path)[-1]["name"] == "final"
-    _interrupt_after_first_checkpoint(log_path)
-    asyncio.run(distill.cli_main(chz.replace(cli, max_steps=3)))
-    assert _batches(log_path)[-2:] == [1, 2]
+    _rl_run_resumes(lambda steps: asyncio.run(distill.cli_main(
+        chz.replace(cli, max_steps=steps))), log_path)
 
