@@ -39,6 +39,10 @@ GSM8K = [{"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\
          for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1), (4, 4), (6, 3)]]
 DEEPMATH = [{"question": f"What is {a} times {b}?", "final_answer": str(a * b)}
             for a, b in [(2, 3), (4, 5), (6, 7), (8, 9), (3, 3), (5, 5), (7, 2), (9, 1)]]
+POLARIS = [{"problem": row["question"], "answer": row["final_answer"]} for row in DEEPMATH]
+OPENTHOUGHTS = [{"conversations": [{"from": "human", "value": f"Count to {n}."},
+                                   {"from": "gpt", "value": " ".join(map(str, range(1, n + 1)))}]}
+                for n in range(1, 9)]
 HHH = [{"chosen": f"\n\nHuman: Name a number near {n}.\n\nAssistant: {n + 1}.",
         "rejected": f"\n\nHuman: Name a number near {n}.\n\nAssistant: A word."}
        for n in range(8)]
@@ -74,8 +78,25 @@ class Rows:
     def take(self, n: int) -> Rows:
         return Rows(self.rows[:n])
 
-    def shuffle(self, seed: int = 0) -> Rows:
+    def shuffle(self, seed: int = 0, buffer_size: int | None = None) -> Rows:
         return Rows(self.rows[seed % len(self.rows):] + self.rows[:seed % len(self.rows)])
+
+    def batch(self, batch_size: int, drop_last_batch: bool = False) -> Batches:
+        """As a streamed `IterableDataset.batch`: column dicts of `batch_size` rows."""
+        return Batches(self.rows, batch_size, drop_last_batch)
+
+
+class Batches:
+    def __init__(self, rows: list[dict[str, Any]], size: int, drop_last: bool) -> None:
+        cut = len(rows) - len(rows) % size if drop_last else len(rows)
+        self.batches = [{k: [r[k] for r in rows[i:i + size]] for k in rows[0]}
+                        for i in range(0, cut, size)]
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+    def set_epoch(self, seed: int) -> None:
+        return None
 
 
 @pytest.fixture
@@ -84,7 +105,9 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     that imported the names: the dataset, the tokenizer, the renderer."""
     import tinker_cookbook.distillation.datasets
     import tinker_cookbook.recipes.chat_sl.chat_datasets
+    import tinker_cookbook.recipes.distillation.off_policy_reasoning
     import tinker_cookbook.recipes.distillation.on_policy_distillation
+    import tinker_cookbook.recipes.distillation.on_policy_multi_teacher
     import tinker_cookbook.recipes.math_rl.arithmetic_env
     import tinker_cookbook.recipes.math_rl.math_env
     import tinker_cookbook.recipes.math_rl.train
@@ -109,7 +132,8 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     def load_dataset(path: str, *args: object, split: str | None = None,
                      **kwargs: object) -> Any:
         rows = (GSM8K if "gsm8k" in path else HHH if "hh-rlhf" in path
-                else DEEPMATH if "DeepMath" in path else CHATS)
+                else DEEPMATH if "DeepMath" in path else POLARIS if "Polaris" in path
+                else OPENTHOUGHTS if "OpenThoughts" in path else CHATS)
         splits = {"train": Rows(rows), "test": Rows(rows[:2])}
         return splits[split] if split else datasets.DatasetDict(splits)
 
@@ -275,7 +299,7 @@ def _rl_run_resumes(run: Callable[[int], None], log_path: Path) -> None:
     assert _batches(log_path)[-2:] == [1, 2]
 
 
-@pytest.mark.parametrize("env", ["arithmetic", "gsm8k"])
+@pytest.mark.parametrize("env", ["arithmetic", "gsm8k", "polaris", "deepmath"])
 def test_math_rl_runs_and_resumes(offline: dict[str, Any], tmp_path: Path, env: str) -> None:
     import asyncio
 
@@ -392,3 +416,30 @@ def test_on_policy_distillation_runs_and_resumes(offline: dict[str, Any],
     _rl_run_resumes(lambda steps: asyncio.run(distill.cli_main(
         chz.replace(cli, max_steps=steps))), log_path)
 
+
+
+def test_on_policy_multi_teacher_runs_and_resumes(offline: dict[str, Any],
+                                                  tmp_path: Path) -> None:
+    import asyncio
+
+    from tinker_cookbook.recipes.distillation import on_policy_multi_teacher as multi
+
+    log_path = tmp_path / "on_policy_multi_teacher"
+    cli = multi.CLIConfig(model_name="tiny", lora_rank=4, renderer_name="role_colon",
+                          deepmath_teacher_model="tiny", tulu3_teacher_model="tiny",
+                          deepmath_groups_per_batch=1, tulu3_groups_per_batch=1, group_size=2,
+                          max_tokens=6, eval_every=0, save_every=1, log_path=str(log_path),
+                          behavior_if_log_dir_exists="resume")
+    _rl_run_resumes(lambda steps: asyncio.run(multi.cli_main(
+        chz.replace(cli, max_steps=steps))), log_path)
+
+
+def test_off_policy_reasoning_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
+    from tinker_cookbook.recipes.distillation import off_policy_reasoning as reasoning
+
+    log_path = tmp_path / "off_policy_reasoning"
+    cli = reasoning.CLIConfig(model_name="tiny", lora_rank=4, renderer_name="role_colon",
+                              batch_size=2, max_length=256, buffer_size=8, max_prompts=8,
+                              eval_every=0, save_every=1, log_path=str(log_path),
+                              behavior_if_log_dir_exists="resume")
+    _supervised_run_resumes(lambda: reasoning.cli_main(cli), log_path)
