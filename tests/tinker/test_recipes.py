@@ -443,3 +443,20 @@ def test_off_policy_reasoning_runs_and_resumes(offline: dict[str, Any], tmp_path
                               eval_every=0, save_every=1, log_path=str(log_path),
                               behavior_if_log_dir_exists="resume")
     _supervised_run_resumes(lambda: reasoning.cli_main(cli), log_path)
+
+
+def test_rlhf_pipeline_runs_its_three_stages_and_resumes(offline: dict[str, Any], tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinker_cookbook.recipes.preference.rlhf import rlhf_pipeline as rlhf
+
+    monkeypatch.setenv("TINKER_COOKBOOK_RUNS_DIR", str(tmp_path / "runs"))
+    cli = rlhf.CLIConfig(base_model="tiny", short_name="tiny", lora_rank=4, max_length=256,
+                         batch_size=2, rl_max_tokens=6, rl_group_size=2, save_every=1,
+                         eval_every=0, max_steps=2)
+    rlhf.cli_main(cli)
+    root = next((tmp_path / "runs").glob("rlhf-tiny*"))
+    for stage in ("sft", "rm", "rl"):  # the RL stage loads the SFT state and the RM weights
+        assert _checkpoints(root / stage)[-1]["name"] == "final", stage
+    _interrupt_after_first_checkpoint(root / "rl")  # the RL stage alone, resumed
+    rlhf.cli_main(chz.replace(cli, run_sft=False, run_rm=False, max_steps=3))
+    assert _batches(root / "rl")[-2:] == [1, 2]
