@@ -108,6 +108,7 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     import tinker_cookbook.recipes.distillation.off_policy_reasoning
     import tinker_cookbook.recipes.distillation.on_policy_distillation
     import tinker_cookbook.recipes.distillation.on_policy_multi_teacher
+    import tinker_cookbook.recipes.forecasting.train
     import tinker_cookbook.recipes.math_rl.arithmetic_env
     import tinker_cookbook.recipes.math_rl.math_env
     import tinker_cookbook.recipes.math_rl.train
@@ -460,3 +461,41 @@ def test_rlhf_pipeline_runs_its_three_stages_and_resumes(offline: dict[str, Any]
     _interrupt_after_first_checkpoint(root / "rl")  # the RL stage alone, resumed
     rlhf.cli_main(chz.replace(cli, run_sft=False, run_rm=False, max_steps=3))
     assert _batches(root / "rl")[-2:] == [1, 2]
+
+
+def _forecasting_csv(path: Path) -> Path:
+    """Prophet-Arena-shaped rows: eight events closing before 2025-06-01 (training), four
+    opening after it (validation), one binary market each."""
+    import csv
+
+    fields = ["submission_id", "event_ticker", "title", "snapshot_time", "close_time",
+              "market_outcome", "category", "markets", "sources"]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for i in range(12):
+            month = 1 + i % 4 if i < 8 else 7 + i % 4
+            writer.writerow({
+                "submission_id": f"s{i}", "event_ticker": f"E{i}", "title": f"Event {i}",
+                "snapshot_time": f"2025-{month:02d}-01T00:00:00Z",
+                "close_time": f"2025-{month:02d}-20T00:00:00Z",
+                "market_outcome": json.dumps({f"Team {i} wins": i % 2}), "category": "Sports",
+                "markets": json.dumps([f"Team {i} wins"]),
+                "sources": json.dumps([{"title": "Preview", "summary": f"Team {i} is fit."}])})
+    return path
+
+
+def test_forecasting_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
+    import asyncio
+
+    from tinker_cookbook.recipes.forecasting import train as forecasting
+
+    log_path = tmp_path / "forecasting"
+    cli = forecasting.Config(model_name="tiny", renderer_name="role_colon", lora_rank=4,
+                             data_path=str(_forecasting_csv(tmp_path / "events.csv")),
+                             split_date="2025-06-01", group_size=2, groups_per_batch=2,
+                             validation_group_size=1, max_tokens=6, eval_every=0,
+                             save_every=1, log_path=str(log_path),
+                             behavior_if_log_dir_exists="resume")
+    _rl_run_resumes(lambda steps: asyncio.run(forecasting.cli_main(
+        chz.replace(cli, max_steps=steps))), log_path)
