@@ -43,6 +43,12 @@ POLARIS = [{"problem": row["question"], "answer": row["final_answer"]} for row i
 OPENTHOUGHTS = [{"conversations": [{"from": "human", "value": f"Count to {n}."},
                                    {"from": "gpt", "value": " ".join(map(str, range(1, n + 1)))}]}
                 for n in range(1, 9)]
+SCIKNOWEVAL = [{"domain": "Chemistry", "details": {"level": "L3"}, "type": "mcq-4-choices",
+                "question": f"Which is heavier, {a} g or {b} g?",
+                "choices": {"label": ["A", "B"], "text": [f"{a} g", f"{b} g"]},
+                "answerKey": "A" if a > b else "B"}
+               for a, b in [(3, 1), (1, 4), (5, 9), (8, 2), (6, 7), (9, 3), (2, 5), (7, 1),
+                            (4, 6), (9, 8)]]
 HHH = [{"chosen": f"\n\nHuman: Name a number near {n}.\n\nAssistant: {n + 1}.",
         "rejected": f"\n\nHuman: Name a number near {n}.\n\nAssistant: A word."}
        for n in range(8)]
@@ -122,6 +128,8 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     import tinker_cookbook.recipes.prompt_distillation.train
     import tinker_cookbook.recipes.rl_basic
     import tinker_cookbook.recipes.rl_loop
+    import tinker_cookbook.recipes.sdft.datasets
+    import tinker_cookbook.recipes.sdft.train
     import tinker_cookbook.recipes.sl_basic
     import tinker_cookbook.recipes.sl_loop  # noqa: F401
     from tinker_cookbook import model_info, tokenizer_utils
@@ -134,8 +142,11 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
                      **kwargs: object) -> Any:
         rows = (GSM8K if "gsm8k" in path else HHH if "hh-rlhf" in path
                 else DEEPMATH if "DeepMath" in path else POLARIS if "Polaris" in path
-                else OPENTHOUGHTS if "OpenThoughts" in path else CHATS)
-        splits = {"train": Rows(rows), "test": Rows(rows[:2])}
+                else OPENTHOUGHTS if "OpenThoughts" in path
+                else SCIKNOWEVAL if "SciKnowEval" in path else CHATS)
+        # (SciKnowEval ships one split, "test", which the recipe splits itself)
+        splits = {"train": Rows(rows),
+                  "test": Rows(rows if rows is SCIKNOWEVAL else rows[:2])}
         return splits[split] if split else datasets.DatasetDict(splits)
 
     replacements = {
@@ -498,4 +509,19 @@ def test_forecasting_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -
                              save_every=1, log_path=str(log_path),
                              behavior_if_log_dir_exists="resume")
     _rl_run_resumes(lambda steps: asyncio.run(forecasting.cli_main(
+        chz.replace(cli, max_steps=steps))), log_path)
+
+
+def test_sdft_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
+    import asyncio
+
+    from tinker_cookbook.recipes.sdft import train as sdft
+
+    log_path = tmp_path / "sdft"
+    # topk=0: the top-k teacher targets are (N, K) loss inputs, not supported here yet
+    cli = sdft.CLIConfig(model_name="tiny", lora_rank=4, renderer_name="role_colon",
+                         dataset="sciknoweval", groups_per_batch=2, max_tokens=6, topk=0,
+                         max_context_length=1024, eval_every=0, save_every=1,
+                         log_path=str(log_path), behavior_if_log_dir_exists="resume")
+    _rl_run_resumes(lambda steps: asyncio.run(sdft.cli_main(
         chz.replace(cli, max_steps=steps))), log_path)
