@@ -49,6 +49,9 @@ SCIKNOWEVAL = [{"domain": "Chemistry", "details": {"level": "L3"}, "type": "mcq-
                 "answerKey": "A" if a > b else "B"}
                for a, b in [(3, 1), (1, 4), (5, 9), (8, 2), (6, 7), (9, 3), (2, 5), (7, 1),
                             (4, 6), (9, 8)]]
+FEEDBACK = [{"orig_instruction": f"Name a number near {n}.", "orig_criteria": "Is it near?",
+             **{f"orig_score{i}_description": f"{i}: this near" for i in range(1, 6)},
+             "orig_reference_answer": str(n + 1)} for n in range(8)]
 HHH = [{"chosen": f"\n\nHuman: Name a number near {n}.\n\nAssistant: {n + 1}.",
         "rejected": f"\n\nHuman: Name a number near {n}.\n\nAssistant: A word."}
        for n in range(8)]
@@ -128,6 +131,10 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     import tinker_cookbook.recipes.prompt_distillation.train
     import tinker_cookbook.recipes.rl_basic
     import tinker_cookbook.recipes.rl_loop
+    import tinker_cookbook.recipes.rubric.data
+    import tinker_cookbook.recipes.rubric.env
+    import tinker_cookbook.recipes.rubric.prometheus_experimental
+    import tinker_cookbook.recipes.rubric.train
     import tinker_cookbook.recipes.sdft.datasets
     import tinker_cookbook.recipes.sdft.train
     import tinker_cookbook.recipes.sl_basic
@@ -143,7 +150,8 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
         rows = (GSM8K if "gsm8k" in path else HHH if "hh-rlhf" in path
                 else DEEPMATH if "DeepMath" in path else POLARIS if "Polaris" in path
                 else OPENTHOUGHTS if "OpenThoughts" in path
-                else SCIKNOWEVAL if "SciKnowEval" in path else CHATS)
+                else SCIKNOWEVAL if "SciKnowEval" in path
+                else FEEDBACK if "Feedback-Collection" in path else CHATS)
         # (SciKnowEval ships one split, "test", which the recipe splits itself)
         splits = {"train": Rows(rows),
                   "test": Rows(rows if rows is SCIKNOWEVAL else rows[:2])}
@@ -524,4 +532,60 @@ def test_sdft_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
                          max_context_length=1024, eval_every=0, save_every=1,
                          log_path=str(log_path), behavior_if_log_dir_exists="resume")
     _rl_run_resumes(lambda steps: asyncio.run(sdft.cli_main(
+        chz.replace(cli, max_steps=steps))), log_path)
+
+
+def _long_context_checkpoint(directory: Path) -> str:
+    """A small Qwen2 checkpoint with a 4,096-token context and the built-in tokenizer:
+    for recipes that sample more tokens than the presets' 2,048-token context holds."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from prefixgym.prompting.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=4096,
+        tie_word_embeddings=True))
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def test_rubric_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
+    import asyncio
+
+    from tinker_cookbook.recipes.rubric import generate_data
+    from tinker_cookbook.recipes.rubric import train as rubric
+
+    # its grader samples up to 2,048 tokens (hard-coded): a model with a longer context
+    model = _long_context_checkpoint(tmp_path / "model")
+    train_path, test_path = generate_data.generate_dataset(8, 2, seed=0,
+                                                           write_dir=str(tmp_path))
+    log_path = tmp_path / "rubric"
+    cli = rubric.CLIConfig(model_name=model, lora_rank=4, renderer_name="role_colon",
+                           grader_llm_name=model, grader_renderer_name="role_colon",
+                           train_jsonl_path=train_path, test_jsonl_path=test_path,
+                           train_group_size=2, groups_per_batch=1, max_tokens=6,
+                           eval_every=0, save_every=1, log_path=str(log_path),
+                           behavior_if_log_dir_exists="resume")
+    _rl_run_resumes(lambda steps: asyncio.run(rubric.cli_main(
+        chz.replace(cli, max_steps=steps))), log_path)
+
+
+def test_rubric_prometheus_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
+    import asyncio
+
+    from tinker_cookbook.recipes.rubric import prometheus_experimental as prometheus
+
+    model = _long_context_checkpoint(tmp_path / "model")  # (as rubric's grader)
+    log_path = tmp_path / "prometheus"
+    cli = prometheus.CLIConfig(model_name=model, lora_rank=4, renderer_name="role_colon",
+                               grader_llm_name=model, grader_renderer_name="role_colon",
+                               train_group_size=2, groups_per_batch=1, max_tokens=6,
+                               eval_every=0, save_every=1, log_path=str(log_path),
+                               behavior_if_log_dir_exists="resume")
+    _rl_run_resumes(lambda steps: asyncio.run(prometheus.cli_main(
         chz.replace(cli, max_steps=steps))), log_path)
