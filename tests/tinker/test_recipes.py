@@ -286,6 +286,14 @@ def _batches(log_path: Path) -> list[int]:
     return [m["progress/batch"] for m in _metrics(log_path) if "progress/batch" in m]
 
 
+def _async_cli_resumes(cli_main: Callable[[Any], Any], cli: Any, log_path: Path) -> None:
+    """`_rl_run_resumes` for a recipe whose `cli_main(cli)` is a coroutine function."""
+    import asyncio
+
+    _rl_run_resumes(lambda steps: asyncio.run(cli_main(chz.replace(cli, max_steps=steps))),
+                    log_path)
+
+
 def _save_every_batch(monkeypatch: pytest.MonkeyPatch, trainer: Any) -> None:
     """For a recipe whose command line has no save_every: its trainer's `main` gets the
     config the recipe built with `save_every=1` (and a small LoRA rank) set on it."""
@@ -321,7 +329,6 @@ def _rl_run_resumes(run: Callable[[int], None], log_path: Path) -> None:
 
 @pytest.mark.parametrize("env", ["arithmetic", "gsm8k", "polaris", "deepmath"])
 def test_math_rl_runs_and_resumes(offline: dict[str, Any], tmp_path: Path, env: str) -> None:
-    import asyncio
 
     from tinker_cookbook.recipes.math_rl import train as math_rl
 
@@ -330,8 +337,7 @@ def test_math_rl_runs_and_resumes(offline: dict[str, Any], tmp_path: Path, env: 
                             env=env, group_size=2, groups_per_batch=2, max_tokens=5,
                             eval_every=0, save_every=1, max_steps=2, log_path=str(log_path),
                             behavior_if_log_dir_exists="resume")
-    _rl_run_resumes(lambda steps: asyncio.run(math_rl.cli_main(
-        chz.replace(cli, max_steps=steps))), log_path)
+    _async_cli_resumes(math_rl.cli_main, cli, log_path)
 
 
 def test_multiplayer_guess_number_runs_and_resumes(offline: dict[str, Any],
@@ -423,7 +429,6 @@ def test_multiplayer_text_arena_runs_and_resumes(offline: dict[str, Any],
 
 def test_on_policy_distillation_runs_and_resumes(offline: dict[str, Any],
                                                  tmp_path: Path) -> None:
-    import asyncio
 
     from tinker_cookbook.recipes.distillation import on_policy_distillation as distill
 
@@ -433,14 +438,12 @@ def test_on_policy_distillation_runs_and_resumes(offline: dict[str, Any],
                             groups_per_batch=2, max_tokens=6, eval_every=0, save_every=1,
                             max_steps=2, log_path=str(log_path),
                             behavior_if_log_dir_exists="resume")
-    _rl_run_resumes(lambda steps: asyncio.run(distill.cli_main(
-        chz.replace(cli, max_steps=steps))), log_path)
+    _async_cli_resumes(distill.cli_main, cli, log_path)
 
 
 
 def test_on_policy_multi_teacher_runs_and_resumes(offline: dict[str, Any],
                                                   tmp_path: Path) -> None:
-    import asyncio
 
     from tinker_cookbook.recipes.distillation import on_policy_multi_teacher as multi
 
@@ -450,8 +453,7 @@ def test_on_policy_multi_teacher_runs_and_resumes(offline: dict[str, Any],
                           deepmath_groups_per_batch=1, tulu3_groups_per_batch=1, group_size=2,
                           max_tokens=6, eval_every=0, save_every=1, log_path=str(log_path),
                           behavior_if_log_dir_exists="resume")
-    _rl_run_resumes(lambda steps: asyncio.run(multi.cli_main(
-        chz.replace(cli, max_steps=steps))), log_path)
+    _async_cli_resumes(multi.cli_main, cli, log_path)
 
 
 def test_off_policy_reasoning_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
@@ -505,7 +507,6 @@ def _forecasting_csv(path: Path) -> Path:
 
 
 def test_forecasting_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
-    import asyncio
 
     from tinker_cookbook.recipes.forecasting import train as forecasting
 
@@ -516,12 +517,10 @@ def test_forecasting_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -
                              validation_group_size=1, max_tokens=6, eval_every=0,
                              save_every=1, log_path=str(log_path),
                              behavior_if_log_dir_exists="resume")
-    _rl_run_resumes(lambda steps: asyncio.run(forecasting.cli_main(
-        chz.replace(cli, max_steps=steps))), log_path)
+    _async_cli_resumes(forecasting.cli_main, cli, log_path)
 
 
 def test_sdft_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
-    import asyncio
 
     from tinker_cookbook.recipes.sdft import train as sdft
 
@@ -531,8 +530,7 @@ def test_sdft_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
                          dataset="sciknoweval", groups_per_batch=2, max_tokens=6, topk=0,
                          max_context_length=1024, eval_every=0, save_every=1,
                          log_path=str(log_path), behavior_if_log_dir_exists="resume")
-    _rl_run_resumes(lambda steps: asyncio.run(sdft.cli_main(
-        chz.replace(cli, max_steps=steps))), log_path)
+    _async_cli_resumes(sdft.cli_main, cli, log_path)
 
 
 def _long_context_checkpoint(directory: Path) -> str:
@@ -555,7 +553,6 @@ def _long_context_checkpoint(directory: Path) -> str:
 
 
 def test_rubric_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
-    import asyncio
 
     from tinker_cookbook.recipes.rubric import generate_data
     from tinker_cookbook.recipes.rubric import train as rubric
@@ -571,12 +568,10 @@ def test_rubric_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> Non
                            train_group_size=2, groups_per_batch=1, max_tokens=6,
                            eval_every=0, save_every=1, log_path=str(log_path),
                            behavior_if_log_dir_exists="resume")
-    _rl_run_resumes(lambda steps: asyncio.run(rubric.cli_main(
-        chz.replace(cli, max_steps=steps))), log_path)
+    _async_cli_resumes(rubric.cli_main, cli, log_path)
 
 
 def test_rubric_prometheus_runs_and_resumes(offline: dict[str, Any], tmp_path: Path) -> None:
-    import asyncio
 
     from tinker_cookbook.recipes.rubric import prometheus_experimental as prometheus
 
@@ -587,5 +582,4 @@ def test_rubric_prometheus_runs_and_resumes(offline: dict[str, Any], tmp_path: P
                                train_group_size=2, groups_per_batch=1, max_tokens=6,
                                eval_every=0, save_every=1, log_path=str(log_path),
                                behavior_if_log_dir_exists="resume")
-    _rl_run_resumes(lambda steps: asyncio.run(prometheus.cli_main(
-        chz.replace(cli, max_steps=steps))), log_path)
+    _async_cli_resumes(prometheus.cli_main, cli, log_path)
