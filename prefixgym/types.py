@@ -219,6 +219,17 @@ class Usage(_Wire):
         return self.train_computed_tokens + self.train_shared_tokens
 
     @property
+    def computed_tokens(self) -> int:
+        """Prefill computed + sampled + train computed: the work paid for in full."""
+        return self.prefill_computed_tokens + self.sampled_tokens + self.train_computed_tokens
+
+    @property
+    def tokens_without_sharing(self) -> int:
+        """What would be computed with no prefix cache and no shared prefixes: every prompt
+        token, every sampled one, every datum position."""
+        return self.prefill_tokens + self.sampled_tokens + self.train_tokens
+
+    @property
     def cache_hit_rate(self) -> float:
         total = self.prefill_tokens
         return self.prefill_cached_tokens / total if total else 0.0

@@ -95,9 +95,9 @@ class Part:
     def to_json(self, prices: Prices | None) -> JSONObject:
         out: JSONObject = {
             "units": self.units, "unit": self.unit,
-            "tokens_computed": tokens_computed(self.usage),
-            "tokens_computed_interval": [tokens_computed(self.low), tokens_computed(self.high)],
-            "tokens_without_sharing": tokens_without_sharing(self.usage),
+            "tokens_computed": self.usage.computed_tokens,
+            "tokens_computed_interval": [self.low.computed_tokens, self.high.computed_tokens],
+            "tokens_without_sharing": self.usage.tokens_without_sharing,
             **{term: getattr(self.usage, f"{term}_tokens") for term in TERMS},
             "seconds": round(self.seconds[0], 1),
             "seconds_interval": [round(self.seconds[1], 1), round(self.seconds[2], 1)],
@@ -109,19 +109,6 @@ class Part:
         return out
 
 
-def tokens_computed(usage: Usage) -> int:
-    """Prefill computed + sampled + train computed: the work a run pays for in full."""
-    return usage.prefill_computed_tokens + usage.sampled_tokens + usage.train_computed_tokens
-
-
-def tokens_without_sharing(usage: Usage) -> int:
-    """What would be computed with no prefix cache and no shared prefixes: every prompt
-    token, every sampled one, every datum position. How much of it sharing saves
-    depends on how alike the samples are, which changes as a policy learns; this does
-    not."""
-    return usage.prefill_tokens + usage.sampled_tokens + usage.train_tokens
-
-
 def _scaled(usage: Usage, factor: float) -> Usage:
     return Usage(**{k: round(getattr(usage, k) * factor) for k in Usage.model_fields})
 
@@ -131,8 +118,8 @@ def _part(name: str, label: str, units: int, unit: str, samples: Sequence[tuple[
     """`samples`: (usage, seconds) of one pilot unit each."""
     n = len(samples)
     mean = Usage.total(u for u, _ in samples)
-    cheapest = min(samples, key=lambda s: tokens_computed(s[0]))[0]
-    dearest = max(samples, key=lambda s: tokens_computed(s[0]))[0]
+    cheapest = min(samples, key=lambda s: s[0].computed_tokens)[0]
+    dearest = max(samples, key=lambda s: s[0].computed_tokens)[0]
     seconds = [s for _, s in samples]
     return Part(name, label, units, unit, _scaled(mean, units / n), _scaled(cheapest, units),
                 _scaled(dearest, units),
@@ -210,18 +197,24 @@ class Estimate:
     def total(self, pick: Callable[[Part], Usage]) -> Usage:
         return Usage.total(pick(p) for p in self.parts)
 
+    @property
+    def seconds(self) -> list[float]:
+        """The whole run's (estimate, low, high): the parts' and the rest."""
+        return [sum(p.seconds[i] for p in self.parts) + self.rest_s for i in range(3)]
+
     def to_json(self) -> JSONObject:
-        seconds = [sum(p.seconds[i] for p in self.parts) + self.rest_s for i in range(3)]
+        seconds = self.seconds
+        usage = self.total(lambda p: p.usage)
         total: JSONObject = {
-            "tokens_computed": tokens_computed(self.total(lambda p: p.usage)),
-            "tokens_computed_interval": [tokens_computed(self.total(lambda p: p.low)),
-                                         tokens_computed(self.total(lambda p: p.high))],
-            "tokens_without_sharing": tokens_without_sharing(self.total(lambda p: p.usage)),
+            "tokens_computed": usage.computed_tokens,
+            "tokens_computed_interval": [self.total(lambda p: p.low).computed_tokens,
+                                         self.total(lambda p: p.high).computed_tokens],
+            "tokens_without_sharing": usage.tokens_without_sharing,
             "seconds": round(seconds[0], 1),
             "seconds_interval": [round(seconds[1], 1), round(seconds[2], 1)],
         }
         if self.prices is not None:
-            total["cost"] = round(self.total(lambda p: p.usage).cost(self.prices).total, 6)
+            total["cost"] = round(usage.cost(self.prices).total, 6)
         out: JSONObject = {
             "parts": {p.name: p.to_json(self.prices) for p in self.parts},
             "rest_seconds": round(self.rest_s, 1), "total": total, "pilot": self.pilot,
@@ -238,8 +231,8 @@ class Estimate:
 
         def row(label: str, usage: Usage, low: Usage, high: Usage,
                 seconds: Sequence[float]) -> list[str]:
-            cells = [label, f"{tokens_without_sharing(usage):,}", f"{tokens_computed(usage):,}",
-                     f"{tokens_computed(low):,}-{tokens_computed(high):,}",
+            cells = [label, f"{usage.tokens_without_sharing:,}", f"{usage.computed_tokens:,}",
+                     f"{low.computed_tokens:,}-{high.computed_tokens:,}",
                      *(f"{getattr(usage, f'{t}_tokens'):,}" for t in TERMS[:4]),
                      f"{seconds[0]:,.0f} ({seconds[1]:,.0f}-{seconds[2]:,.0f})"]
             if self.prices is not None:
@@ -254,9 +247,8 @@ class Estimate:
         rows = [head] + [row(p.label, p.usage, p.low, p.high, p.seconds) for p in self.parts]
         rest = ["the rest (start-up, checkpoints, report)", *[""] * 7, f"{self.rest_s:,.0f}"]
         rows.append(rest + ([""] if self.prices is not None else []))
-        seconds = [sum(p.seconds[i] for p in self.parts) + self.rest_s for i in range(3)]
         rows.append(row("whole run", self.total(lambda p: p.usage), self.total(lambda p: p.low),
-                        self.total(lambda p: p.high), seconds))
+                        self.total(lambda p: p.high), self.seconds))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                            for i, (c, w) in enumerate(zip(r, widths))) for r in rows]

@@ -131,8 +131,8 @@ def phase_table(usage: Usage) -> str:
     ]
     lines = ["| phase | tokens |", "|---|---:|"]
     lines += [f"| {name} | {_fmt(v)} |" for name, v in rows]
-    computed = usage.prefill_computed_tokens + usage.sampled_tokens + usage.train_computed_tokens
-    lines.append(f"| **computed in all** (prefill + sample + train) | **{_fmt(computed)}** |")
+    lines.append(f"| **computed in all** (prefill + sample + train) | "
+                 f"**{_fmt(usage.computed_tokens)}** |")
     lines.append("")
     lines.append(
         f"Without the prefix cache, prefill would have computed {_fmt(without_cache)} tokens "

@@ -75,6 +75,13 @@ def server() -> Iterator[RunningServer]:
 
 
 @pytest.fixture
+def client(server: RunningServer):  # type: ignore[no-untyped-def]
+    """The official openai client on the session's server (no retries)."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+
+
+@pytest.fixture
 def start_server():
     """`start_server(service, config)`: a running server, stopped (and its service closed)
     when the test ends."""

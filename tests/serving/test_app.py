@@ -12,11 +12,6 @@ openai = pytest.importorskip("openai")
 PROMPT = [(7 * i + 3) % 4000 + 50 for i in range(40)]  # 40 ordinary token ids
 
 
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
-
-
 def post(server, payload=None, **kwargs) -> httpx.Response:
     if payload is not None:
         kwargs["json"] = payload

@@ -20,11 +20,6 @@ TOOLS = [{"type": "function", "function": {
                                                    "b": {"type": "integer"}}}}}]
 
 
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
-
-
 def chat(server, payload=None, **kwargs) -> httpx.Response:
     if payload is not None:
         kwargs["json"] = payload

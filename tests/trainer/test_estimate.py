@@ -17,7 +17,6 @@ from prefixgym.trainer.estimate import (
     evaluations_in,
     extrapolate,
     pilot_config,
-    tokens_computed,
 )
 from prefixgym.trainer.report import MetricsLog, usage_of
 from prefixgym.types import Usage
@@ -61,8 +60,8 @@ def test_each_part_is_the_pilots_mean_per_unit_times_the_runs_units() -> None:
     sft, grpo, ev = parts["warm_start"], parts["grpo"], parts["eval"]
     assert sft.usage.prefill_computed_tokens == 100 and sft.usage.sampled_tokens == 100
     assert sft.seconds == (20.0, 10.0, 30.0)  # mean 2 s, cheapest and dearest step alike
-    assert tokens_computed(grpo.usage) == 6 * (200 + 15)
-    assert (tokens_computed(grpo.low), tokens_computed(grpo.high)) == (6 * 115, 6 * 315)
+    assert grpo.usage.computed_tokens == 6 * (200 + 15)
+    assert (grpo.low.computed_tokens, grpo.high.computed_tokens) == (6 * 115, 6 * 315)
     # evaluations: after the warm start, at steps 3 and 6, of 100 episodes at the
     # pilot's rate per episode (no trace to tell its batches apart)
     assert ev.units == 3 and ev.usage.prefill_computed_tokens == 300 * 100
@@ -108,7 +107,7 @@ def test_a_pilot_that_covers_the_run_predicts_its_tokens_exactly(tmp_path: Path,
     for name, phase in (("warm_start", "sft"), ("grpo", "grpo"), ("eval", "eval")):
         actual = Usage.total(usage_of(r) for r in records if r["phase"] == phase)
         part = estimate["parts"][name]
-        assert part["tokens_computed"] == tokens_computed(actual), name
+        assert part["tokens_computed"] == actual.computed_tokens, name
         assert part["tokens_without_sharing"] == (actual.prefill_tokens + actual.sampled_tokens
                                                   + actual.train_tokens)
         assert part["prefill_cached"] == actual.prefill_cached_tokens
@@ -116,7 +115,7 @@ def test_a_pilot_that_covers_the_run_predicts_its_tokens_exactly(tmp_path: Path,
         low, high = part["tokens_computed_interval"]
         assert low <= part["tokens_computed"] <= high
     total = estimate["total"]
-    assert total["tokens_computed"] == tokens_computed(result.usage)
+    assert total["tokens_computed"] == result.usage.computed_tokens
     prices, _ = run_prices("tiny")
     assert total["cost"] == pytest.approx(result.usage.cost(prices).total, abs=1e-6)
     assert estimate["prices"]["model"] == prices.model and estimate["assumptions"]
