@@ -62,21 +62,27 @@ class Episode:
     async def reset(self, seed: int | None) -> bool:
         """1) Reset the env with `seed` and append its first message. False when the env
         raised: the episode has then ended ("env_error")."""
-        start = time.perf_counter()
         try:
-            if self._awaits("areset"):
-                obs, _ = await self.agent.areset(seed=seed)
-            elif self._overrides("areset"):
-                obs, _ = await asyncio.to_thread(self.env.reset, seed=seed)
-            else:
-                obs, _ = self.env.reset(seed=seed)
+            obs, _ = await self._call_env("reset", seed=seed)
         except Exception as e:  # an env that raises ends its episode, never the run
-            self.traj.env_s += time.perf_counter() - start
             self.finish("env_error", error=f"{type(e).__name__}: {e}")
             return False
-        self.traj.env_s += time.perf_counter() - start
         self.begin(obs)
         return True
+
+    async def _call_env(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """The env's `reset` or `step`, run as the env runs it best: its own async
+        `a<name>`, the sync method in a worker thread when it overrides `a<name>`, else
+        inline; the seconds it took go to the trajectory's `env_s`, raised or not."""
+        start = time.perf_counter()
+        try:
+            if self._awaits(f"a{name}"):
+                return await getattr(self.agent, f"a{name}")(*args, **kwargs)
+            if self._overrides(f"a{name}"):
+                return await asyncio.to_thread(getattr(self.env, name), *args, **kwargs)
+            return getattr(self.env, name)(*args, **kwargs)
+        finally:
+            self.traj.env_s += time.perf_counter() - start
 
     def begin(self, observation: Observation) -> None:
         """Append the env's first message (what `reset` returned), after the system
@@ -104,19 +110,11 @@ class Episode:
     async def step(self, turn: Turn) -> bool:
         """3) The env's answer to `turn`'s reply, recorded; True while the episode goes on
         (the env's next message appended), False once it has ended."""
-        start = time.perf_counter()
         try:
-            if self._awaits("astep"):
-                result = await self.agent.astep(turn.reply_text)
-            elif self._overrides("astep"):
-                result = await asyncio.to_thread(self.env.step, turn.reply_text)
-            else:
-                result = self.env.step(turn.reply_text)
+            result = await self._call_env("step", turn.reply_text)
         except Exception as e:  # an env that raises ends its episode, never the run
-            self.traj.env_s += time.perf_counter() - start
             self.finish("env_error", error=f"{type(e).__name__}: {e}")
             return False
-        self.traj.env_s += time.perf_counter() - start
         return self.record(turn, result)
 
     def record(self, turn: Turn, result: StepResult) -> bool:
