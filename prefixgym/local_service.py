@@ -6,7 +6,8 @@
 The engine (`engine.service.EngineService`) speaks token ids only. This class adds
 the text side: it picks the tokenizer (the checkpoint directory's own, or the
 built-in one), tells the engine which ids end an assistant turn, and gives it a
-`decode` for stop strings. Everything else -- clients, weights versions, the cache,
+`decode` for stop strings, and writes both as one Hugging Face directory
+(`save_hf_dir`). Everything else -- clients, weights versions, the cache,
 the usage ledger -- is the engine's.
 """
 
@@ -67,3 +68,13 @@ class LocalService(EngineService):
                          end_of_turn_ids=end_of_turn_ids(tok), decode=decode, sampler=sampler,
                          **sampler_fields)
         self.tokenizer: PreTrainedTokenizerBase = tok
+
+    def save_hf_dir(self, directory: str | Path) -> Path:
+        """The trainable model's weights and the tokenizer, as one Hugging Face model
+        directory: what vLLM serves (`prefixgym serve --engine vllm`) and an adapter's
+        base for other tools. Returns the directory."""
+        from prefixgym.engine.model.hf_export import save_hf_checkpoint
+
+        save_hf_checkpoint(self.train_model, directory)
+        self.tokenizer.save_pretrained(str(directory))
+        return Path(directory)

@@ -76,3 +76,14 @@ def _auto_is_the_test_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
 def register_test_envs():
     if "tests/Lengthy-v0" not in gym.registry:
         gym.register("tests/Lengthy-v0", entry_point=Lengthy)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    """One line when the real-vLLM tests were skipped, saying how to run them
+    (tests/serving/real_servers.py)."""
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(report, "longrepr", None)
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        if "real-vLLM tests skipped" in reason:
+            terminalreporter.write_line(reason.removeprefix("Skipped: "))
+            return

@@ -4,14 +4,19 @@ Parses `ServeConfig` flags, builds a `LocalService`, and runs `serving.app` unde
 uvicorn until interrupted. The API key comes from `--api-key`, else the
 PREFIXGYM_API_KEY environment variable; binding beyond loopback without one prints a
 warning. The endpoint and its extras are described in `prefixgym/serving/app.py` and
-docs/scaling.md.
+docs/scaling.md. With `--engine vllm` it writes the model as a Hugging Face directory
+(a preset included) and runs a real vLLM server on it in the foreground instead
+(`serving.launch`), ending vLLM's whole process group when interrupted.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import sys
+import tempfile
+from pathlib import Path
 
 from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import parse_config
@@ -31,6 +36,8 @@ def main(argv: list[str]) -> int:
         print(f"prefixgym serve: warning: {config.host} is reachable from other machines and "
               f"no API key is set: anyone who reaches port {config.port} can use the engine "
               f"(set {API_KEY_VARIABLE} or --api-key)", file=sys.stderr)
+    if config.engine == "vllm":
+        return serve_vllm(config)
     try:
         import uvicorn
 
@@ -61,3 +68,65 @@ def main(argv: list[str]) -> int:
     finally:
         service.close()
     return 0
+
+
+def serve_vllm(config: ServeConfig) -> int:
+    """`--engine vllm`: the model in a temporary HF directory, vLLM serving it until
+    interrupted."""
+    from prefixgym.serving.launch import ServerProcess, VLLMLaunch, find_vllm_python
+
+    try:
+        python = find_vllm_python(config.vllm_python)
+        launch = VLLMLaunch(
+            model_dir="", served_model_name=config.model_name, host=config.host,
+            port=config.port or free_port(), lora_rank=config.lora_rank, dtype=config.dtype,
+            block_size=config.block_size, kv_cache_gib=config.kv_cache_gib, seed=config.seed,
+            api_key=config.api_key)
+    except ValueError as e:
+        print(f"prefixgym serve: {e}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="prefixgym-vllm-") as tmp:
+        try:
+            model_dir = hf_model_dir(config.model, config.seed, Path(tmp) / "model")
+        except (ValueError, OSError) as e:
+            print(f"prefixgym serve: cannot load model {config.model!r}: {error_line(e)}",
+                  file=sys.stderr)
+            return 2
+        launch = dataclasses.replace(launch, model_dir=model_dir)
+        url = f"http://{'127.0.0.1' if config.host == '0.0.0.0' else config.host}:{launch.port}"
+        print(f"prefixgym serve: starting vLLM ({python}) on {model_dir}", flush=True)
+        server = ServerProcess(launch.argv(python), url, launch.env(), name="vLLM")
+        try:
+            server.wait_ready()
+            print(f"prefixgym serve: vLLM serves {config.model_name} on "
+                  f"http://{config.host}:{launch.port}/v1", flush=True)
+            code = server.process.wait()
+            print(f"prefixgym serve: vLLM exited with code {code}", file=sys.stderr)
+            return 1
+        except RuntimeError as e:
+            print(f"prefixgym serve: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            server.stop()
+
+
+def hf_model_dir(model: str, seed: int, directory: Path) -> str:
+    """`model` as a directory vLLM can serve: a checkpoint directory with its tokenizer
+    as it is, else (a preset, or a directory without tokenizer files) written to
+    `directory` with the tokenizer prefixgym uses for it."""
+    from prefixgym.local_service import LocalService
+
+    path = Path(model)
+    tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    if path.is_dir() and any((path / name).is_file() for name in tokenizer_files):
+        return str(path.resolve())
+    with LocalService(model=model, seed=seed) as service:
+        return str(service.save_hf_dir(directory).resolve())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

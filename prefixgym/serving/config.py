@@ -12,6 +12,11 @@ API_KEY_VARIABLE = "PREFIXGYM_API_KEY"
 class ServeConfig:
     model: str = "tiny"
     """A built-in preset (tiny, small) or a local Hugging Face checkpoint directory."""
+    engine: str = "prefixgym"
+    """prefixgym (the built-in engine, in this process) or vllm (a real vLLM server in a
+    child process, started with the flags RL needs: docs/scaling.md). Flags marked
+    (vllm) are vLLM's alone; --max-request-tokens, --max-n, --max-body-bytes and
+    --log-level are the built-in engine's."""
     host: str = "127.0.0.1"
     """Address to bind. The default answers this machine only; 0.0.0.0 exposes the engine
     (give it an API key)."""
@@ -39,7 +44,21 @@ class ServeConfig:
     do (default: the PREFIXGYM_API_KEY environment variable, which other users of this
     machine cannot read from the process list; empty: no key)."""
 
+    vllm_python: str = ""
+    """(vllm) A Python that has vLLM installed (default: $PREFIXGYM_VLLM_PYTHON, else
+    .venv-vllm/bin/python here, which `./run.sh vllm` builds, else this Python)."""
+    lora_rank: int = 16
+    """(vllm) Largest rank of the LoRA adapters it takes at runtime (0: none)."""
+    dtype: str = "auto"
+    """(vllm) The weights' and activations' dtype (float32 to match an fp32 trainer)."""
+    block_size: int = 32
+    """(vllm) KV block size; prefixes are cached in whole blocks."""
+    kv_cache_gib: int = 1
+    """(vllm) KV cache size on a CPU, in whole GiB."""
+
     def __post_init__(self) -> None:
+        if self.engine not in ("prefixgym", "vllm"):
+            raise ValueError(f"--engine must be prefixgym or vllm, got {self.engine!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_request_tokens < 0:

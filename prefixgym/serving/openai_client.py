@@ -28,6 +28,7 @@ an HTTP 5xx a RuntimeError.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import warnings
 from typing import Literal, Self
@@ -170,18 +171,67 @@ class OpenAISamplingClient:
 
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> str:
         """Have the server load full weights from `model_path` (an HF checkpoint
-        directory it can read); ValueError with the server's message when it cannot."""
+        directory it can read) and label them `weight_version`: SGLang's and prefixgym
+        serve's `/update_weights_from_disk`, else vLLM's development routes
+        (`_vllm_reload`). ValueError with the server's message when it cannot."""
         data = self._call("POST", f"{self.root_url}/update_weights_from_disk",
                           {"model_path": model_path, "weight_version": weight_version},
                           absolute=True)
-        if "success" not in data:  # vLLM has no such route (docs/scaling.md)
-            raise ValueError(f"{self.root_url} cannot load full weights from disk (it has no "
-                             f"/update_weights_from_disk: {str(data)[:200]}); use SGLang or "
-                             "prefixgym serve, or LoRA adapters")
+        if "success" not in data:
+            if data.get("detail") == "Not Found":  # no such route: vLLM (docs/scaling.md)
+                return self._vllm_reload(model_path, weight_version)
+            raise ValueError(f"{self.root_url}/update_weights_from_disk refused: "
+                             f"{str(data)[:300]}")
         if data.get("success") is not True:
             raise ValueError(f"{self.root_url} did not load {model_path}: "
                              f"{data.get('message')}")
         return str(data.get("message", ""))
+
+    def _vllm_reload(self, model_path: str, weight_version: str) -> str:
+        """vLLM 0.32 started with VLLM_SERVER_DEV_MODE=1: 1) pause, letting requests in
+        flight finish; 2) every worker reloads its weights in place from `model_path`
+        (`/collective_rpc` `reload_weights`); 3) empty the prefix cache, whose KV the
+        old weights computed; 4) label the weights (`/weight_info` answers it); 5)
+        resume. vLLM's engine ends itself when a reload fails (a path it cannot read)."""
+        root = self.root_url
+        try:
+            self._call("POST", f"{root}/pause?mode=wait")  # 1)
+        except ValueError as e:
+            raise ValueError(
+                f"{root} has no route that loads full weights: neither SGLang's "
+                "/update_weights_from_disk nor vLLM's development routes (start vLLM with "
+                "VLLM_SERVER_DEV_MODE=1, as `prefixgym serve --engine vllm` does), or "
+                f"use LoRA adapters ({e})") from None
+        try:
+            try:  # 2)
+                self._call("POST", f"{root}/collective_rpc", {
+                    "method": "reload_weights", "kwargs": {"weights_path": model_path}})
+            except RuntimeError as e:
+                raise ValueError(
+                    f"{root} failed to reload full weights from {model_path}, and vLLM "
+                    "ends itself when that happens; the trainer and the samplers must "
+                    f"share a filesystem ({e})") from None
+            if self._call("POST", f"{root}/reset_prefix_cache").get("success") is not True:
+                raise RuntimeError(f"{root} could not empty its prefix cache after the "  # 3)
+                                   "weights changed")
+            self._call("POST", f"{root}/update_weight_version",  # 4)
+                       {"new_version": weight_version})
+        except BaseException:
+            with contextlib.suppress(ConnectionError, RuntimeError, ValueError):
+                self._call("POST", f"{root}/resume")  # (a server that died stays dead)
+            raise
+        self._call("POST", f"{root}/resume")  # 5)
+        return f"reloaded {model_path}"
+
+    def served_weights_version(self) -> str | None:
+        """The label of the weights the server holds, for a server whose answers do not
+        carry it: vLLM's `GET /weight_info` (None where there is no such route)."""
+        try:
+            data = self._call("GET", f"{self.root_url}/weight_info")
+        except ValueError:
+            return None
+        version = data.get("weight_version")
+        return str(version) if version is not None else None
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         """vLLM's /v1/load_lora_adapter, or SGLang's /load_lora_adapter where that is absent."""

@@ -15,7 +15,9 @@ A server's bad-request answer (HTTP 4xx) is the request's fault: raised, not ret
 
 `pinned(label)` is the pool seen by one published weights version: its requests
 name the adapter when there is one and refuse answers labelled otherwise
-(`SampleResponse.weights_version`); `weights_version` is its publish number, which
+(`SampleResponse.weights_version`; where a server's answers carry no label, as vLLM's
+with full weights, the label it reports at `/weight_info`, asked once per server and
+version); `weights_version` is its publish number, which
 the trainer compares with its own. The pool knows servers, prompts and labels; it
 knows nothing of envs, episodes or training (affinity is by token prefix alone).
 """
@@ -219,6 +221,8 @@ class PinnedSampler:
         self.weights_version = weights_version
         self.model = model
         self._version_from: Literal["metadata", "model"] = "model" if model else "metadata"
+        self._confirmed: set[str] = set()  # servers whose /weight_info said `label`
+        self._lock = threading.Lock()
 
     def sample(self, prompt: ModelInput | list[int], num_samples: int = 1,
                sampling_params: SamplingParams | None = None,
@@ -254,10 +258,26 @@ class PinnedSampler:
         return APIFuture(self.pool._pool.submit(run))
 
     def _check(self, client: OpenAISamplingClient, version: str | None) -> None:
-        if self.label is not None and version != self.label:
+        if self.label is None:
+            return
+        if version is None and self.model is None:  # full weights, unlabelled answers (vLLM)
+            version = self._served_version(client)
+        if version != self.label:
             raise StaleWeightsError(
                 f"{client.base_url} answered from weights {version!r}, not the published "
                 f"{self.label!r} (did it restart, or miss the update?)")
+
+    def _served_version(self, client: OpenAISamplingClient) -> str | None:
+        """The server's own label for its weights (`/weight_info`), asked once per
+        server for this version: later answers of that server are taken as its."""
+        with self._lock:
+            if client.root_url in self._confirmed:
+                return self.label
+        version = client.served_weights_version()
+        if version == self.label:
+            with self._lock:
+                self._confirmed.add(client.root_url)
+        return version
 
 
 def _ids(prompt: ModelInput | list[int]) -> list[int]:

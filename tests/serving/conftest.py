@@ -1,4 +1,5 @@
-"""A real `prefixgym serve` app on a free loopback port, in a thread, shared by the session."""
+"""A real `prefixgym serve` app on a free loopback port, in a thread, shared by the
+session; and a real vLLM server in a process of its own (`vllm_server`, `vllm`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
+
+from real_servers import VLLMServer  # noqa: E402
 
 from prefixgym.local_service import LocalService  # noqa: E402
 from prefixgym.serving.app import create_app  # noqa: E402
@@ -95,3 +98,21 @@ def start_server():
     for running in started:
         running.stop()
         running.service.close()
+
+
+# -- a real vLLM server (tests marked `vllm`; ./run.sh test builds .venv-vllm) ------------
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    server = VLLMServer(tmp_path_factory.mktemp("vllm"))
+    yield server
+    server.process.stop()
+
+
+@pytest.fixture
+def vllm(vllm_server: VLLMServer) -> VLLMServer:
+    """The session's vLLM server, restored to the base weights for this test."""
+    if vllm_server.process.process.poll() is not None:
+        pytest.fail(f"the session's vLLM server died; its log: {vllm_server.log}")
+    vllm_server.restore()
+    return vllm_server

@@ -138,7 +138,62 @@ def test_weight_routes_against_a_vllm_like_and_an_sglang_like_server() -> None:
         return httpx.Response(404, json={"detail": "Not Found"})  # FastAPI's unknown route
 
     with OpenAISamplingClient("http://fake/v1", transport=httpx.MockTransport(handler)) as c:
-        with pytest.raises(ValueError, match="no /update_weights_from_disk"):
+        with pytest.raises(ValueError, match="no route that loads full weights.*"
+                                             "VLLM_SERVER_DEV_MODE=1"):
             c.update_weights_from_disk("/shared/w/v000001", "run-1")
         c.load_lora_adapter("run-1", "/shared/w/v000001")
-    assert seen == ["/update_weights_from_disk", "/v1/load_lora_adapter", "/load_lora_adapter"]
+    assert seen == ["/update_weights_from_disk", "/pause", "/v1/load_lora_adapter",
+                    "/load_lora_adapter"]
+
+
+def _vllm_dev_mode(seen: list[str], reload_fails: bool = False) -> httpx.MockTransport:
+    """vLLM 0.32 with VLLM_SERVER_DEV_MODE=1, as its RL routes answer."""
+    state = {"version": "default"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        seen.append(path)
+        body = json.loads(request.content) if request.content else {}
+        if path == "/collective_rpc":
+            assert body == {"method": "reload_weights",
+                            "kwargs": {"weights_path": "/shared/w/v000002"}}
+            if reload_fails:
+                return httpx.Response(500, json={"error": {"message": "Worker failed"}})
+            return httpx.Response(200, json={"results": [None]})
+        if path == "/pause":
+            assert request.url.params["mode"] == "wait"  # requests in flight finish
+            return httpx.Response(200, json={"status": "paused"})
+        if path == "/resume":
+            return httpx.Response(200, json={"status": "resumed"})
+        if path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        if path == "/update_weight_version":
+            state["version"] = body["new_version"]
+            return httpx.Response(200, json={"success": True})
+        if path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": state["version"]})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    return httpx.MockTransport(handler)
+
+
+def test_full_weights_reach_vllm_through_its_development_routes() -> None:
+    seen: list[str] = []
+    with OpenAISamplingClient("http://fake/v1", transport=_vllm_dev_mode(seen)) as c:
+        assert c.served_weights_version() == "default"
+        c.update_weights_from_disk("/shared/w/v000002", "run-2")
+        assert c.served_weights_version() == "run-2"
+    # paused while the weights change; the prefix cache, computed by the old weights,
+    # emptied before anything samples again
+    assert seen == ["/weight_info", "/update_weights_from_disk", "/pause", "/collective_rpc",
+                    "/reset_prefix_cache", "/update_weight_version", "/resume",
+                    "/weight_info"]
+
+
+def test_a_failed_vllm_reload_says_why_and_resumes() -> None:
+    seen: list[str] = []
+    with (OpenAISamplingClient("http://fake/v1",
+                               transport=_vllm_dev_mode(seen, reload_fails=True)) as c,
+          pytest.raises(ValueError, match="share a filesystem")):
+        c.update_weights_from_disk("/shared/w/v000002", "run-2")
+    assert seen[-2:] == ["/collective_rpc", "/resume"]  # never labelled, not left paused

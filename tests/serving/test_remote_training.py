@@ -1,5 +1,6 @@
 """`prefixgym train --sampler-url`: rollouts and evaluation go to the HTTP server, which
-receives every update and answers only from it."""
+receives every update and answers only from it (async LoRA against prefixgym serve and
+a real vLLM)."""
 
 from __future__ import annotations
 
@@ -51,14 +52,23 @@ def test_remote_sync_refuses_what_needs_older_versions(flag, message, tmp_path: 
         build_run(config)
 
 
-def test_a_lora_run_pushes_adapters_and_samples_one_version_behind(start_server,
+@pytest.fixture(params=["prefixgym", pytest.param(
+    "vllm", marks=[pytest.mark.vllm, pytest.mark.xdist_group("vllm")])])
+def base_server_url(request: pytest.FixtureRequest, start_server) -> str:
+    """A server on the trainer's base weights (tiny, seed 0): prefixgym serve, or the
+    session's real vLLM."""
+    if request.param == "vllm":
+        return str(request.getfixturevalue("vllm").url)
+    return str(start_server(LocalService(model="tiny", seed=0)).url)
+
+
+def test_a_lora_run_pushes_adapters_and_samples_one_version_behind(base_server_url: str,
                                                                   tmp_path: Path,
                                                                   numerics) -> None:
-    server = start_server(LocalService(model="tiny", seed=0))  # the trainer's base weights
     config = TrainConfig(out=str(tmp_path), env="tests/Lengthy-v0", sft_steps=0, steps=3,
                          groups_per_step=2, group_size=2, eval_episodes=2, eval_every=10,
                          checkpoint_every=10, max_tokens=4, progress=False,
-                         sampler_url=[server.url + "/v1"], lora_rank=4, async_mode=True,
+                         sampler_url=[base_server_url + "/v1"], lora_rank=4, async_mode=True,
                          compute_dtype=numerics.name)
     run, service = build_run(config)
     run.run()

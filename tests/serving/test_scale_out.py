@@ -1,4 +1,5 @@
-"""Two `prefixgym serve` processes, `prefixgym train --lora-rank` on two gloo ranks
+"""Two `prefixgym serve` processes (or two real vLLM servers), `prefixgym train
+--lora-rank` on two gloo ranks
 under torchrun: every update is pushed to both servers as a LoRA adapter
 (`/v1/load_lora_adapter`), sampled by name, the adapter two versions back unloaded;
 one server is killed in the middle of a step and the run completes; the ranks'
@@ -18,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +34,7 @@ from prefixgym.engine.model import load_model  # noqa: E402
 from prefixgym.engine.service import EngineService  # noqa: E402
 from prefixgym.engine.trainer.prefix_trie import shard_by_prefix  # noqa: E402
 from prefixgym.envs.base import AgentEnv, Outcome  # noqa: E402
+from prefixgym.serving.launch import ServerProcess  # noqa: E402
 from prefixgym.types import AdamParams, Datum  # noqa: E402
 
 LORA_RANK = 4
@@ -155,12 +156,6 @@ def worker(out: Path, kill_pid: int, argv: list[str]) -> None:
         (out / "calls.json").write_text(json.dumps(calls))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def torchrun(*args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--standalone", *args]
@@ -189,25 +184,34 @@ def prompt_logprobs(model: torch.nn.Module, prompt: list[int]) -> list[float]:
     return [float(logits[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
 
 
-def test_two_servers_two_ranks_lora_one_server_killed_mid_step(tmp_path: Path,
-                                                               wait_healthy) -> None:
+@pytest.mark.parametrize("engine", ["prefixgym", pytest.param(
+    "vllm", marks=[pytest.mark.vllm, pytest.mark.xdist_group("vllm")])])
+def test_two_servers_two_ranks_lora_one_server_killed_mid_step(
+        engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    from real_servers import VLLMServer, free_port  # (not in the ranks, which load Varied)
+
     out = tmp_path / "run"
     out.mkdir()
-    servers, urls = [], []
-    for _ in range(2):  # the trainer's base weights (seed 0): an adapter is a difference
-        port = free_port()
-        servers.append(subprocess.Popen(
-            [sys.executable, "-m", "prefixgym", "serve", "--model", "tiny", "--seed", "0",
-             "--port", str(port), "--max-n", "8"],
-            env={**os.environ, **ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        urls.append(f"http://127.0.0.1:{port}")
+    started: list[ServerProcess] = []  # stopped at the end (the session's vLLM is not)
+    if engine == "vllm":  # the session's server and one of this test's own, to kill
+        servers = [request.getfixturevalue("vllm").process]
+        started.append(VLLMServer(tmp_path).process)
+        servers.append(started[-1])
+    else:  # the trainer's base weights (seed 0): an adapter is a difference
+        for _ in range(2):
+            port = free_port()
+            started.append(ServerProcess(
+                [sys.executable, "-m", "prefixgym", "serve", "--model", "tiny", "--seed", "0",
+                 "--port", str(port), "--max-n", "8"], f"http://127.0.0.1:{port}", ENV))
+        servers = list(started)
+    urls = [server.url for server in servers]
     try:
-        for url in urls:
-            wait_healthy(url, attempts=1200)
+        for server in servers:
+            server.wait_ready(timeout_s=600, progress=False)
         flags = ["--out", str(out), *TRAIN, "--sampler-url", urls[0], "--sampler-url", urls[1]]
         first = torchrun(__file__, str(out), str(servers[1].pid), "--steps", "2", *flags)
         assert first.returncode == 0, first.stderr[-4000:]
-        assert servers[1].wait(timeout=30) == -signal.SIGKILL
+        assert servers[1].process.wait(timeout=30) == -signal.SIGKILL
         assert first.stdout.count("report:") == 1  # rank 0 alone reports
         records = [json.loads((out / f"record_rank{r}.json").read_text()) for r in (0, 1)]
         assert records[0]["killed"] is True
@@ -232,7 +236,8 @@ def test_two_servers_two_ranks_lora_one_server_killed_mid_step(tmp_path: Path,
             for answer in record["answers"]:
                 assert answer["asked"] in label[1:]
                 assert answer["model"] == answer["asked"]
-                assert answer["metadata"] == {"weight_version": answer["asked"]}
+                assert answer["metadata"] == (  # vLLM's answers say it by `model` alone
+                    None if engine == "vllm" else {"weight_version": answer["asked"]})
         grpo0 = [a["server"] for r in records for a in r["answers"] if a["asked"] == label[2]]
         assert set(grpo0) == set(urls)  # step 0 spread over both servers
         rank0_asked = {a["asked"] for a in records[0]["answers"]}
@@ -272,7 +277,7 @@ def test_two_servers_two_ranks_lora_one_server_killed_mid_step(tmp_path: Path,
         echo = httpx.post(f"{urls[0]}/v1/completions", json={
             "model": label[4], "prompt": prompt, "max_tokens": 0, "echo": True,
             "logprobs": 1}).json()
-        assert echo["metadata"]["weight_version"] == label[4]
+        assert echo["model"] == label[4]
         served = echo["choices"][0]["logprobs"]["token_logprobs"][1:]
         assert served == pytest.approx(prompt_logprobs(trained, prompt), abs=1e-4)
         base = prompt_logprobs(load_model("tiny", seed=0), prompt)
@@ -293,10 +298,8 @@ def test_two_servers_two_ranks_lora_one_server_killed_mid_step(tmp_path: Path,
         assert models is not None and models[0] == "tiny" and len(models) == 3
         assert not set(models) & set(label), models  # this process's two newest only
     finally:
-        for proc in servers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                proc.wait(timeout=30)
+        for server in started:
+            server.stop()
 
 
 if __name__ == "__main__":

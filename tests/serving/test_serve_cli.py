@@ -88,3 +88,24 @@ def test_serve_rejects_bad_flags() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--port", "70000"])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--engine", "sglang"], "--engine must be prefixgym or vllm"),
+    (["--engine", "vllm", "--vllm-python", "/nowhere/python"], "is not a file"),
+    (["--engine", "vllm", "--vllm-python", sys.executable, "--lora-rank", "1000"],
+     "LoRA ranks up to 512"),
+    (["--engine", "vllm", "--vllm-python", sys.executable, "--model", "/nowhere"],
+     "cannot load model '/nowhere'"),
+])
+def test_serve_with_vllm_refuses_bad_input_in_one_line(argv: list[str], message: str,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    from prefixgym.cli.serve import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # a flag the config refuses: argparse's usage line
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

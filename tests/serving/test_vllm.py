@@ -1,0 +1,127 @@
+"""`prefixgym train --sampler-url` against a real vLLM (0.32, CPU build, in .venv-vllm):
+full weights reloaded in place through vLLM's development routes and LoRA adapters
+through its runtime adapter routes, both sampled on-policy; the served weights equal
+the trainer's; a resumed run unloads the adapters its first process left; vLLM's
+prefix cache reports hits. (Async LoRA against vLLM: test_remote_training.py; two
+servers under torchrun with one killed: test_scale_out.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from agent_envs import Lengthy
+from numerics import tiny_logprob_atol
+
+from prefixgym.cli import main as cli_main
+from prefixgym.cli.train import build_run, unwrap
+from prefixgym.engine.model import load_model
+from prefixgym.serving.openai_client import OpenAISamplingClient
+from prefixgym.serving.pool import AllSamplersFailed, SamplerPool
+from prefixgym.trainer.config import TrainConfig
+
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm")]
+
+PROMPT = [7, 8, 9, 10, 11, 12, 13, 14]
+
+
+class Wordy(Lengthy):
+    """Lengthy with a system prompt longer than vLLM's 32-token blocks, which it caches
+    whole: every prompt then shares at least one block with the others."""
+
+    system_prompt = ("You are a patient assistant in a test of prefix caching. Reply with "
+                     "anything at all: a word, a number, or a short sentence will do. The "
+                     "reward depends only on the length of what you say.")
+
+
+def config_for(out: Path, url: str, numerics, **changes) -> TrainConfig:  # type: ignore[no-untyped-def]
+    fields = dict(out=str(out), env="tests/Lengthy-v0", sft_steps=0, steps=2,
+                  groups_per_step=2, group_size=2, eval_episodes=2, eval_every=10,
+                  checkpoint_every=1, max_tokens=4, progress=False, lr=0.05,
+                  lr_schedule="constant", sampler_url=[url + "/v1"],
+                  compute_dtype=numerics.name)
+    return TrainConfig(**{**fields, **changes})
+
+
+def grpo_records(out: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    return [r for r in lines if r["phase"] == "grpo"]
+
+
+def trainer_logprobs(model: torch.nn.Module, prompt: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]))[0].float().log_softmax(-1)
+    return [float(logits[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+
+
+def served_logprobs(url: str, prompt: list[int], model: str | None = None) -> list[float]:
+    with OpenAISamplingClient(url) as client:
+        values = client.compute_logprobs(prompt).result() if model is None else \
+            client.prompt_logprobs_now(prompt, model)[0]
+    return [float(v) for v in values[1:] if v is not None]
+
+
+def test_a_full_weights_run_samples_on_policy_from_vllm(vllm, tmp_path: Path,
+                                                        numerics) -> None:
+    run, service = build_run(config_for(tmp_path, vllm.url, numerics))
+    run.run()
+    steps = grpo_records(tmp_path)
+    assert [r["sampler/version_lag"] for r in steps] == [0.0, 0.0]
+    assert all(r["episodes/off_policy"] == 0 and r["episodes/failed"] == 0 for r in steps)
+    bound = tiny_logprob_atol(numerics, fp32=1e-3)
+    assert all(r["sampler/max_logprob_gap"] < bound for r in steps)
+    # vLLM holds the trainer's last weights under the last label: the command's, the
+    # run start's and one per step were pushed
+    with OpenAISamplingClient(vllm.url) as client:
+        label = client.served_weights_version()
+    assert label is not None and label.endswith("-4")
+    trained = unwrap(run.training).model
+    served = served_logprobs(vllm.url, PROMPT)
+    assert served == pytest.approx(trainer_logprobs(trained, PROMPT), abs=1e-4)
+    base = trainer_logprobs(load_model("tiny", seed=0), PROMPT)
+    assert served != pytest.approx(base, abs=1e-3)  # the push changed what vLLM answers
+    service.close()
+    # vLLM's answers carry no label; a sampler pinned to other weights asks /weight_info
+    # and refuses them
+    pool = SamplerPool([OpenAISamplingClient(vllm.url, model="tiny")])
+    with pytest.raises(AllSamplersFailed, match=f"answered from weights '{label}'"):
+        pool.pinned("another-run-1", 1).sample(PROMPT, 1).result()
+    pool.close()
+
+
+def test_a_lora_run_samples_on_policy_from_vllm_and_resumes(vllm, tmp_path: Path,
+                                                           numerics) -> None:
+    run, service = build_run(config_for(tmp_path, vllm.url, numerics, lora_rank=4,
+                                        env=f"{__file__}:Wordy"))
+    run.run()
+    steps = grpo_records(tmp_path)
+    assert [r["sampler/version_lag"] for r in steps] == [0.0, 0.0]
+    bound = tiny_logprob_atol(numerics, fp32=1e-3)
+    assert all(r["sampler/max_logprob_gap"] < bound for r in steps)
+    # vLLM's prefix cache served part of the prompts (an episode's second turn extends
+    # its first; a group's samples share one prompt), and the run counted it
+    assert all(r["tokens/prefill_cached"] > 0 and r["sampler/0/hit_rate"] > 0 for r in steps)
+    with OpenAISamplingClient(vllm.url) as client:
+        adapters = client.loaded_adapters()
+    # the newest two adapters, loaded from the run's sampler_weights
+    assert len(adapters) == 2
+    assert all(Path(p).is_relative_to(tmp_path / "sampler_weights") for p in adapters.values())
+    newest = max(adapters, key=lambda name: int(name.rsplit("-", 1)[1]))
+    trained = unwrap(run.training).model
+    served = served_logprobs(vllm.url, PROMPT, model=newest)
+    assert served == pytest.approx(trainer_logprobs(trained, PROMPT), abs=1e-4)
+    base = trainer_logprobs(load_model("tiny", seed=0), PROMPT)
+    assert served != pytest.approx(base, abs=1e-3)  # the adapter changed the answer
+    service.close()
+
+    # a second process of the run: its own labels; it unloads the first one's adapters
+    assert cli_main(["train", "--out", str(tmp_path), "--resume", "--steps", "3",
+                     "--compute-dtype", numerics.name, "--no-progress"]) == 0
+    steps = grpo_records(tmp_path)
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert steps[2]["sampler/version_lag"] == 0 and steps[2]["sampler/max_logprob_gap"] < bound
+    with OpenAISamplingClient(vllm.url) as client:
+        resumed = client.loaded_adapters()
+    assert len(resumed) == 2 and not set(resumed) & set(adapters)
