@@ -81,18 +81,19 @@ def new_conversations(svc_tokenizer, w: Workload) -> list[list[Conversation]]:
     return convs
 
 
-def run_engine(preset: str, w: Workload, prefix_cache: bool, dtype: str = "float32") -> RunResult:
-    svc = LocalService(preset, seed=0, prefix_cache=prefix_cache, dtype=dtype)
-    sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+def drive(sampler, tokenizer, w: Workload) -> RunResult:  # type: ignore[no-untyped-def]
+    """The workload against any `SamplingClient` (the engine's, or an HTTP server's);
+    the counts are the answers' usage."""
     params = SamplingParams(max_tokens=w.reply_tokens, temperature=1.0)
-    convs = new_conversations(svc.tokenizer, w)
+    convs = new_conversations(tokenizer, w)
     prompts: list[list[int]] = []
     decoded: list[tuple[int, list[int]]] = []
+    computed = cached = sampled = 0
     start = time.perf_counter()
     for turn in range(w.turns):
         jobs = []
-        if turn == 0:
-            for g, group in enumerate(convs):
+        if turn == 0:  # a group's shared first prompt: one request for its G samples
+            for group in convs:
                 prompt = group[0].generation_prompt()
                 for conv in group[1:]:
                     conv.generation_prompt()
@@ -108,18 +109,24 @@ def run_engine(preset: str, w: Workload, prefix_cache: bool, dtype: str = "float
             ids = prompt.to_ints()
             prompts.append(ids)
             decoded.extend((len(ids), ids + s.tokens[:-1]) for s in resp.sequences)
+            computed += resp.usage.prefill_computed_tokens
+            cached += resp.usage.prefill_cached_tokens
+            sampled += resp.usage.sampled_tokens
             for conv, seq in zip(targets, resp.sequences):
                 conv.add_sampled(seq.tokens, stop_reason=seq.stop_reason)
         if turn + 1 < w.turns:
             for g, group in enumerate(convs):
                 for e, conv in enumerate(group):
                     conv.add_user(w.user_message(g, e, turn + 1))
-    wall = time.perf_counter() - start
-    usage = svc.usage()
+    return RunResult(time.perf_counter() - start, prompts, decoded, computed, cached, sampled)
+
+
+def run_engine(preset: str, w: Workload, prefix_cache: bool, dtype: str = "float32") -> RunResult:
+    svc = LocalService(preset, seed=0, prefix_cache=prefix_cache, dtype=dtype)
+    result = drive(svc.create_sampling_client(stop_at_end_of_turn=False), svc.tokenizer, w)
     svc.check_cache_integrity()
     svc.close()
-    return RunResult(wall, prompts, decoded, usage.prefill_computed_tokens,
-                     usage.prefill_cached_tokens, usage.sampled_tokens)
+    return result
 
 
 def run_hf(hf, tokenizer, w: Workload) -> RunResult:

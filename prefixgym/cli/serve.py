@@ -47,11 +47,14 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     from prefixgym.engine.device import describe_device
+    from prefixgym.engine.sampler.options import DEFAULT_CACHE_BYTES, SamplerOptions
     from prefixgym.local_service import LocalService
 
     try:
+        options = SamplerOptions(prefix_cache=config.prefix_cache, cache_bytes=int(
+            config.kv_cache_gib * 2**30) if config.kv_cache_gib else DEFAULT_CACHE_BYTES)
         service = LocalService(model=config.model, seed=config.seed, device=config.device,
-                               prefix_cache=config.prefix_cache)
+                               sampler=options)
     except (ValueError, OSError) as e:
         print(f"prefixgym serve: cannot load model {config.model!r}: {error_line(e)}",
               file=sys.stderr)
@@ -80,7 +83,8 @@ def serve_vllm(config: ServeConfig) -> int:
         launch = VLLMLaunch(
             model_dir="", served_model_name=config.model_name, host=config.host,
             port=config.port or free_port(), lora_rank=config.lora_rank, dtype=config.dtype,
-            block_size=config.block_size, kv_cache_gib=config.kv_cache_gib, seed=config.seed,
+            block_size=config.block_size, kv_cache_gib=int(config.kv_cache_gib) or 1,
+            seed=config.seed,
             api_key=config.api_key)
     except ValueError as e:
         print(f"prefixgym serve: {e}", file=sys.stderr)

@@ -53,12 +53,16 @@ class ServeConfig:
     """(vllm) The weights' and activations' dtype (float32 to match an fp32 trainer)."""
     block_size: int = 32
     """(vllm) KV block size; prefixes are cached in whole blocks."""
-    kv_cache_gib: int = 1
-    """(vllm) KV cache size on a CPU, in whole GiB."""
+    kv_cache_gib: float = 0.0
+    """KV cache size in GiB: the built-in engine's KV pool (0: 0.25), or vLLM's on a CPU
+    (whole GiB; 0: 1)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ("prefixgym", "vllm"):
             raise ValueError(f"--engine must be prefixgym or vllm, got {self.engine!r}")
+        if self.kv_cache_gib < 0 or (self.engine == "vllm" and not self.kv_cache_gib.is_integer()):
+            raise ValueError("--kv-cache-gib must be >= 0, and whole with --engine vllm, got "
+                             f"{self.kv_cache_gib}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_request_tokens < 0:

@@ -18,9 +18,10 @@ the adapter's name; None where the server says neither.
 
 Requests run on a thread pool with one shared httpx client, so a future works with
 `.result()` and with `await`; `sample_now` is the same request made on the calling
-thread (what `serving.pool` uses). The weight routes (`update_weights_from_disk`,
-`load_lora_adapter`, `unload_lora_adapter`, and `loaded_adapters` from /v1/models) are
-what `serving.weight_sync` pushes new weights with. This module knows nothing of the engine; an HTTP 4xx answer becomes a
+thread (what `serving.pool` uses). The weight routes (`update_weights_from_disk`: SGLang's
+route, or vLLM's development routes; `load_lora_adapter`, `unload_lora_adapter`,
+`loaded_adapters` from /v1/models; `served_weights_version`) are what
+`serving.weight_sync` pushes new weights with. This module knows nothing of the engine; an HTTP 4xx answer becomes a
 ValueError carrying the server's message, an unreachable server a ConnectionError,
 an HTTP 5xx a RuntimeError.
 """

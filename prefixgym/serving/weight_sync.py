@@ -7,7 +7,7 @@ publishes version n (1, 2, ...) under the label "<run token>-<n>":
      PEFT adapter the training client writes (`write_weights` is given by the caller);
   2) push them to every live server of the pool: full weights through
      `/update_weights_from_disk` (SGLang, prefixgym serve) with `weight_version`
-     = label; adapters through `/v1/load_lora_adapter` with `lora_name` = label,
+     = label, or vLLM's in-place reload (`OpenAISamplingClient.update_weights_from_disk`); adapters through `/v1/load_lora_adapter` with `lora_name` = label,
      unloading the adapter published two versions before (the one before stays
      loaded for async sampling). Before its first adapter a process unloads those an
      earlier process of the same run left loaded (a resumed or restarted run; its

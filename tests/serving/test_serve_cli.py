@@ -97,6 +97,7 @@ def test_serve_rejects_bad_flags() -> None:
      "LoRA ranks up to 512"),
     (["--engine", "vllm", "--vllm-python", sys.executable, "--model", "/nowhere"],
      "cannot load model '/nowhere'"),
+    (["--engine", "vllm", "--kv-cache-gib", "0.5"], "whole with --engine vllm"),
 ])
 def test_serve_with_vllm_refuses_bad_input_in_one_line(argv: list[str], message: str,
                                                        capsys: pytest.CaptureFixture) -> None:

@@ -175,10 +175,18 @@ class Attention(nn.Module):
         sink logit per head (gpt-oss: it takes a share of the weight and adds no value), by
         the plain ops transformers' eager attention uses (scores in q's dtype, softmax in
         fp32)."""
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
         if self.softcap is None and self.sinks is None:
+            if T == 1 and H != Hkv and not causal:  # a decode step under GQA
+                # the H / Hkv query heads of one key/value head as that head's queries:
+                # SDPA then reads each head's keys and values once, not once per query
+                # head (3x less memory traffic at 12 / 4 heads; the same math)
+                y = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv, D), k, v,
+                                                   attn_mask=mask, scale=self.scale)
+                return y.reshape(B, H, 1, D)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                  enable_gqa=k.shape[1] != q.shape[1],
-                                                  scale=self.scale)
+                                                  enable_gqa=Hkv != H, scale=self.scale)
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
