@@ -196,15 +196,26 @@ def theoretical_min_prefill(
     return total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["tiny"])
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--reply-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=2, help="interleaved repetitions")
     parser.add_argument("--quick", action="store_true", help="4 groups x 4 turns, 1 repeat")
+
+
+def workload_from(args: argparse.Namespace) -> Workload:
+    """The workload the flags ask for (`--quick` also sets one repeat)."""
+    if args.quick:
+        args.groups, args.turns, args.repeats = 4, 4, 1
+    return Workload(args.groups, args.group_size, args.turns, args.reply_tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["tiny"])
+    add_workload_flags(parser)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--no-uncached", action="store_true", help="skip the prefix_cache=False peer")
     parser.add_argument("--threads", type=int, default=2)
@@ -217,11 +228,9 @@ def main() -> None:
     args = parser.parse_args()
     hf_threads = args.hf_threads or sorted({1, args.threads})
     hf_dtypes = args.hf_dtypes or sorted({args.dtype, "float32"}, reverse=True)
-    if args.quick:
-        args.groups, args.turns, args.repeats = 4, 4, 1
+    w = workload_from(args)
     common.setup_threads(args.threads)
     print(common.machine_facts())
-    w = Workload(args.groups, args.group_size, args.turns, args.reply_tokens)
     print(f"workload: {w.groups} groups x {w.group_size} episodes x {w.turns} turns, "
           f"replies {w.reply_tokens} tokens; engine dtype {args.dtype}, HF {hf_dtypes}")
     for preset in args.presets:

@@ -35,11 +35,18 @@ from pathlib import Path
 
 import common
 import httpx
-from bench_multiturn import RunResult, Workload, drive, theoretical_min_prefill
+from bench_multiturn import (
+    RunResult,
+    Workload,
+    add_workload_flags,
+    drive,
+    theoretical_min_prefill,
+    workload_from,
+)
 
 from prefixgym.engine.model import PRESETS, ModelConfig
 from prefixgym.local_service import LocalService
-from prefixgym.serving.launch import ServerProcess, VLLMLaunch, find_vllm_python
+from prefixgym.serving.launch import ServerProcess, VLLMLaunch, find_vllm_python, free_port
 from prefixgym.serving.openai_client import OpenAISamplingClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,14 +57,6 @@ LLAMA_100M = ModelConfig(vocab_size=4096, dim=768, n_layers=12, n_heads=12, n_kv
 
 def model_config(name: str) -> str | ModelConfig:
     return LLAMA_100M if name == "llama100m" else name
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def vllm_counters(url: str) -> dict[str, float]:
@@ -79,12 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny"],
                         help=f"presets ({', '.join(PRESETS)}) or llama100m")
-    parser.add_argument("--groups", type=int, default=16)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--reply-tokens", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved repetitions")
-    parser.add_argument("--quick", action="store_true", help="4 groups x 4 turns, 1 repeat")
+    add_workload_flags(parser)
     parser.add_argument("--threads", type=int, default=2, help="ours: torch threads")
     parser.add_argument("--cores", default="0-1", help="vLLM: VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -92,13 +86,11 @@ def main() -> None:
                         help="KV memory of every peer (vLLM's, and our KV pool's), in GiB")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     args = parser.parse_args()
-    if args.quick:
-        args.groups, args.turns, args.repeats = 4, 4, 1
+    w = workload_from(args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that `finally` ends the servers
     common.setup_threads(args.threads)
     python = find_vllm_python(args.vllm_python)
     print(common.machine_facts())
-    w = Workload(args.groups, args.group_size, args.turns, args.reply_tokens)
     print(f"workload: {w.groups} groups x {w.group_size} episodes x {w.turns} turns, replies "
           f"{w.reply_tokens} tokens; {args.dtype}; ours {args.threads} threads, vLLM cores "
           f"{args.cores}", flush=True)

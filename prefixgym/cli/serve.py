@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -76,7 +75,12 @@ def main(argv: list[str]) -> int:
 def serve_vllm(config: ServeConfig) -> int:
     """`--engine vllm`: the model in a temporary HF directory, vLLM serving it until
     interrupted."""
-    from prefixgym.serving.launch import ServerProcess, VLLMLaunch, find_vllm_python
+    from prefixgym.serving.launch import (
+        ServerProcess,
+        VLLMLaunch,
+        find_vllm_python,
+        free_port,
+    )
 
     try:
         python = find_vllm_python(config.vllm_python)
@@ -128,9 +132,3 @@ def hf_model_dir(model: str, seed: int, directory: Path) -> str:
         return str(path.resolve())
     with LocalService(model=model, seed=seed) as service:
         return str(service.save_hf_dir(directory).resolve())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

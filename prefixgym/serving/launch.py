@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -203,6 +204,13 @@ class ServerProcess:
         errors = [line for line in text if "Error: " in line or "Error " in line[:40]]
         said = f"; its last error: {errors[-1].strip()}" if errors else ""
         return f"{said}; the end of its log ({self.log_path}):\n" + "\n".join(text[-lines:])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (for a server started next)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def _group_alive(pgid: int) -> bool:

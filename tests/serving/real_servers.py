@@ -1,25 +1,17 @@
 """Servers in processes of their own for the serving tests: a real vLLM on the tiny
 model (`VLLMServer`; tests marked `vllm`, skipped with one line when there is no
-.venv-vllm, which `./run.sh test` builds), and a free port for any server."""
+.venv-vllm, which `./run.sh test` builds), and `free_port` for any server."""
 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 
 from prefixgym.local_service import LocalService
-from prefixgym.serving.launch import ServerProcess, VLLMLaunch
+from prefixgym.serving.launch import ServerProcess, VLLMLaunch, free_port
 from prefixgym.serving.openai_client import OpenAISamplingClient
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

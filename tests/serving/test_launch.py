@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixgym.serving.launch import ServerProcess, VLLMLaunch
+from prefixgym.serving.launch import ServerProcess, VLLMLaunch, free_port
 
 
 def test_vllm_gets_the_flags_rl_needs() -> None:
@@ -63,8 +63,6 @@ def test_stop_ends_the_whole_group_even_after_the_leader_was_killed(tmp_path: Pa
                 pass
         http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
     """))
-    from real_servers import free_port
-
     port = free_port()
     server = ServerProcess([sys.executable, str(script), str(port)], f"http://127.0.0.1:{port}",
                            log_path=tmp_path / "server.log")

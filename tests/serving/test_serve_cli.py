@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +21,8 @@ openai = pytest.importorskip("openai")
 
 import prefixgym.trainer.run as run_module  # noqa: E402
 from prefixgym.cli.train import build_run  # noqa: E402
+from prefixgym.serving.launch import free_port  # noqa: E402
 from prefixgym.trainer.config import TrainConfig  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_serve_command_answers_openai_requests_and_takes_pushed_weights(
