@@ -88,8 +88,7 @@ def serve_vllm(config: ServeConfig) -> int:
             model_dir="", served_model_name=config.model_name, host=config.host,
             port=config.port or free_port(), lora_rank=config.lora_rank, dtype=config.dtype,
             block_size=config.block_size, kv_cache_gib=int(config.kv_cache_gib) or 1,
-            seed=config.seed,
-            api_key=config.api_key)
+            seed=config.seed, api_key=config.api_key)
     except ValueError as e:
         print(f"prefixgym serve: {e}", file=sys.stderr)
         return 2
