@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from agent_envs import Lengthy
-from numerics import tiny_logprob_atol
 
 from prefixgym.cli import main as cli_main
 from prefixgym.cli.train import build_run, unwrap
@@ -36,12 +35,14 @@ class Wordy(Lengthy):
                      "reward depends only on the length of what you say.")
 
 
-def config_for(out: Path, url: str, numerics, **changes) -> TrainConfig:  # type: ignore[no-untyped-def]
+def config_for(out: Path, url: str, **changes) -> TrainConfig:  # type: ignore[no-untyped-def]
+    """Trained in float32, as vLLM serves: what is tested is that vLLM reproduces the
+    pushed weights (a bf16 trainer's own rounding is tests/numerics.py's subject)."""
     fields = dict(out=str(out), env="tests/Lengthy-v0", sft_steps=0, steps=2,
                   groups_per_step=2, group_size=2, eval_episodes=2, eval_every=10,
                   checkpoint_every=1, max_tokens=4, progress=False, lr=0.05,
                   lr_schedule="constant", sampler_url=[url + "/v1"],
-                  compute_dtype=numerics.name)
+                  compute_dtype="float32")
     return TrainConfig(**{**fields, **changes})
 
 
@@ -63,14 +64,13 @@ def served_logprobs(url: str, prompt: list[int], model: str | None = None) -> li
     return [float(v) for v in values[1:] if v is not None]
 
 
-def test_a_full_weights_run_samples_on_policy_from_vllm(vllm, tmp_path: Path,
-                                                        numerics) -> None:
-    run, service = build_run(config_for(tmp_path, vllm.url, numerics))
+def test_a_full_weights_run_samples_on_policy_from_vllm(vllm, tmp_path: Path) -> None:
+    run, service = build_run(config_for(tmp_path, vllm.url))
     run.run()
     steps = grpo_records(tmp_path)
     assert [r["sampler/version_lag"] for r in steps] == [0.0, 0.0]
     assert all(r["episodes/off_policy"] == 0 and r["episodes/failed"] == 0 for r in steps)
-    bound = tiny_logprob_atol(numerics, fp32=1e-3)
+    bound = 1e-3
     assert all(r["sampler/max_logprob_gap"] < bound for r in steps)
     # vLLM holds the trainer's last weights under the last label: the command's, the
     # run start's and one per step were pushed
@@ -91,14 +91,13 @@ def test_a_full_weights_run_samples_on_policy_from_vllm(vllm, tmp_path: Path,
     pool.close()
 
 
-def test_a_lora_run_samples_on_policy_from_vllm_and_resumes(vllm, tmp_path: Path,
-                                                           numerics) -> None:
-    run, service = build_run(config_for(tmp_path, vllm.url, numerics, lora_rank=4,
+def test_a_lora_run_samples_on_policy_from_vllm_and_resumes(vllm, tmp_path: Path) -> None:
+    run, service = build_run(config_for(tmp_path, vllm.url, lora_rank=4,
                                         env=f"{__file__}:Wordy"))
     run.run()
     steps = grpo_records(tmp_path)
     assert [r["sampler/version_lag"] for r in steps] == [0.0, 0.0]
-    bound = tiny_logprob_atol(numerics, fp32=1e-3)
+    bound = 1e-3
     assert all(r["sampler/max_logprob_gap"] < bound for r in steps)
     # vLLM's prefix cache served part of the prompts (an episode's second turn extends
     # its first; a group's samples share one prompt), and the run counted it
@@ -118,7 +117,7 @@ def test_a_lora_run_samples_on_policy_from_vllm_and_resumes(vllm, tmp_path: Path
 
     # a second process of the run: its own labels; it unloads the first one's adapters
     assert cli_main(["train", "--out", str(tmp_path), "--resume", "--steps", "3",
-                     "--compute-dtype", numerics.name, "--no-progress"]) == 0
+                     "--compute-dtype", "float32", "--no-progress"]) == 0
     steps = grpo_records(tmp_path)
     assert [r["step"] for r in steps] == [0, 1, 2]
     assert steps[2]["sampler/version_lag"] == 0 and steps[2]["sampler/max_logprob_gap"] < bound
