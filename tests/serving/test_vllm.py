@@ -58,9 +58,8 @@ def trainer_logprobs(model: torch.nn.Module, prompt: list[int]) -> list[float]:
 
 
 def served_logprobs(url: str, prompt: list[int], model: str | None = None) -> list[float]:
-    with OpenAISamplingClient(url) as client:
-        values = client.compute_logprobs(prompt).result() if model is None else \
-            client.prompt_logprobs_now(prompt, model)[0]
+    with OpenAISamplingClient(url) as client:  # model None: the served base
+        values, _ = client.prompt_logprobs_now(prompt, model)
     return [float(v) for v in values[1:] if v is not None]
 
 
