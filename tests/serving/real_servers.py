@@ -1,6 +1,6 @@
-"""Servers in processes of their own for the serving tests: a real vLLM on the tiny
-model (`VLLMServer`; tests marked `vllm`, skipped with one line when there is no
-.venv-vllm, which `./run.sh test` builds), and `free_port` for any server."""
+"""A real vLLM on the tiny model, in a process of its own, for the serving tests
+(`VLLMServer`; tests marked `vllm`, skipped with one line when there is no .venv-vllm,
+which `./run.sh test` builds)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from prefixgym.engine.model import load_model  # noqa: E402
 from prefixgym.engine.service import EngineService  # noqa: E402
 from prefixgym.engine.trainer.prefix_trie import shard_by_prefix  # noqa: E402
 from prefixgym.envs.base import AgentEnv, Outcome  # noqa: E402
-from prefixgym.serving.launch import ServerProcess  # noqa: E402
+from prefixgym.serving.launch import ServerProcess, free_port  # noqa: E402
 from prefixgym.types import AdamParams, Datum  # noqa: E402
 
 LORA_RANK = 4
@@ -188,7 +188,7 @@ def prompt_logprobs(model: torch.nn.Module, prompt: list[int]) -> list[float]:
     "vllm", marks=[pytest.mark.vllm, pytest.mark.xdist_group("vllm")])])
 def test_two_servers_two_ranks_lora_one_server_killed_mid_step(
         engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    from real_servers import VLLMServer, free_port  # (not in the ranks, which load Varied)
+    from real_servers import VLLMServer  # (not in the ranks, which load Varied)
 
     out = tmp_path / "run"
     out.mkdir()
