@@ -9,7 +9,9 @@ says).
 
 Peers, on the same weights (each model is written once as a Hugging Face directory, and
 every peer loads that directory), interleaved `--repeats` times:
-1) prefixgym in this process (`LocalService`, prefix cache on);
+1) prefixgym in this process (`LocalService`, prefix cache on); with `--unpacked` also
+   the same with `pack_weights=False` (`F.linear` on the weights as they are, what
+   sampled before oneDNN's packed weights: `engine/model/packed.py`);
 2) `prefixgym serve` over HTTP, through the same client as 3);
 3) vLLM over HTTP (`.venv-vllm`, started by `prefixgym.serving.launch` with prefix
    caching, block size 32 and OpenMP threads bound to `--cores`).
@@ -84,6 +86,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kv-gib", type=int, default=1,
                         help="KV memory of every peer (vLLM's, and our KV pool's), in GiB")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="also run ours in process with pack_weights=False")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     args = parser.parse_args()
     w = workload_from(args)
@@ -99,6 +103,8 @@ def main() -> None:
             with LocalService(model_config(name), seed=0) as writer:
                 model_dir = str(writer.save_hf_dir(Path(tmp) / name))
             ours = LocalService(model_dir, dtype=args.dtype, cache_bytes=args.kv_gib * 2**30)
+            unpacked = (LocalService(model_dir, dtype=args.dtype, pack_weights=False,
+                                     cache_bytes=args.kv_gib * 2**30) if args.unpacked else None)
             port = free_port()
             serve = ServerProcess(
                 [sys.executable, "-m", "prefixgym", "serve", "--model", model_dir, "--port",
@@ -113,11 +119,16 @@ def main() -> None:
             try:
                 serve.wait_ready(progress=False)
                 vllm.wait_ready(progress=False)
-                walls: dict[str, list[float]] = {"ours": [], "ours/http": [], "vllm": []}
+                peers = ["ours", *(["ours/unpacked"] if unpacked else []), "ours/http"]
+                walls: dict[str, list[float]] = {peer: [] for peer in [*peers, "vllm"]}
                 for rep in range(args.repeats):
                     runs: dict[str, RunResult] = {}
                     sampler = ours.create_sampling_client(stop_at_end_of_turn=False)
                     runs["ours"] = drive(sampler, ours.tokenizer, w)
+                    if unpacked is not None:
+                        runs["ours/unpacked"] = drive(
+                            unpacked.create_sampling_client(stop_at_end_of_turn=False),
+                            unpacked.tokenizer, w)
                     runs["ours/http"] = over_http(serve.url, model_dir, ours.tokenizer, w)
                     before = vllm_counters(vllm.url)
                     runs["vllm"] = over_http(vllm.url, name, ours.tokenizer, w)
@@ -142,12 +153,14 @@ def main() -> None:
                     f"{peer} {common.spread(v)} s" for peer, v in walls.items())
                 base = min(walls["vllm"])
                 line += "; vLLM / ours " + ", ".join(
-                    f"{peer} {base / min(walls[peer]):.2f}x" for peer in ("ours", "ours/http"))
+                    f"{peer} {base / min(walls[peer]):.2f}x" for peer in peers)
                 print(line, flush=True)
             finally:
                 vllm.stop()
                 serve.stop()
                 ours.close()
+                if unpacked is not None:
+                    unpacked.close()
 
 
 if __name__ == "__main__":

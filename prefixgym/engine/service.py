@@ -37,6 +37,7 @@ from prefixgym.engine.model.lora import (
     frozen_view,
     lora_adapters,
 )
+from prefixgym.engine.model.packed import WeightPacker
 from prefixgym.engine.sampler.engine import Engine
 from prefixgym.engine.sampler.options import SamplerOptions
 from prefixgym.engine.sampler.sampling import SamplingClient
@@ -95,6 +96,7 @@ class EngineService:
         self.ledger = UsageLedger()
         self.engine = Engine(cfg, options, self.device, torch_dtype, decode=decode,
                              ledger=self.ledger, seed=seed)
+        self._packer = WeightPacker(options.pack_weights)
         self._default_stop_ids = tuple(
             dict.fromkeys(int(i) for i in end_of_turn_ids if 0 <= int(i) < cfg.vocab_size))
         self._lock = threading.Lock()
@@ -102,7 +104,7 @@ class EngineService:
         self._last_version_id = 0  # every version's id is new, published or loaded
         # Version 0 shares the loaded weights until a full training client is created
         # (LoRA leaves them untouched): the loaded weights are held once, not twice.
-        self._inference_model = frozen_view(self.train_model)
+        self._inference_model = self._packer.pack(frozen_view(self.train_model), shared=True)
         self._weights_shared = True
         self._training_clients: list[TrainingClient[SamplingClient]] = []
 
@@ -135,6 +137,7 @@ class EngineService:
             lora = add_lora(self.train_model, spec)
             peft_format.load_into(lora, tensors)
             lora.requires_grad_(False).eval()
+            self._packer.pack(lora, shared=True)
             with self._lock:
                 self._last_version_id += 1
                 version = self._last_version_id
@@ -146,7 +149,7 @@ class EngineService:
     def publish_weights(self) -> SamplingClient:
         """Snapshot `train_model` as a new frozen weights version; a client for it.
         Refuses (ValueError) weights holding NaN or inf: nothing would sample from them."""
-        return self._publish(self.train_model.clone_for_inference())
+        return self._publish(self.train_model.clone_for_inference(), private=True)
 
     @torch.no_grad()
     def _unshare_weights(self) -> None:
@@ -159,16 +162,18 @@ class EngineService:
 
     def _publish(
         self, snapshot: Transformer,
-        changed: Iterable[tuple[str, torch.Tensor]] | None = None,
+        changed: Iterable[tuple[str, torch.Tensor]] | None = None, private: bool = False,
     ) -> SamplingClient:
         """Make `snapshot` the latest version, unless a tensor of `changed` (default:
         all its parameters) holds NaN or inf. A LoRA snapshot passes its adapters only:
         the frozen base it shares cannot have changed, and scanning 2 GB of it took
-        seconds per publish on a 0.5B model."""
+        seconds per publish on a 0.5B model. `private`: no other model holds its
+        weights (its linears are packed in place)."""
         tensors = snapshot.named_parameters() if changed is None else changed
         bad = nonfinite_tensor(tensors)
         if bad is not None:
             raise ValueError(f"not publishing weights: {bad} holds NaN or inf values")
+        self._packer.pack(snapshot, shared=not private)
         with self._lock:
             self._last_version_id += 1
             self._version = self._last_version_id

@@ -56,6 +56,9 @@ class Transformer(nn.Module):
         )
         self.head_adapter: nn.Module | None = None
         """A LoRA adapter on the output head (`lora.py`): its output is added to the logits."""
+        self.head_linear: nn.Module | None = None
+        """The output matrix as a layer of an inference copy (`packed.py`): `head` calls it
+        instead of `F.linear` on `output_weight`."""
         self.hf_config: dict[str, Any] | None = None
         """The config.json it was loaded from (`hf_checkpoint.py`), which `hf_export.py`
         writes back; None for a preset or a config built here."""
@@ -196,7 +199,8 @@ class Transformer(nn.Module):
     def head(self, h_N_C: torch.Tensor) -> torch.Tensor:
         """Float32 logits (..., V) of final-norm outputs (..., C): the output matrix, plus
         the head's LoRA adapter when there is one."""
-        logits = F.linear(h_N_C, self.output_weight)
+        head = self.head_linear
+        logits = head(h_N_C) if head is not None else F.linear(h_N_C, self.output_weight)
         if self.head_adapter is not None:
             logits = logits + self.head_adapter(h_N_C)
         if self.config.logit_divisor != 1.0:  # Granite's logits_scaling

@@ -39,6 +39,12 @@ class SamplerOptions:
     thread_tuning: bool = True
     """Run each kind of step on the thread count (up to torch's count at construction)
     measured fastest (`threads.py`); changes no fp32 bits."""
+    pack_weights: bool = True
+    """On the CPU, sample through oneDNN with each linear weight packed once into its
+    kernels' layout (`model/packed.py`): 1.2-2.5x faster matmuls per decode step. A full
+    publish's snapshot is packed in place; the weights the sampler shares with the
+    trainer (version 0, a LoRA model's base) get one packed copy more. False samples
+    through `F.linear` on the weights as they are."""
     deterministic: bool = False
     """Run each `sample_many` round alone, so that rounds submitted in a fixed order give
     the same bits every run (`engine.py`); with a bf16/fp16 model on CPU, also keep one

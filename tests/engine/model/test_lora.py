@@ -14,6 +14,7 @@ import torch
 import prefixgym as pg
 from prefixgym.engine.model import ModelConfig
 from prefixgym.engine.model.lora import LoraAdapter, lora_adapters
+from prefixgym.engine.model.packed import packed_layers
 from prefixgym.engine.service import EngineService
 
 CONFIG = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
@@ -29,6 +30,16 @@ def datum(tokens: list[int]) -> pg.Datum:
 
 def service(**kwargs: object) -> EngineService:
     return EngineService(CONFIG, thread_tuning=False, **kwargs)  # type: ignore[arg-type]
+
+
+def held(model: torch.nn.Module, but: str = "") -> set[int]:
+    """The storage of `model`'s weights (but those whose names hold `but`), the dense
+    weights its packed layers follow included."""
+    ptrs = {p.data_ptr() for n, p in model.named_parameters() if not (but and but in n)}
+    for layer in packed_layers(model):
+        tensors = (layer.source, layer.bias_tensor)
+        ptrs |= {t.data_ptr() for t in tensors if t is not None}
+    return ptrs
 
 
 def train_steps(client: pg.TrainingClient, n: int, tokens: list[int] = TOKENS) -> float:
@@ -70,10 +81,10 @@ def test_publish_shares_the_base_and_keeps_versions_apart() -> None:
         v2 = lora.save_weights_and_get_sampling_client()
         assert v1.weights_version != v2.weights_version == svc.weights_version
         base_ptrs = {p.data_ptr() for p in svc.train_model.parameters()}
+        # one packed copy of the base (where the CPU packs), shared by both versions
+        assert packed_layers(v1._model) == packed_layers(v2._model)
         for version in (v1, v2):
-            model = version._model
-            shared = {p.data_ptr() for n, p in model.named_parameters() if "lora_" not in n}
-            assert shared == base_ptrs  # the base weights are not copied
+            assert held(version._model, "lora_") == base_ptrs  # the base weights are not copied
         trained = {p.data_ptr() for a in lora_adapters(lora.model).values()
                    for p in a.parameters()}
         assert trained.isdisjoint(p.data_ptr() for p in v1._model.parameters())
@@ -199,7 +210,7 @@ def test_version_0_shares_the_weights_until_a_full_trainer_unshares_them() -> No
     with service() as svc:
         v0 = svc.create_sampling_client(stop_at_end_of_turn=False)
         ptrs = {p.data_ptr() for p in svc.train_model.parameters()}
-        assert {p.data_ptr() for p in v0._model.parameters()} == ptrs  # held once
+        assert held(v0._model) == ptrs  # held once
         lora = svc.create_lora_training_client(rank=4)
         lp0 = v0.compute_logprobs(TOKENS).result()
         full = svc.create_training_client()

@@ -1,0 +1,194 @@
+"""Sampling copies' linear layers on oneDNN's packed weights (CPU).
+
+torch's `F.linear` runs fp32 on the CPU through its wheel's BLAS (MKL), which on the few
+rows of a decode step, and on AMD CPUs at all, leaves much of the machine unused. oneDNN
+with each weight reordered once into the blocked layout its kernels read (for 32 rows,
+as vLLM's CPU backend and torch's inductor do) took 0.53 ms instead of 0.86 for 32 rows
+768 -> 2,304, and 9.1 instead of 23 ms for a 32,000-token head (fp32, AMD EPYC, 2
+threads; bf16, which torch already runs in oneDNN, gains 1.2x from the layout alone).
+Only what samples is packed: training keeps `F.linear` (oneDNN's packed op has no
+gradient), so sampler and trainer logprobs differ by float noise, as across batch sizes.
+
+1) `PackedLinear`: y = x W^T + b on W packed by `torch.ops.mkldnn._reorder_linear_weight`.
+   A *private* one (a full publish's snapshot, which no one else holds) packs at once
+   and keeps no dense weight: no memory added. A *shared* one (version 0, a LoRA model's
+   frozen base: the trainer's own tensors) keeps the dense weight, packs at its first
+   forward and again whenever the weight changed in place (its version counter), so it
+   never serves stale weights; it is made once per weight and reused by every model
+   that shares that weight (one packed copy: the memory of the linear weights once more).
+2) `WeightPacker.pack(model, shared)` swaps them in for an inference model's attention
+   and MLP linears (a LoRA layer's base) and, as `Transformer.head_linear`, its output
+   head, where `packs` says it applies: a CPU model of our own families in fp32 or bf16
+   on a torch with oneDNN.
+3) Reproducible: fp32 results must not depend on the thread count (docs/architecture.md,
+   "Determinism": the engine's tuner picks counts by timing, and a run may resume on
+   another `--num-threads`), which MKL guarantees in its strict mode and oneDNN does
+   not (on one AMD CPU, one-row products of width >= 2,048 onto <= 128 outputs summed
+   otherwise on 2 threads than on 1). So each fp32 shape is first run at 1 to 64 rows
+   on every count of `thread_counts()` (1, 2, 4, ... and the CPU count: the same set
+   whatever the run's own count) and stays on `F.linear` unless all give the same bits.
+   bf16 runs in oneDNN either way.
+
+Knows the model's modules; nothing of the sampler.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from prefixgym.engine.model.decoder import Transformer
+
+__all__ = ["PackedLinear", "WeightPacker", "packed_layers", "packs", "thread_counts"]
+
+PACK_ROWS = 32
+"""The row count oneDNN lays the weight out for (any count runs on it)."""
+CHECKED_ROWS = (1, 2, 3, 5, 8, 13, 32, 64)
+"""Row counts at which an fp32 shape must give the same bits on every thread count."""
+LAYERS = ("wqkv", "wo", "w_gate_up", "w_down")
+"""The attribute names of the linears packed in each block (a mixture's router and
+experts are not: the router's top-k turns on last bits, the experts are 3-D)."""
+
+_mkldnn = torch.ops.mkldnn
+_invariant: dict[tuple[int, int, torch.dtype, bool, tuple[int, ...]], bool] = {}
+_invariant_lock = threading.Lock()
+
+
+def packs(model: Transformer) -> bool:
+    """Whether `WeightPacker` would pack `model`: one of our own families (not run
+    through transformers' code) on the CPU in fp32 or bf16, with torch's oneDNN."""
+    if model.config.family == "transformers" or not torch.backends.mkldnn.is_available():
+        return False
+    weight = model.tok_embeddings.weight
+    return (weight.device.type == "cpu" and hasattr(_mkldnn, "_reorder_linear_weight")
+            and (weight.dtype == torch.float32 or (
+                weight.dtype == torch.bfloat16 and _mkldnn._is_mkldnn_bf16_supported())))
+
+
+def thread_counts() -> tuple[int, ...]:
+    """The thread counts an fp32 shape must agree on to be packed: the powers of two
+    below the CPU count, and the CPU count."""
+    cpus = os.cpu_count() or 1
+    return tuple(sorted({1 << i for i in range(cpus.bit_length()) if 1 << i < cpus} | {cpus}))
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    return _mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def _apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear`'s forward on a packed weight, for inference (see the module doc)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, shared: bool) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bias_tensor = None if bias is None else bias.detach()
+        self.source: torch.Tensor | None = weight.detach() if shared else None
+        """The dense weight a shared layer follows (None: private, packed for good)."""
+        self._packed: torch.Tensor | None = None if shared else _packed(weight)
+        self._seen = -1  # the source's version counter when last packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError("a packed linear layer samples only: oneDNN's packed op "
+                               "has no gradient (train the trainer's model)")
+        if self.source is not None and self._seen != self.source._version:
+            self._packed, self._seen = _packed(self.source), self.source._version
+        assert self._packed is not None
+        return _apply(x, self._packed, self.bias_tensor)
+
+    def extra_repr(self) -> str:
+        kind = "shared" if self.source is not None else "private"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+
+
+def _thread_invariant(weight: torch.Tensor, bias: torch.Tensor | None,
+                      counts: tuple[int, ...]) -> bool:
+    """Whether oneDNN's packed product of `weight`'s shape gives the same bits on every
+    thread count of `counts` at `CHECKED_ROWS` rows (once per shape and process)."""
+    out_features, in_features = weight.shape
+    key = (in_features, out_features, weight.dtype, bias is not None, counts)
+    with _invariant_lock:
+        if key not in _invariant:
+            packed = _packed(weight)
+            generator = torch.Generator().manual_seed(0)
+            before = torch.get_num_threads()
+            same = True
+            try:
+                for rows in CHECKED_ROWS:
+                    x = torch.randn(rows, in_features, generator=generator).to(weight.dtype)
+                    outs = []
+                    for count in counts:
+                        torch.set_num_threads(count)
+                        outs.append(_apply(x, packed, bias))
+                    same = same and all(torch.equal(outs[0], o) for o in outs[1:])
+            finally:
+                torch.set_num_threads(before)
+            _invariant[key] = same
+        return _invariant[key]
+
+
+class WeightPacker:
+    """Packs a service's inference models (`pack`); shared layers are made once per
+    weight and reused while a model holds them.
+
+    `counts`: the thread counts an fp32 shape must give the same bits on to be packed
+    (default `thread_counts()`). `enabled` False packs nothing
+    (`SamplerOptions.pack_weights`)."""
+
+    def __init__(self, enabled: bool = True, counts: Sequence[int] | None = None) -> None:
+        self.enabled = enabled
+        self.counts = thread_counts() if counts is None else tuple(counts)
+        self._shared: weakref.WeakValueDictionary[tuple[object, ...], PackedLinear] = (
+            weakref.WeakValueDictionary())
+        self._lock = threading.Lock()
+
+    def pack(self, model: Transformer, shared: bool) -> Transformer:
+        """`model` (an inference copy, changed in place) with its block linears and its
+        head packed, where they apply; `shared`: its weights are also another model's."""
+        if not (self.enabled and packs(model)):
+            return model
+        for block in model.layers:
+            for parent in list(block.modules()):
+                for name in LAYERS:
+                    layer = getattr(parent, name, None)
+                    base = getattr(layer, "base", None)  # a LoRA layer's
+                    if isinstance(layer, nn.Linear):
+                        setattr(parent, name, self._layer(layer, shared) or layer)
+                    elif isinstance(base, nn.Linear):
+                        setattr(layer, "base", self._layer(base, True) or base)
+        # a tied head's weight is the embedding, which the model keeps: shared
+        head = model.output if model.output is not None else model.tok_embeddings
+        model.head_linear = self._layer(head, shared or model.output is None)
+        return model
+
+    def _layer(self, layer: nn.Linear | nn.Embedding, shared: bool) -> PackedLinear | None:
+        """`layer` packed (None where an fp32 shape rounds by thread count)."""
+        weight = layer.weight
+        bias = layer.bias if isinstance(layer, nn.Linear) else None
+        if (weight.dtype == torch.float32 and len(self.counts) > 1
+                and not _thread_invariant(weight, bias, self.counts)):
+            return None
+        if not shared:
+            return PackedLinear(weight, bias, shared=False)
+        key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype,
+               None if bias is None else bias.data_ptr())
+        with self._lock:
+            packed = self._shared.get(key)
+            if packed is None:
+                packed = self._shared[key] = PackedLinear(weight, bias, shared=True)
+            return packed
+
+
+def packed_layers(model: nn.Module) -> list[PackedLinear]:
+    """The `PackedLinear`s of `model` (for tests and stats)."""
+    return [m for m in model.modules() if isinstance(m, PackedLinear)]

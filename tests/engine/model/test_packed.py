@@ -1,0 +1,177 @@
+"""Sampling on oneDNN's packed weights (`engine/model/packed.py`): the same model, the
+weights it should see, no gradient, and nothing packed where it must not be."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import prefixgym as pg
+from prefixgym.engine.model import ModelConfig, Transformer
+from prefixgym.engine.model import packed as packing
+from prefixgym.engine.model.packed import PackedLinear, WeightPacker, packed_layers, packs
+from prefixgym.engine.service import EngineService
+
+CONFIG = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                     hidden_dim=128, max_seq_len=128, qkv_bias=True)
+PROMPT = list(range(3, 40))
+LINEARS = 2 * 4  # per block: wqkv, wo, w_gate_up, w_down
+
+pytestmark = pytest.mark.skipif(not packs(Transformer(CONFIG)),
+                                reason="this torch has no oneDNN packed linear")
+
+
+def service(config: ModelConfig = CONFIG, **kwargs: object) -> EngineService:
+    return EngineService(config, seed=1, thread_tuning=False, **kwargs)  # type: ignore[arg-type]
+
+
+def sample(svc: EngineService, client: pg.SamplingClient | None = None,
+           ) -> tuple[list[list[int]], list[list[float]], list[float]]:
+    client = client or svc.create_sampling_client(stop_at_end_of_turn=False)
+    params = pg.SamplingParams(max_tokens=12, temperature=1.0, seed=5)
+    out = client.sample(PROMPT, num_samples=4, sampling_params=params).result()
+    prompt = client.compute_logprobs(PROMPT + out.sequences[0].tokens).result()
+    return ([s.tokens for s in out.sequences], [s.logprobs for s in out.sequences],
+            [x for x in prompt if x is not None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_packed_layer_computes_the_linear(dtype: torch.dtype, shared: bool) -> None:
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 here")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=gen).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype)
+    layer = PackedLinear(weight, bias, shared=shared)
+    for rows in (1, 7, 40):
+        x = torch.randn(3, rows, 64, generator=gen).to(dtype)
+        want = F.linear(x.float(), weight.float(), bias.float())
+        got = layer(x)
+        assert got.shape == (3, rows, 96) and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 0.08
+        assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
+    assert (layer.source is not None) == shared
+
+
+def test_a_shared_layer_follows_its_weight_changed_in_place() -> None:
+    weight = torch.randn(32, 16)
+    layer = PackedLinear(weight, None, shared=True)
+    x = torch.randn(2, 16)
+    before = layer(x)
+    with torch.no_grad():
+        weight.mul_(2.0)
+    assert torch.allclose(layer(x), 2 * before, atol=1e-5)
+    private = PackedLinear(weight, None, shared=False)
+    with torch.no_grad():
+        weight.zero_()
+    assert torch.allclose(private(x), 2 * before, atol=1e-5)  # packed for good
+
+
+def test_a_packed_layer_refuses_a_gradient() -> None:
+    layer = PackedLinear(torch.randn(8, 4), None, shared=False)
+    with pytest.raises(RuntimeError, match="no gradient"):
+        layer(torch.randn(2, 4, requires_grad=True))
+    with torch.no_grad():
+        assert layer(torch.randn(2, 4, requires_grad=True)).shape == (2, 8)
+
+
+def test_packed_and_plain_sample_alike() -> None:
+    with service() as packed, service(pack_weights=False) as plain:
+        model = packed.create_sampling_client()._model
+        assert len(packed_layers(model)) == LINEARS + 1  # the head too
+        assert packed_layers(plain.create_sampling_client()._model) == []
+        tokens, logprobs, prompt = sample(packed)
+        want_tokens, want_logprobs, want_prompt = sample(plain)
+        assert tokens == want_tokens
+        for got, want in zip(logprobs, want_logprobs):
+            assert got == pytest.approx(want, abs=1e-5)
+        assert prompt == pytest.approx(want_prompt, abs=1e-5)
+
+
+def test_version_0_follows_the_trainers_weights_until_they_are_unshared() -> None:
+    with service() as svc, service(pack_weights=False) as plain:
+        v0 = svc.create_sampling_client(stop_at_end_of_turn=False)
+        first = v0.compute_logprobs(PROMPT).result()[1:]
+        with torch.no_grad():  # what a load into the shared weights does
+            for model in (svc.train_model, plain.train_model):
+                model.layers[0].attn.wqkv.weight.mul_(0.5)
+                model.tok_embeddings.weight.add_(0.01)
+        changed = v0.compute_logprobs(PROMPT).result()[1:]
+        assert changed != pytest.approx(first, abs=1e-4)
+        want = plain.create_sampling_client().compute_logprobs(PROMPT).result()[1:]
+        assert changed == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_full_publish_is_packed_in_place_and_lora_shares_one_packed_base(tied: bool) -> None:
+    config = dataclasses.replace(CONFIG, tie_embeddings=tied)
+    with service(config) as svc:
+        full = svc.create_training_client()
+        datum = pg.Datum(model_input=pg.ModelInput.from_ints(PROMPT[:-1]),
+                         loss_fn_inputs={"target_tokens": PROMPT[1:]})
+        full.forward_backward([datum], "cross_entropy").result()
+        full.optim_step(pg.AdamParams(learning_rate=1e-2)).result()
+        v1 = full.save_weights_and_get_sampling_client()
+        layers = packed_layers(v1._model)
+        assert len(layers) == LINEARS + 1
+        # the block linears keep no dense weight; a tied head follows the embedding
+        assert [layer.source is None for layer in layers] == [True] * LINEARS + [not tied]
+        names = {name for name, _ in v1._model.named_parameters()}
+        assert not any(name.endswith(("wqkv.weight", "w_down.weight")) for name in names)
+        trained = full.forward([datum], "cross_entropy").result()
+        sampled = v1.compute_logprobs(PROMPT).result()
+        assert trained.loss_fn_outputs[0]["logprobs"] == pytest.approx(sampled[1:], abs=1e-4)
+    with service(config) as svc:
+        lora = svc.create_lora_training_client(rank=4)
+        v0 = svc.create_sampling_client()
+        v1 = lora.save_weights_and_get_sampling_client()
+        bases = packed_layers(v1._model)
+        assert len(bases) == LINEARS + 1 and bases == packed_layers(v0._model)
+
+
+def test_a_shape_that_rounds_by_thread_count_stays_plain(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packing, "_thread_invariant", lambda *args: False)
+    model = Transformer(CONFIG)
+    WeightPacker(counts=(1,)).pack(model, shared=True)
+    assert len(packed_layers(model)) == LINEARS + 1  # one thread count: no check
+    model = Transformer(CONFIG)
+    WeightPacker(counts=(1, 2)).pack(model, shared=True)
+    assert packed_layers(model) == [] and model.head_linear is None
+    assert isinstance(model.layers[0].attn.wqkv, torch.nn.Linear)
+    model = Transformer(CONFIG).to(torch.bfloat16)  # oneDNN either way
+    if packs(model):
+        WeightPacker(counts=(1, 2)).pack(model, shared=True)
+        assert len(packed_layers(model)) == LINEARS + 1
+
+
+def test_the_thread_check_runs_each_shape_once_on_every_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    counts: list[int] = []
+    real = packing._apply
+
+    def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        counts.append(torch.get_num_threads())
+        return real(x, w, b)
+
+    monkeypatch.setattr(packing, "_apply", counted)
+    before = torch.get_num_threads()
+    first = packing._thread_invariant(torch.randn(48, 33), None, (1, 2))
+    assert counts == [1, 2] * len(packing.CHECKED_ROWS)
+    assert torch.get_num_threads() == before
+    assert packing._thread_invariant(torch.randn(48, 33), None, (1, 2)) is first
+    assert len(counts) == 2 * len(packing.CHECKED_ROWS)  # the shape's answer was kept
+
+
+def test_the_counts_checked_are_the_cpus_not_the_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packing.os, "cpu_count", lambda: 6)
+    assert packing.thread_counts() == (1, 2, 4, 6)
+    monkeypatch.setattr(packing.os, "cpu_count", lambda: 8)
+    assert packing.thread_counts() == (1, 2, 4, 8)
+    monkeypatch.setattr(packing.os, "cpu_count", lambda: 1)
+    assert packing.thread_counts() == (1,)
+    assert WeightPacker().counts == (1,)
