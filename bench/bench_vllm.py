@@ -155,6 +155,13 @@ def main() -> None:
                 line += "; vLLM / ours " + ", ".join(
                     f"{peer} {base / min(walls[peer]):.2f}x" for peer in peers)
                 print(line, flush=True)
+            except Exception:
+                for server in (vllm, serve):  # the servers' logs go with the temp dir
+                    if server.log_path is not None and server.log_path.is_file():
+                        tail = server.log_path.read_text(errors="replace").splitlines()[-40:]
+                        print(f"--- the end of {server.log_path}:", *tail, sep="\n",
+                              file=sys.stderr)
+                raise
             finally:
                 vllm.stop()
                 serve.stop()

@@ -18,8 +18,8 @@ gradient), so sampler and trainer logprobs differ by float noise, as across batc
    that shares that weight (one packed copy: the memory of the linear weights once more).
 2) `WeightPacker.pack(model, shared)` swaps them in for an inference model's attention
    and MLP linears (a LoRA layer's base) and, as `Transformer.head_linear`, its output
-   head, where `packs` says it applies: a CPU model of our own families in fp32 or bf16
-   on a torch with oneDNN.
+   head, where `packs` says it applies (a CPU model of our own families in fp32 or bf16
+   on a torch with oneDNN) and the weight has `MIN_ELEMENTS` or more.
 3) Reproducible: fp32 results must not depend on the thread count (docs/architecture.md,
    "Determinism": the engine's tuner picks counts by timing, and a run may resume on
    another `--num-threads`), which MKL guarantees in its strict mode and oneDNN does
@@ -50,6 +50,10 @@ PACK_ROWS = 32
 """The row count oneDNN lays the weight out for (any count runs on it)."""
 CHECKED_ROWS = (1, 2, 3, 5, 8, 13, 32, 64)
 """Row counts at which an fp32 shape must give the same bits on every thread count."""
+MIN_ELEMENTS = 512 * 512
+"""Smaller weights stay on `F.linear`: oneDNN's ~15 us a call outweighs what it gains
+there (one row of 256 -> 256: 6 us by `F.linear`, 17 packed; 512 -> 512 breaks even at
+one row and gains from 8)."""
 LAYERS = ("wqkv", "wo", "w_gate_up", "w_down")
 """The attribute names of the linears packed in each block (a mixture's router and
 experts are not: the router's top-k turns on last bits, the experts are 3-D)."""
@@ -172,9 +176,12 @@ class WeightPacker:
         return model
 
     def _layer(self, layer: nn.Linear | nn.Embedding, shared: bool) -> PackedLinear | None:
-        """`layer` packed (None where an fp32 shape rounds by thread count)."""
+        """`layer` packed (None where it is small, or an fp32 shape that rounds by thread
+        count)."""
         weight = layer.weight
         bias = layer.bias if isinstance(layer, nn.Linear) else None
+        if weight.numel() < MIN_ELEMENTS:
+            return None
         if (weight.dtype == torch.float32 and len(self.counts) > 1
                 and not _thread_invariant(weight, bias, self.counts)):
             return None

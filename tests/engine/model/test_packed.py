@@ -24,6 +24,11 @@ pytestmark = pytest.mark.skipif(not packs(Transformer(CONFIG)),
                                 reason="this torch has no oneDNN packed linear")
 
 
+@pytest.fixture(autouse=True)
+def small_weights_pack(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packing, "MIN_ELEMENTS", 0)  # this file's model is small
+
+
 def service(config: ModelConfig = CONFIG, **kwargs: object) -> EngineService:
     return EngineService(config, seed=1, thread_tuning=False, **kwargs)  # type: ignore[arg-type]
 
@@ -165,6 +170,15 @@ def test_the_thread_check_runs_each_shape_once_on_every_count(
     assert torch.get_num_threads() == before
     assert packing._thread_invariant(torch.randn(48, 33), None, (1, 2)) is first
     assert len(counts) == 2 * len(packing.CHECKED_ROWS)  # the shape's answer was kept
+
+
+def test_small_weights_stay_on_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packing, "MIN_ELEMENTS", CONFIG.dim * CONFIG.hidden_dim * 2)
+    model = Transformer(CONFIG)
+    WeightPacker().pack(model, shared=True)
+    big = [CONFIG.dim * 2 * CONFIG.hidden_dim, CONFIG.dim * CONFIG.vocab_size]  # gate_up, head
+    assert sorted(layer.in_features * layer.out_features for layer in packed_layers(model)) \
+        == sorted([big[0]] * CONFIG.n_layers + [big[1]])
 
 
 def test_the_counts_checked_are_the_cpus_not_the_runs(monkeypatch: pytest.MonkeyPatch) -> None:
