@@ -11,7 +11,8 @@ gradient), so sampler and trainer logprobs differ by float noise, as across batc
 
 1) `PackedLinear`: y = x W^T + b on W packed by `torch.ops.mkldnn._reorder_linear_weight`.
    A *private* one (a full publish's snapshot, which no one else holds) packs at once
-   and keeps no dense weight: no memory added. A *shared* one (version 0, a LoRA model's
+   and keeps no dense weight: no memory added (but for an untied head, whose dense
+   matrix stays the model's `output`). A *shared* one (version 0, a LoRA model's
    frozen base: the trainer's own tensors) keeps the dense weight, packs at its first
    forward and again whenever the weight changed in place (its version counter), so it
    never serves stale weights; it is made once per weight and reused by every model
