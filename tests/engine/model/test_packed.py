@@ -84,8 +84,11 @@ def test_a_packed_layer_refuses_a_gradient() -> None:
         assert layer(torch.randn(2, 4, requires_grad=True)).shape == (2, 8)
 
 
-def test_packed_and_plain_sample_alike() -> None:
-    with service() as packed, service(pack_weights=False) as plain:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_and_plain_sample_alike(dtype: str) -> None:
+    if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 here")
+    with service(dtype=dtype) as packed, service(dtype=dtype, pack_weights=False) as plain:
         model = packed.create_sampling_client()._model
         assert len(packed_layers(model)) == LINEARS + 1  # the head too
         assert packed_layers(plain.create_sampling_client()._model) == []
