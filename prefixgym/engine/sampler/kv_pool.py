@@ -221,20 +221,49 @@ class DecodeWorkspace:
     rows (the same sequence objects, in order) or their lengths have outgrown it."""
 
     def __init__(self, pool: KVPool, rows: list[object], tables: list[list[int]],
-                 num_positions: int, window_tables: Sequence[list[list[int]]] = ()) -> None:
+                 num_positions: int, window_tables: Sequence[list[list[int]]] = (),
+                 reuse: DecodeWorkspace | None = None) -> None:
         bs, Hkv = pool.block_size, pool.n_kv_heads
         self.rows = [weakref.ref(r) for r in rows]  # not kept alive (nor their models)
-        nb = -(-(num_positions + _GROWTH) // bs)
-        self.capacity = nb * bs
+        self.capacity = self.capacity_for(pool, num_positions)
+        nb = self.capacity // bs
         gather = [_block_rows(pool, _table_tensor(pool, t, nb))
                   for t in pool.group_tables(tables, window_tables)]
         L, D = len(pool.windows), pool.k.shape[-1]
-        B = len(rows)
-        self.k = pool.k.new_empty(L, B, Hkv, self.capacity, D)
-        self.v = pool.v.new_empty(L, B, Hkv, self.capacity, D)
+        shape = (L, len(rows), Hkv, self.capacity, D)
+        size = self.elements(pool, len(rows), num_positions)
+        # a replaced workspace's storage where it fits: a new one of a GiB is a fresh
+        # mapping whose every page faults at first touch (at 92M, 128 rows of ~400
+        # positions: ~0.9 s a turn, against ~0.2 s for the gather itself); a new one
+        # has room for the next turns' longer rows
+        room = size + size // 2
+        self.storage: tuple[torch.Tensor, torch.Tensor] = (
+            reuse.storage if reuse is not None and reuse.fits_elements(size)
+            else (pool.k.new_empty(room), pool.v.new_empty(room)))
+        """Flat k and v buffers; `k` and `v` view their first elements, all of which the
+        gather below writes."""
+        self.k = self.storage[0][:size].view(shape)
+        self.v = self.storage[1][:size].view(shape)
         for layer, (group, slot) in enumerate(pool.layout.layer_slot):
             torch.index_select(pool.k[slot], 0, gather[group], out=self.k[layer].view(-1, bs, D))
             torch.index_select(pool.v[slot], 0, gather[group], out=self.v[layer].view(-1, bs, D))
+
+    @staticmethod
+    def capacity_for(pool: KVPool, num_positions: int) -> int:
+        """Positions per row of a workspace gathered for `num_positions`."""
+        return -(-(num_positions + _GROWTH) // pool.block_size) * pool.block_size
+
+    @classmethod
+    def elements(cls, pool: KVPool, num_rows: int, num_positions: int) -> int:
+        """Elements of each of k and v in a workspace of `num_rows` rows."""
+        return (len(pool.windows) * num_rows * pool.n_kv_heads
+                * cls.capacity_for(pool, num_positions) * pool.k.shape[-1])
+
+    def fits_elements(self, size: int) -> bool:
+        """Whether this workspace's storage should hold a workspace of `size` elements:
+        it is large enough, and not over twice that (a small batch after a large one
+        lets the large storage go)."""
+        return size <= self.storage[0].numel() <= 2 * size
 
     def fits(self, rows: list[object], num_positions: int) -> bool:
         return (num_positions <= self.capacity and len(rows) == len(self.rows)

@@ -87,8 +87,14 @@ class ModelRunner:
         needed = max(batch.starts) + 1
         ws = self._workspaces.get(batch.version)
         if ws is None or not ws.fits(rows, needed):
-            self._workspaces.pop(batch.version, None)  # free it before gathering anew
-            ws = DecodeWorkspace(self.pool, rows, batch.tables, needed, batch.window_tables)
+            # its storage serves again where large enough, else is freed before gathering
+            old = self._workspaces.pop(batch.version, None)
+            if old is not None and not old.fits_elements(
+                    DecodeWorkspace.elements(self.pool, len(rows), needed)):
+                old = None
+            ws = DecodeWorkspace(self.pool, rows, batch.tables, needed, batch.window_tables,
+                                 reuse=old)
+            del old
             for stale in list(self._workspaces)[: max(0, len(self._workspaces) - 1)]:
                 del self._workspaces[stale]
         self._workspaces[batch.version] = ws

@@ -130,3 +130,31 @@ def test_decode_rows_at_one_position_attend_without_a_mask_bit_for_bit() -> None
     assert torch.equal(unmasked, masked)
     torch.testing.assert_close(unmasked[:, 0], full, atol=1e-5, rtol=0)
     assert uneven is not None and torch.isinf(uneven[1, 0, 0, 8]) and uneven[0].eq(0).all()
+
+
+def test_a_workspace_gathered_into_a_replaced_ones_storage_decodes_the_same() -> None:
+    """A workspace that reuses the storage of the one it replaces (stale values in it)
+    decodes bit for bit as one gathered into fresh memory; storage too small, or over
+    twice the size needed, is not reused."""
+    gen = torch.Generator().manual_seed(6)
+    tokens = torch.randint(0, 4096, (3, 9), generator=gen)
+    model = load_model("tiny", seed=1).clone_for_inference()
+    pool = _pool(model, torch.float32)
+    tables = _tables(3, 9)
+    with torch.inference_mode():
+        prefill = pool.view(tables, [0, 0, 0], [8, 8, 8], 8)
+        model(tokens[:, :8], prefill.positions_R_T, kv=prefill, last_only=True)
+        rows = [_Row() for _ in range(3)]
+        old = DecodeWorkspace(pool, rows, tables, 9)
+        old.k.fill_(7.0)  # stale values a reuse must overwrite
+        old.v.fill_(-7.0)
+        fresh = DecodeWorkspace(pool, [_Row() for _ in range(3)], tables, 9)
+        reused = DecodeWorkspace(pool, [_Row() for _ in range(3)], tables, 9, reuse=old)
+        assert reused.storage[0].data_ptr() == old.storage[0].data_ptr()
+        logits = [model(tokens[:, 8:], view.positions_R_T, kv=view, last_only=True)
+                  for view in (DecodeView(pool, ws, tables, [8, 8, 8]) for ws in (fresh, reused))]
+        one = DecodeWorkspace(pool, [_Row()], tables[:1], 9, reuse=old)  # old: over 2x
+        more = DecodeWorkspace(pool, [_Row() for _ in range(3)], tables, 300, reuse=old)
+    assert torch.equal(logits[0], logits[1])
+    assert one.storage[0].data_ptr() != old.storage[0].data_ptr()
+    assert more.storage[0].data_ptr() != old.storage[0].data_ptr()
