@@ -218,7 +218,8 @@ class DecodeWorkspace:
     contiguous (n_layers, B, n_kv_heads, capacity, head_dim) pair, so that a decode
     step reads them in place instead of gathering every step. It is derived state: the
     pool stays the store (every step writes both), and `fits` says when the batch's
-    rows (the same sequence objects, in order) or their lengths have outgrown it."""
+    rows (the same sequence objects, in order) or their lengths have outgrown it; the
+    next one is gathered into its storage where that is large enough (`reuse`)."""
 
     def __init__(self, pool: KVPool, rows: list[object], tables: list[list[int]],
                  num_positions: int, window_tables: Sequence[list[list[int]]] = (),
