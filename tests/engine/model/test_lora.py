@@ -81,8 +81,6 @@ def test_publish_shares_the_base_and_keeps_versions_apart() -> None:
         v2 = lora.save_weights_and_get_sampling_client()
         assert v1.weights_version != v2.weights_version == svc.weights_version
         base_ptrs = {p.data_ptr() for p in svc.train_model.parameters()}
-        # one packed copy of the base (where the CPU packs), shared by both versions
-        assert packed_layers(v1._model) == packed_layers(v2._model)
         for version in (v1, v2):
             assert held(version._model, "lora_") == base_ptrs  # the base weights are not copied
         trained = {p.data_ptr() for a in lora_adapters(lora.model).values()
