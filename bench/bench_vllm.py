@@ -157,10 +157,7 @@ def main() -> None:
                 print(line, flush=True)
             except Exception:
                 for server in (vllm, serve):  # the servers' logs go with the temp dir
-                    if server.log_path is not None and server.log_path.is_file():
-                        tail = server.log_path.read_text(errors="replace").splitlines()[-40:]
-                        print(f"--- the end of {server.log_path}:", *tail, sep="\n",
-                              file=sys.stderr)
+                    print(f"--- {server.name}{server.log_tail(40)}", file=sys.stderr)
                 raise
             finally:
                 vllm.stop()

@@ -154,7 +154,7 @@ class ServerProcess:
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with code {self.process.returncode} "
-                                   f"before it answered{self._log_tail()}")
+                                   f"before it answered{self.log_tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return self
@@ -164,7 +164,7 @@ class ServerProcess:
             if now - start > timeout_s:
                 self.stop()
                 raise RuntimeError(f"{self.name} did not answer {self.url}/health within "
-                                   f"{timeout_s:.0f} s{self._log_tail()}")
+                                   f"{timeout_s:.0f} s{self.log_tail()}")
             if progress and now - said >= 10:
                 said = now
                 print(f"waiting for {self.name} at {self.url} ({now - start:.0f} s)",
@@ -195,9 +195,10 @@ class ServerProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _log_tail(self, lines: int = 15) -> str:
-        """The log's last lines, led by its last line that names an error (a Python
-        traceback's last line is often far above the end of a vLLM log)."""
+    def log_tail(self, lines: int = 15) -> str:
+        """The log's last `lines`, led by its last line that names an error (a Python
+        traceback's last line is often far above the end of a vLLM log), phrased to
+        follow a sentence ("; ..."); empty without a log file."""
         if self.log_path is None or not self.log_path.is_file():
             return ""
         text = self.log_path.read_text(errors="replace").splitlines()
