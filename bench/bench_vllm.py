@@ -108,7 +108,8 @@ def main() -> None:
             port = free_port()
             serve = ServerProcess(
                 [sys.executable, "-m", "prefixgym", "serve", "--model", model_dir, "--port",
-                 str(port), "--max-n", "64", "--kv-cache-gib", str(args.kv_gib)], f"http://127.0.0.1:{port}",
+                 str(port), "--max-n", "64", "--kv-cache-gib", str(args.kv_gib), "--dtype",
+                 args.dtype], f"http://127.0.0.1:{port}",
                 {"OMP_NUM_THREADS": str(args.threads)}, log_path=Path(tmp) / "serve.log",
                 name="prefixgym serve")
             launch = VLLMLaunch(model_dir, served_model_name=name, port=free_port(),

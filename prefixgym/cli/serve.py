@@ -52,8 +52,9 @@ def main(argv: list[str]) -> int:
     try:
         options = SamplerOptions(prefix_cache=config.prefix_cache, cache_bytes=int(
             config.kv_cache_gib * 2**30) if config.kv_cache_gib else DEFAULT_CACHE_BYTES)
+        dtype = "float32" if config.dtype == "auto" else config.dtype
         service = LocalService(model=config.model, seed=config.seed, device=config.device,
-                               sampler=options)
+                               dtype=dtype, sampler=options)
     except (ValueError, OSError) as e:
         print(f"prefixgym serve: cannot load model {config.model!r}: {error_line(e)}",
               file=sys.stderr)
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> int:
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_level=config.log_level))
         print(f"prefixgym serve: {config.model_name} on http://{config.host}:{config.port}/v1, "
-              f"{describe_device(service.device)}", flush=True)
+              f"{describe_device(service.device)}, {dtype}", flush=True)
         server.run()
     except KeyboardInterrupt:  # uvicorn shuts down first, then passes Ctrl-C on
         pass

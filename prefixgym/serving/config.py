@@ -8,6 +8,9 @@ from dataclasses import dataclass
 API_KEY_VARIABLE = "PREFIXGYM_API_KEY"
 
 
+BUILT_IN_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""What `--dtype` may say for the built-in engine."""
+
 @dataclass
 class ServeConfig:
     model: str = "tiny"
@@ -50,7 +53,9 @@ class ServeConfig:
     lora_rank: int = 16
     """(vllm) Largest rank of the LoRA adapters it takes at runtime (0: none)."""
     dtype: str = "auto"
-    """(vllm) The weights' and activations' dtype (float32 to match an fp32 trainer)."""
+    """The weights' and activations' dtype: float32, bfloat16 or float16 (float32 to
+    match an fp32 trainer); auto: float32 for the built-in engine, the checkpoint's own
+    for vLLM."""
     block_size: int = 32
     """(vllm) KV block size; prefixes are cached in whole blocks."""
     kv_cache_gib: float = 0.0
@@ -63,6 +68,9 @@ class ServeConfig:
         if self.kv_cache_gib < 0 or (self.engine == "vllm" and not self.kv_cache_gib.is_integer()):
             raise ValueError("--kv-cache-gib must be >= 0, and whole with --engine vllm, got "
                              f"{self.kv_cache_gib}")
+        if self.engine == "prefixgym" and self.dtype not in BUILT_IN_DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(BUILT_IN_DTYPES)} for the "
+                             f"built-in engine, got {self.dtype!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_request_tokens < 0:

@@ -84,8 +84,26 @@ def test_serve_rejects_bad_flags() -> None:
     assert exit_info.value.code == 2
 
 
+def test_serve_runs_the_built_in_engine_in_the_dtype_asked(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import prefixgym.local_service as local_service
+    from prefixgym.cli.serve import main
+
+    asked: list[str] = []
+
+    def record(**kwargs):  # type: ignore[no-untyped-def]
+        asked.append(kwargs["dtype"])
+        raise ValueError("recorded")  # (the command's one line; no server started)
+
+    monkeypatch.setattr(local_service, "LocalService", record)
+    assert main(["--dtype", "bfloat16"]) == 2 and main([]) == 2
+    assert asked == ["bfloat16", "float32"]  # auto: float32, as a trainer's default
+    assert "cannot load model 'tiny': recorded" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--engine", "sglang"], "--engine must be prefixgym or vllm"),
+    (["--dtype", "int8"], "--dtype must be one of auto, float32, bfloat16, float16"),
     (["--engine", "vllm", "--vllm-python", "/nowhere/python"], "is not a file"),
     (["--engine", "vllm", "--vllm-python", sys.executable, "--lora-rank", "1000"],
      "LoRA ranks up to 512"),
