@@ -11,8 +11,8 @@ it imports neither. The names below are what the rest of the package uses.
 
 from prefixgym.engine.model.config import PRESETS, ModelConfig
 from prefixgym.engine.model.decoder import Transformer, count_parameters, init_weights
-from prefixgym.engine.model.layers import MixtureOfExperts, window_allows
+from prefixgym.engine.model.layers import MixtureOfExperts, SharedKeys, window_allows
 from prefixgym.engine.model.loading import load_model
 
-__all__ = ["PRESETS", "MixtureOfExperts", "ModelConfig", "Transformer", "count_parameters",
-           "init_weights", "load_model", "window_allows"]
+__all__ = ["PRESETS", "MixtureOfExperts", "ModelConfig", "SharedKeys", "Transformer",
+           "count_parameters", "init_weights", "load_model", "window_allows"]

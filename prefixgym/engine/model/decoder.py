@@ -210,6 +210,12 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def attends_shared_keys(self) -> bool:
+        """Whether a one-query forward may hand some keys as `SharedKeys` (layers.py):
+        SDPA's attention in every layer (no soft cap, no sink), no sliding window."""
+        return bool(self.layers) and all(
+            isinstance(block, Block) and block.attn.takes_shared_keys for block in self.layers)
+
     def clone_for_inference(self, dtype: torch.dtype | None = None) -> Transformer:
         """A frozen deep copy (eval mode, requires_grad False) for sampling."""
         clone = copy.deepcopy(self)

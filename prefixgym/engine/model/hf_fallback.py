@@ -65,7 +65,7 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     if isinstance(view, _Probe):
         view.record(module, key, value, kwargs)
     k_all, v_all, mask = view.update(module.layer_idx, key, value)  # type: ignore[arg-type]
-    q = query if k_all.dtype == query.dtype else query.to(k_all.dtype)  # fp32 KV: attend in fp32
+    q = query if k_all.dtype == query.dtype else query.to(k_all.dtype)  # fp32 keys: attend in fp32
     out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
                                          is_causal=mask is None and q.shape[2] > 1,
                                          enable_gqa=q.shape[1] != k_all.shape[1], scale=scaling)

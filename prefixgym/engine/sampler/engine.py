@@ -60,9 +60,9 @@ from prefixgym.types import SampleResponse, SamplingParams
 
 class Engine:
     """The sampling engine of models of `config` on `device`, built as `options` says: a
-    KV pool of `options.cache_bytes` (fp32 on CPU, where attention is fastest in fp32 and
-    exact for bf16 values; `model_dtype` elsewhere), a prefix cache over its blocks, the
-    per-request limits, and the engine thread."""
+    KV pool of `options.cache_bytes` (in `model_dtype`, or fp32 as `kv_cache_dtype` says;
+    attention reads it in fp32 on CPU, where SDPA is fastest), a prefix cache over its
+    blocks, the per-request limits, and the engine thread."""
 
     def __init__(
         self,
@@ -75,7 +75,10 @@ class Engine:
         seed: int = 0,
         max_prefill_tokens: int = 2048,
     ) -> None:
-        kv_dtype = torch.float32 if device.type == "cpu" else model_dtype
+        # stored in the model's dtype (its keys and values are values of it: exact), read
+        # by attention in fp32 on CPU (SDPA's fastest there) and in the model's elsewhere
+        kv_dtype = model_dtype if options.kv_cache_dtype == "auto" else torch.float32
+        attend_dtype = torch.float32 if device.type == "cpu" else model_dtype
         kv_element_size = torch.empty((), dtype=kv_dtype).element_size()
         layout = PageLayout.of(config.windows)  # hybrid models: a block per layer group
         block_bytes = (config.kv_elements_per_position * layout.slots // config.n_layers
@@ -85,7 +88,8 @@ class Engine:
             raise ValueError(f"cache_bytes={options.cache_bytes} holds {num_blocks} KV blocks "
                              f"of {block_bytes} bytes; the engine needs at least 2")
         pool = KVPool(config.n_layers, config.n_kv_heads, config.head_dim, num_blocks,
-                      options.block_size, kv_dtype, device, windows=config.windows)
+                      options.block_size, kv_dtype, device, windows=config.windows,
+                      attend_dtype=attend_dtype)
         cache = PrefixCache(num_blocks, options.block_size, block_bytes,
                             indexing=options.prefix_cache, window_groups=layout.groups - 1,
                             window=layout.window)
@@ -115,7 +119,7 @@ class Engine:
         low_precision_cpu = device.type == "cpu" and model_dtype != torch.float32
         tuning = options.thread_tuning and not (options.deterministic and low_precision_cpu)
         self.threads = ThreadTuner(enabled=tuning)
-        self.runner = ModelRunner(pool, self.threads)
+        self.runner = ModelRunner(pool, self.threads, share_keys=options.shared_prefix_attention)
         self._queue: queue.SimpleQueue[list[Request] | None] = queue.SimpleQueue()
         self._gate = threading.Event()
         self._gate.set()

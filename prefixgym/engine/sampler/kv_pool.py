@@ -24,6 +24,12 @@ key position > the query's position minus the window (`layers.window_allows`).
 Indices are built once per forward and shared by every layer; each distinct window's
 mask once, on its first layer.
 
+The pool stores keys and values in `dtype` and hands attention `attend_dtype`: a bf16
+model's pool on CPU stores bf16 (its keys and values are bf16 values, so nothing is
+rounded, and a GiB holds twice the positions of fp32) and attention reads fp32, which
+SDPA runs fastest on CPU: a prefill's gathered keys are converted once per layer, a
+decode workspace once when gathered.
+
 This module knows nothing of requests, tokens, refcounts or the prefix cache: which
 block is free is the cache's business (prefix_cache.py); this moves tensors.
 """
@@ -33,10 +39,17 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from prefixgym.engine.model import window_allows
+from prefixgym.engine.model import SharedKeys, window_allows
+
+
+class SharedLayers(Protocol):
+    """Keys a decode batch's rows share, per layer (shared_keys.py's `SharedSegments`)."""
+
+    def layer(self, layer_idx: int) -> list[SharedKeys]: ...
 
 
 @dataclass(frozen=True)
@@ -76,12 +89,16 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         windows: tuple[int, ...] = (),
+        attend_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_blocks, self.block_size, self.n_kv_heads = num_blocks, block_size, n_kv_heads
         self.windows = windows or (0,) * n_layers
         """Per layer, its sliding window in keys (`ModelConfig.windows`; 0: none)."""
         self.layout = PageLayout.of(self.windows)
         self.dtype, self.device = dtype, device
+        self.attend_dtype = attend_dtype or dtype
+        """What the views hand attention (and what a decode workspace holds): the stored
+        values converted, exactly when `dtype` is the narrower one."""
         # empty, not zeros: pages are touched only when used; a block is zeroed on its
         # first allocation (`zero`), so stale or padding keys are always finite
         shape = (self.layout.slots, n_kv_heads * num_blocks, block_size, head_dim)
@@ -90,14 +107,14 @@ class KVPool:
         self.zero([0])
 
     def zero(self, blocks: list[int]) -> None:
-        rows = _block_rows(self, torch.tensor([blocks], device=self.device))
+        rows = block_rows(self, torch.tensor([blocks], device=self.device))
         self.k[:, rows] = 0
         self.v[:, rows] = 0
 
     def copy_block(self, src: int, dst: int, num_positions: int) -> None:
         """Copy positions [0, num_positions) of block `src` into block `dst`."""
         src_dst = torch.tensor([[src], [dst]], device=self.device)
-        rows_src, rows_dst = _block_rows(self, src_dst).view(2, -1)  # (Hkv,) each
+        rows_src, rows_dst = block_rows(self, src_dst).view(2, -1)  # (Hkv,) each
         self.k[:, rows_dst, :num_positions] = self.k[:, rows_src, :num_positions]
         self.v[:, rows_dst, :num_positions] = self.v[:, rows_src, :num_positions]
 
@@ -134,8 +151,8 @@ class PagedView:
         self.causal = not any(starts)
         nb = max(-(-(s + n) // bs) for s, n in zip(starts, lengths))  # blocks every row's keys fit in
         self.num_keys = nb * bs
-        tables_R_nb = [_table_tensor(pool, t, nb) for t in pool.group_tables(tables, window_tables)]
-        self.gather_rows = [_block_rows(pool, t) for t in tables_R_nb]  # per group
+        tables_R_nb = [table_tensor(pool, t, nb) for t in pool.group_tables(tables, window_tables)]
+        self.gather_rows = [block_rows(pool, t) for t in tables_R_nb]  # per group
         query_pos_R_T = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(T, device=dev)
         self.positions_R_T = query_pos_R_T
         self.max_position = max(s + n for s, n in zip(starts, lengths)) - 1
@@ -143,7 +160,7 @@ class PagedView:
         if not self.causal:
             key_pos = torch.arange(self.num_keys, device=dev)
             self._allowed = key_pos <= query_pos_R_T.unsqueeze(2)  # (R, T, Tk)
-            self.masks[0] = _additive(self._allowed.unsqueeze(1), pool.dtype)
+            self.masks[0] = _additive(self._allowed.unsqueeze(1), pool.attend_dtype)
         # write targets: the valid (row, t) cells, as flat (head, block, offset) slots
         valid_R_T = torch.arange(T, device=dev) < torch.tensor(lengths, device=dev).unsqueeze(1)
         self.src_M = valid_R_T.flatten().nonzero().squeeze(1)  # into the flattened (R*T)
@@ -168,12 +185,13 @@ class PagedView:
             layer.view(-1, D).index_copy_(0, self.slot_index[group],
                                           new_Hkv_M_D.reshape(-1, D).to(layer.dtype))
         mask = self._mask(self.pool.windows[layer_idx], T)
+        attend = self.pool.attend_dtype
         if self.causal:
-            return k_R_Hkv_T_D.to(self.pool.dtype), v_R_Hkv_T_D.to(self.pool.dtype), mask
+            return k_R_Hkv_T_D.to(attend), v_R_Hkv_T_D.to(attend), mask
         Tk = self.num_keys
         k_all = k_layer.index_select(0, self.gather_rows[group]).view(R, Hkv, Tk, D)
         v_all = v_layer.index_select(0, self.gather_rows[group]).view(R, Hkv, Tk, D)
-        return k_all, v_all, mask
+        return k_all.to(attend), v_all.to(attend), mask
 
     def _mask(self, window: int, T: int) -> torch.Tensor | None:
         """The mask of a layer with this window (0: none), made on first use."""
@@ -187,7 +205,7 @@ class PagedView:
                 keys = torch.arange(self.num_keys, device=self.pool.device)
                 allowed = self._allowed & window_allows(self.positions_R_T, keys, window)
             # 4-D: SDPA's CPU kernel takes a 3-D mask by its slow path (4.5x, measured)
-            self.masks[window] = _additive(allowed.unsqueeze(1), self.pool.dtype)
+            self.masks[window] = _additive(allowed.unsqueeze(1), self.pool.attend_dtype)
         return self.masks[window]
 
 
@@ -197,13 +215,13 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         allowed.logical_not(), float("-inf"))
 
 
-def _table_tensor(pool: KVPool, tables: list[list[int]], nb: int) -> torch.Tensor:
+def table_tensor(pool: KVPool, tables: list[list[int]], nb: int) -> torch.Tensor:
     """(R, nb) block ids: each table cut or padded (with block 0) to `nb` blocks."""
     padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables]
     return torch.tensor(padded, dtype=torch.long, device=pool.device)
 
 
-def _block_rows(pool: KVPool, table_R_nb: torch.Tensor) -> torch.Tensor:
+def block_rows(pool: KVPool, table_R_nb: torch.Tensor) -> torch.Tensor:
     """The rows of a layer's (Hkv*N, bs, D) holding each table's blocks, flattened from
     (R, Hkv, nb): in table order (padding block 0 is always zero, and masked)."""
     heads = torch.arange(pool.n_kv_heads, device=pool.device) * pool.num_blocks
@@ -215,21 +233,32 @@ _GROWTH = 64  # positions of headroom a decode workspace is gathered with
 
 class DecodeWorkspace:
     """The keys/values of one decode batch's rows, gathered from the pool into one
-    contiguous (n_layers, B, n_kv_heads, capacity, head_dim) pair, so that a decode
-    step reads them in place instead of gathering every step. It is derived state: the
-    pool stays the store (every step writes both), and `fits` says when the batch's
-    rows (the same sequence objects, in order) or their lengths have outgrown it; the
-    next one is gathered into its storage where that is large enough (`reuse`)."""
+    contiguous (n_layers, B, n_kv_heads, capacity, head_dim) pair in the pool's
+    `attend_dtype`, so that a decode step reads them in place instead of gathering
+    every step. It is derived state: the pool stays the store (every step writes both),
+    and `fits` says when the batch's rows (the same sequence objects, in order) or their
+    lengths have outgrown it; the next one is gathered into its storage where that is
+    large enough (`reuse`).
+
+    With `shared` (shared_keys.py: keys several rows share, kept apart), row r holds
+    its own positions only, from `offsets[r]` on, at index 0; `num_positions` is then
+    the most own positions a row needs. Not for a pool with windowed layers."""
 
     def __init__(self, pool: KVPool, rows: list[object], tables: list[list[int]],
                  num_positions: int, window_tables: Sequence[list[list[int]]] = (),
-                 reuse: DecodeWorkspace | None = None) -> None:
+                 reuse: DecodeWorkspace | None = None, offsets: list[int] | None = None,
+                 shared: SharedLayers | None = None) -> None:
         bs, Hkv = pool.block_size, pool.n_kv_heads
         self.rows = [weakref.ref(r) for r in rows]  # not kept alive (nor their models)
+        self.offsets = offsets or [0] * len(rows)
+        self.shared = shared
+        if any(self.offsets) and any(pool.windows):
+            raise ValueError("a workspace of rows' own keys needs a pool without windows")
         self.capacity = self.capacity_for(pool, num_positions)
         nb = self.capacity // bs
-        gather = [_block_rows(pool, _table_tensor(pool, t, nb))
-                  for t in pool.group_tables(tables, window_tables)]
+        own = [t[o // bs:] for t, o in zip(tables, self.offsets)]
+        gather = [block_rows(pool, table_tensor(pool, t, nb))
+                  for t in pool.group_tables(own, window_tables)]
         L, D = len(pool.windows), pool.k.shape[-1]
         shape = (L, len(rows), Hkv, self.capacity, D)
         size = self.elements(pool, len(rows), num_positions)
@@ -240,14 +269,18 @@ class DecodeWorkspace:
         room = size + size // 2
         self.storage: tuple[torch.Tensor, torch.Tensor] = (
             reuse.storage if reuse is not None and reuse.fits_elements(size)
-            else (pool.k.new_empty(room), pool.v.new_empty(room)))
+            else (pool.k.new_empty(room, dtype=pool.attend_dtype),
+                  pool.v.new_empty(room, dtype=pool.attend_dtype)))
         """Flat k and v buffers; `k` and `v` view their first elements, all of which the
         gather below writes."""
         self.k = self.storage[0][:size].view(shape)
         self.v = self.storage[1][:size].view(shape)
         for layer, (group, slot) in enumerate(pool.layout.layer_slot):
-            torch.index_select(pool.k[slot], 0, gather[group], out=self.k[layer].view(-1, bs, D))
-            torch.index_select(pool.v[slot], 0, gather[group], out=self.v[layer].view(-1, bs, D))
+            for stored, ws in ((pool.k[slot], self.k[layer]), (pool.v[slot], self.v[layer])):
+                if stored.dtype == ws.dtype:
+                    torch.index_select(stored, 0, gather[group], out=ws.view(-1, bs, D))
+                else:  # a bf16/fp16 pool, read in fp32: converted as gathered
+                    ws.view(-1, bs, D).copy_(stored.index_select(0, gather[group]))
 
     @staticmethod
     def capacity_for(pool: KVPool, num_positions: int) -> int:
@@ -266,31 +299,34 @@ class DecodeWorkspace:
         lets the large storage go)."""
         return size <= self.storage[0].numel() <= 2 * size
 
-    def fits(self, rows: list[object], num_positions: int) -> bool:
-        return (num_positions <= self.capacity and len(rows) == len(self.rows)
-                and all(a is b() for a, b in zip(rows, self.rows)))
+    def fits(self, rows: list[object], positions: list[int]) -> bool:
+        """Whether these rows are this workspace's and it has room for `positions`."""
+        return (len(rows) == len(self.rows) and all(a is b() for a, b in zip(rows, self.rows))
+                and max(p - o for p, o in zip(positions, self.offsets)) < self.capacity)
 
 
 class DecodeView:
     """One new token per row at `positions[b]`: stored in the pool through the row's
-    table and in the workspace; attention reads the workspace in place."""
+    table and in the workspace; attention reads the workspace in place (and the keys
+    its rows share, `shared`, where it keeps them apart)."""
 
     def __init__(self, pool: KVPool, ws: DecodeWorkspace, tables: list[list[int]],
                  positions: list[int], window_tables: Sequence[list[list[int]]] = ()) -> None:
         dev, bs, N, Hkv = pool.device, pool.block_size, pool.num_blocks, pool.n_kv_heads
         self.pool, self.ws = pool, ws
         B = len(positions)
-        self.num_keys = max(positions) + 1
-        pos_B = torch.tensor(positions, device=dev)
+        own = [p - o for p, o in zip(positions, ws.offsets)]  # where in the workspace row
+        self.num_keys = max(own) + 1
+        pos_B, own_B = torch.tensor(positions, device=dev), torch.tensor(own, device=dev)
         self.positions_R_T = pos_B.unsqueeze(1)
         self.last_index_R = None
         # rows at one position see every key: no mask (the same result, bit for bit,
         # as an all-zero one, and a cheaper attention step)
         self.masks: dict[int, torch.Tensor | None] = {0: None}  # by window
-        self._pos_B = pos_B
-        if min(positions) != max(positions):
-            allowed = torch.arange(self.num_keys, device=dev) <= pos_B.unsqueeze(1)
-            self.masks[0] = _additive(allowed[:, None, None], pool.dtype)
+        self._pos_B = pos_B  # (own_B when a workspace has offsets, which it has no windows for)
+        if min(own) != max(own):
+            allowed = torch.arange(self.num_keys, device=dev) <= own_B.unsqueeze(1)
+            self.masks[0] = _additive(allowed[:, None, None], pool.attend_dtype)
         heads = torch.arange(Hkv, device=dev)
         self.pool_index = []  # per group: (B*Hkv) flat slots of the new positions
         for group in pool.group_tables(tables, window_tables):
@@ -298,7 +334,7 @@ class DecodeView:
             slot_B = blocks * bs + pos_B % bs
             self.pool_index.append((heads.unsqueeze(0) * (N * bs) + slot_B.unsqueeze(1)).flatten())
         rows_B_Hkv = torch.arange(B, device=dev).unsqueeze(1) * Hkv + heads
-        self.ws_index = (rows_B_Hkv * ws.capacity + pos_B.unsqueeze(1)).flatten()
+        self.ws_index = (rows_B_Hkv * ws.capacity + own_B.unsqueeze(1)).flatten()
 
     def update(
         self, layer_idx: int, k_B_Hkv_1_D: torch.Tensor, v_B_Hkv_1_D: torch.Tensor
@@ -308,11 +344,16 @@ class DecodeView:
         ws_k, ws_v = self.ws.k[layer_idx], self.ws.v[layer_idx]  # (B, Hkv, capacity, D)
         for new, pool_layer, ws_layer in ((k_B_Hkv_1_D, self.pool.k[slot], ws_k),
                                           (v_B_Hkv_1_D, self.pool.v[slot], ws_v)):
-            new_N_D = new.reshape(B * Hkv, D).to(pool_layer.dtype)
-            pool_layer.view(-1, D).index_copy_(0, self.pool_index[group], new_N_D)
-            ws_layer.view(-1, D).index_copy_(0, self.ws_index, new_N_D)
+            new_N_D = new.reshape(B * Hkv, D)
+            pool_layer.view(-1, D).index_copy_(0, self.pool_index[group],
+                                               new_N_D.to(pool_layer.dtype))
+            ws_layer.view(-1, D).index_copy_(0, self.ws_index, new_N_D.to(ws_layer.dtype))
         Tk = self.num_keys
         return ws_k[:, :, :Tk], ws_v[:, :, :Tk], self._mask(self.pool.windows[layer_idx])
+
+    def shared(self, layer_idx: int) -> list[SharedKeys]:
+        """The keys this layer's rows share (`layers.SharedKeys`), beyond `update`'s."""
+        return self.ws.shared.layer(layer_idx) if self.ws.shared is not None else []
 
     def _mask(self, window: int) -> torch.Tensor | None:
         """The mask of a layer with this window (0: none), made on first use."""
@@ -323,5 +364,5 @@ class DecodeView:
             pos_B = self._pos_B
             allowed = (keys <= pos_B.unsqueeze(1)) & window_allows(pos_B.unsqueeze(1), keys,
                                                                     window)[:, 0]
-            self.masks[window] = _additive(allowed[:, None, None], self.pool.dtype)
+            self.masks[window] = _additive(allowed[:, None, None], self.pool.attend_dtype)
         return self.masks[window]

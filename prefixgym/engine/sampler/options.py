@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_MAX_KV_BYTES", "DEFAULT_MAX_RUNNING",
-           "SamplerOptions"]
+           "KV_CACHE_DTYPES", "SamplerOptions"]
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 DEFAULT_MAX_KV_BYTES = 4 * 2**30
 DEFAULT_MAX_RUNNING = 256
+KV_CACHE_DTYPES = ("auto", "float32")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,16 @@ class SamplerOptions:
     publish's snapshot is packed in place; the weights the sampler shares with the
     trainer (version 0, a LoRA model's base) get one packed copy more. False samples
     through `F.linear` on the weights as they are."""
+    shared_prefix_attention: bool = True
+    """In a decode step, attend the keys that several rows share (a GRPO group's prompt,
+    a system prompt: the same cached blocks) once for all of them, and each row's own
+    keys apart (`shared_keys.py`; CPU, models whose attention is plain softmax without
+    windows). The same softmax summed in another order: float noise."""
+    kv_cache_dtype: str = "auto"
+    """What the KV pool stores keys and values in: "auto", the model's dtype (a bf16 or
+    fp16 model's keys and values are values of that dtype, so they are stored exactly in
+    half the bytes of fp32: the pool holds twice the positions), or "float32". Either
+    way attention on the CPU runs in fp32 (kv_pool.py), so both give the same bits."""
     deterministic: bool = False
     """Run each `sample_many` round alone, so that rounds submitted in a fixed order give
     the same bits every run (`engine.py`); with a bf16/fp16 model on CPU, also keep one
@@ -55,3 +66,6 @@ class SamplerOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")

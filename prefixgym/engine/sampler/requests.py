@@ -53,7 +53,7 @@ class RequestLimits:
     positions x the KV pool's bytes per position (keys and values, every layer), as
     if no block were shared."""
     kv_element_size: int = 4
-    """Bytes of one key or value element in the KV pool (fp32 on CPU)."""
+    """Bytes of one key or value element in the KV pool (`SamplerOptions.kv_cache_dtype`)."""
 
     def __post_init__(self) -> None:
         if self.max_samples < 1 or self.max_kv_bytes < 1:

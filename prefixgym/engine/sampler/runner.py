@@ -25,14 +25,16 @@ import torch
 from prefixgym.engine.sampler.kv_pool import DecodeView, DecodeWorkspace, KVPool, PagedView
 from prefixgym.engine.sampler.requests import Request
 from prefixgym.engine.sampler.scheduler import Batch, Output
+from prefixgym.engine.sampler.shared_keys import SharedPlan, SharedSegments
 from prefixgym.engine.sampler.threads import ThreadTuner, size_bucket
 from prefixgym.engine.sampler.token_sampler import RowParams, sample_tokens
 
 
 class ModelRunner:
-    def __init__(self, pool: KVPool, threads: ThreadTuner) -> None:
+    def __init__(self, pool: KVPool, threads: ThreadTuner, share_keys: bool = True) -> None:
         self.pool = pool
         self.threads = threads
+        self.share_keys = share_keys  # attend keys rows share once for all (shared_keys.py)
         self._workspaces: dict[int, DecodeWorkspace] = {}  # by weights version
 
     def run(self, batch: Batch) -> Output:
@@ -82,18 +84,25 @@ class ModelRunner:
 
     def _workspace(self, batch: Batch) -> DecodeWorkspace:
         """The batch's decode workspace: kept while its rows stay the same sequences
-        and fit, else gathered again from the pool (two versions kept at most)."""
+        and fit, else gathered again from the pool (two versions kept at most), the
+        keys rows share apart where the model can attend them so (shared_keys.py)."""
         rows: list[object] = list(batch.seqs)
-        needed = max(batch.starts) + 1
         ws = self._workspaces.get(batch.version)
-        if ws is None or not ws.fits(rows, needed):
+        if ws is None or not ws.fits(rows, batch.starts):
+            pool = self.pool
+            cascade = (self.share_keys and pool.device.type == "cpu" and not any(pool.windows)
+                       and batch.model.attends_shared_keys())
+            plan = (SharedPlan.of(batch.tables, batch.starts, pool.block_size) if cascade
+                    else SharedPlan.none(len(rows)))
+            needed = plan.extent(batch.starts)
             # its storage serves again where large enough, else is freed before gathering
             old = self._workspaces.pop(batch.version, None)
             if old is not None and not old.fits_elements(
-                    DecodeWorkspace.elements(self.pool, len(rows), needed)):
+                    DecodeWorkspace.elements(pool, len(rows), needed)):
                 old = None
-            ws = DecodeWorkspace(self.pool, rows, batch.tables, needed, batch.window_tables,
-                                 reuse=old)
+            shared = SharedSegments(pool, plan, batch.tables) if plan.segments else None
+            ws = DecodeWorkspace(pool, rows, batch.tables, needed, batch.window_tables,
+                                 reuse=old, offsets=plan.offsets, shared=shared)
             del old
             for stale in list(self._workspaces)[: max(0, len(self._workspaces) - 1)]:
                 del self._workspaces[stale]

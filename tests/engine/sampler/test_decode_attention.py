@@ -1,5 +1,5 @@
-"""Forwards through the paged KV pool: fp32 blocks for a bf16 model, rows at their own
-positions in scattered blocks, cached and uncached the same."""
+"""Forwards through the paged KV pool: fp32 and bf16 blocks for a bf16 model, rows at
+their own positions in scattered blocks, cached and uncached the same."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import torch
 
 from prefixgym.engine.model import load_model
 from prefixgym.engine.sampler.kv_pool import DecodeView, DecodeWorkspace, KVPool
+from prefixgym.local_service import LocalService
+from prefixgym.types import ModelInput, SamplingParams
 
 BS = 4
 
@@ -158,3 +160,33 @@ def test_a_workspace_gathered_into_a_replaced_ones_storage_decodes_the_same() ->
     assert torch.equal(logits[0], logits[1])
     assert one.storage[0].data_ptr() != old.storage[0].data_ptr()
     assert more.storage[0].data_ptr() != old.storage[0].data_ptr()
+
+
+def test_bf16_pool_stores_bf16_and_samples_the_bits_of_an_fp32_pool() -> None:
+    """A bf16 model's pool stores bf16 (`kv_cache_dtype="auto"`): twice the blocks in the
+    same bytes, and, attention reading fp32 either way, the same tokens and logprobs bit
+    for bit as the fp32 pool, through cache hits, a prefill after a hit and decode steps
+    of rows at different positions."""
+    services = [LocalService("tiny", seed=3, dtype="bfloat16", cache_bytes=2**22,
+                             thread_tuning=False, kv_cache_dtype=kind)
+                for kind in ("auto", "float32")]
+    half, full = (svc.engine.runner.pool for svc in services)
+    assert (half.dtype, half.attend_dtype, full.dtype) == (torch.bfloat16, torch.float32,
+                                                            torch.float32)
+    assert half.num_blocks == 2 * full.num_blocks
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
+    answers: list[list[tuple[list[int], list[float]]]] = []
+    for svc in services:
+        client = svc.create_sampling_client(stop_at_end_of_turn=False)
+        prompt = list(range(5, 45))
+        first = client.sample(ModelInput.from_ints(prompt), num_samples=4,
+                              sampling_params=params).result().sequences
+        seen = [(s.tokens, s.logprobs) for s in first]
+        # each sample's conversation goes on: the first prompt is a hit, rows differ in length
+        later = [client.sample(ModelInput.from_ints(prompt + s.tokens + list(range(9, 9 + 3 * i))),
+                               sampling_params=params) for i, s in enumerate(first)]
+        seen += [(s.tokens, s.logprobs) for f in later for s in f.result().sequences]
+        assert svc.cache_stats()["hit_tokens"] >= 4 * 32
+        answers.append(seen)
+        svc.close()
+    assert answers[0] == answers[1]
