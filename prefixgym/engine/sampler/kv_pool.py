@@ -323,7 +323,7 @@ class DecodeView:
         # rows at one position see every key: no mask (the same result, bit for bit,
         # as an all-zero one, and a cheaper attention step)
         self.masks: dict[int, torch.Tensor | None] = {0: None}  # by window
-        self._pos_B = pos_B  # (own_B when a workspace has offsets, which it has no windows for)
+        self._pos_B = pos_B  # (windows: only in a workspace without offsets, own == pos)
         if min(own) != max(own):
             allowed = torch.arange(self.num_keys, device=dev) <= own_B.unsqueeze(1)
             self.masks[0] = _additive(allowed[:, None, None], pool.attend_dtype)
