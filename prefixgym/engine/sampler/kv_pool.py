@@ -215,6 +215,20 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         allowed.logical_not(), float("-inf"))
 
 
+def gather_layers(pool: KVPool, gather: list[torch.Tensor], k: torch.Tensor,
+                  v: torch.Tensor) -> None:
+    """Every layer's blocks at the rows `gather[group]` of its group (`block_rows`) into
+    `k[layer]` and `v[layer]`, contiguous, in their dtype (a bf16/fp16 pool read in
+    fp32 is converted as gathered)."""
+    bs, D = pool.block_size, pool.k.shape[-1]
+    for layer, (group, slot) in enumerate(pool.layout.layer_slot):
+        for stored, out in ((pool.k[slot], k[layer]), (pool.v[slot], v[layer])):
+            if stored.dtype == out.dtype:
+                torch.index_select(stored, 0, gather[group], out=out.view(-1, bs, D))
+            else:
+                out.view(-1, bs, D).copy_(stored.index_select(0, gather[group]))
+
+
 def table_tensor(pool: KVPool, tables: list[list[int]], nb: int) -> torch.Tensor:
     """(R, nb) block ids: each table cut or padded (with block 0) to `nb` blocks."""
     padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables]
@@ -275,12 +289,7 @@ class DecodeWorkspace:
         gather below writes."""
         self.k = self.storage[0][:size].view(shape)
         self.v = self.storage[1][:size].view(shape)
-        for layer, (group, slot) in enumerate(pool.layout.layer_slot):
-            for stored, ws in ((pool.k[slot], self.k[layer]), (pool.v[slot], self.v[layer])):
-                if stored.dtype == ws.dtype:
-                    torch.index_select(stored, 0, gather[group], out=ws.view(-1, bs, D))
-                else:  # a bf16/fp16 pool, read in fp32: converted as gathered
-                    ws.view(-1, bs, D).copy_(stored.index_select(0, gather[group]))
+        gather_layers(pool, gather, self.k, self.v)
 
     @staticmethod
     def capacity_for(pool: KVPool, num_positions: int) -> int:

@@ -90,8 +90,8 @@ class ModelRunner:
         ws = self._workspaces.get(batch.version)
         if ws is None or not ws.fits(rows, batch.starts):
             pool = self.pool
-            cascade = (self.share_keys and pool.device.type == "cpu" and not any(pool.windows)
-                       and batch.model.attends_shared_keys())
+            cascade = (self.share_keys and pool.device.type == "cpu"
+                       and batch.model.attends_shared_keys())  # (no windowed layer)
             plan = (SharedPlan.of(batch.tables, batch.starts, pool.block_size) if cascade
                     else SharedPlan.none(len(rows)))
             needed = plan.extent(batch.starts)

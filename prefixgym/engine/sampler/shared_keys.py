@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from prefixgym.engine.model import SharedKeys
-from prefixgym.engine.sampler.kv_pool import KVPool, block_rows, table_tensor
+from prefixgym.engine.sampler.kv_pool import KVPool, block_rows, gather_layers, table_tensor
 
 __all__ = ["MIN_BLOCKS", "SharedPlan", "SharedSegments"]
 
@@ -111,12 +111,9 @@ class SharedSegments:
         for _, segs in sorted(by_count.items()):
             S, nb = len(segs), max(end - first for _, first, end in segs)
             runs = [tables[rows[0]][first:end] for rows, first, end in segs]
-            gather = block_rows(pool, table_tensor(pool, runs, nb))  # (S*Hkv*nb,)
             k = torch.empty(L, S, Hkv, nb * bs, D, dtype=pool.attend_dtype, device=dev)
             v = torch.empty_like(k)
-            for layer, (_, slot) in enumerate(pool.layout.layer_slot):
-                k[layer].view(-1, bs, D).copy_(pool.k[slot].index_select(0, gather))
-                v[layer].view(-1, bs, D).copy_(pool.v[slot].index_select(0, gather))
+            gather_layers(pool, [block_rows(pool, table_tensor(pool, runs, nb))], k, v)
             lengths = torch.tensor([(end - first) * bs for _, first, end in segs], device=dev)
             mask = None
             if int(lengths.min()) < nb * bs:  # padding keys of the shorter segments
