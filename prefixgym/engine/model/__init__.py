@@ -1,7 +1,7 @@
 """The model wing: what a model is and how it gets in and out.
 
 `config.py` (ModelConfig and the presets), `layers.py` (RMSNorm, RoPE, attention and
-its sliding windows, the gated MLP, the mixture of experts, the block), `decoder.py` (the Transformer, its init), `loading.py` (a model by
+its sliding windows, the gated MLP, the mixture of experts, the block), `shared_attention.py` (one-query attention over keys rows share), `decoder.py` (the Transformer, its init), `loading.py` (a model by
 preset name or checkpoint directory), `hf_checkpoint.py` / `hf_export.py` (Hugging
 Face directories in and out), `lora.py` (adapters inside the linear layers) and
 `peft_format.py` (those adapters in PEFT's files). It knows tensors and files, never
@@ -11,8 +11,9 @@ it imports neither. The names below are what the rest of the package uses.
 
 from prefixgym.engine.model.config import PRESETS, ModelConfig
 from prefixgym.engine.model.decoder import Transformer, count_parameters, init_weights
-from prefixgym.engine.model.layers import MixtureOfExperts, SharedKeys, window_allows
+from prefixgym.engine.model.layers import MixtureOfExperts, window_allows
 from prefixgym.engine.model.loading import load_model
+from prefixgym.engine.model.shared_attention import SharedKeys
 
 __all__ = ["PRESETS", "MixtureOfExperts", "ModelConfig", "SharedKeys", "Transformer",
            "count_parameters", "init_weights", "load_model", "window_allows"]

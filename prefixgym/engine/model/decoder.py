@@ -211,7 +211,7 @@ class Transformer(nn.Module):
         return logits.float()
 
     def attends_shared_keys(self) -> bool:
-        """Whether a one-query forward may hand some keys as `SharedKeys` (layers.py):
+        """Whether a one-query forward may hand some keys as `SharedKeys` (shared_attention.py):
         SDPA's attention in every layer (no soft cap, no sink), no sliding window."""
         return bool(self.layers) and all(
             isinstance(block, Block) and block.attn.takes_shared_keys for block in self.layers)

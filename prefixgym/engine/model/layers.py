@@ -14,8 +14,8 @@ cannot express. The block's MLP is a `GatedMLP` or, in a mixture-of-experts laye
 A bf16/fp16 model whose keys/values the caller hands in fp32 (the sampler's KV pool
 does on CPU) attends in fp32: on CPU, SDPA's fp32 kernel is as fast as its bf16 one at
 prefill and several times faster for one-query decode steps, and the scores stay exact.
-A one-query step whose view shares keys among rows (`SharedKeys`) reads those once
-for all the rows that share them and merges the parts by their log-sum-exp.
+A one-query step whose view shares keys among rows (`SharedKeys`) attends them by
+`shared_attention.attend_shared`.
 Numerics follow Hugging Face's (rotate-half RoPE, fp32 RMSNorm) for every family (`families.py`).
 
 This module does not know where keys and values are stored (the `KVView` owner's
@@ -25,7 +25,6 @@ business), how the RoPE tables are built or which positions they cover (the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -33,25 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixgym.engine.model.config import ModelConfig
+from prefixgym.engine.model.shared_attention import FLASH_CPU, attend_shared
 
 __all__ = ["Attention", "Block", "GatedMLP", "KVView", "MixtureOfExperts", "RMSNorm",
-           "SharedKeys", "causal_window_mask", "window_allows"]
-
-
-@dataclass(frozen=True)
-class SharedKeys:
-    """One layer's keys/values that several rows of a one-query forward all see, in S
-    segments (a cascade, as FlashInfer's): each segment's keys are read once for the
-    queries of its rows, not once per row.
-
-    `k`, `v`: (S, Hkv, Tk, D), every segment's keys from 0; `mask`: additive (S, 1, 1,
-    Tk), hiding the padding of segments shorter than Tk, or None; `rows_S_M`: each
-    segment's M rows (a row in one segment of the S at most)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    mask: torch.Tensor | None
-    rows_S_M: torch.Tensor
+           "causal_window_mask", "window_allows"]
 
 
 class KVView(Protocol):
@@ -191,7 +175,7 @@ class Attention(nn.Module):
             causal = mask is None and T > 1  # (one query and no mask: every key)
             shared = kv.shared(self.layer_idx) if hasattr(kv, "shared") else []
             if shared:
-                y = _cascade(q_attn, k_all, v_all, mask, shared, self.scale).to(q.dtype)
+                y = attend_shared(q_attn, k_all, v_all, mask, shared, self.scale).to(q.dtype)
             else:
                 y = self._attend(q_attn, k_all, v_all, mask, causal).to(q.dtype)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
@@ -201,7 +185,7 @@ class Attention(nn.Module):
         """Whether a view may hand this layer `SharedKeys`: plain softmax attention (no
         soft cap, no sink) over every key (no window), on a torch with SDPA's CPU flash
         kernel (the merge needs its log-sum-exp)."""
-        return (_FLASH_CPU is not None and self.softcap is None and self.sinks is None
+        return (FLASH_CPU is not None and self.softcap is None and self.sinks is None
                 and not self.window)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -226,11 +210,11 @@ class Attention(nn.Module):
         if groups > 1:
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        if (self.sinks is not None and self.softcap is None and _FLASH_CPU is not None
+        if (self.sinks is not None and self.softcap is None and FLASH_CPU is not None
                 and _flash_serves(q, mask)):
             # sampling on CPU: the flash kernel's output and log-sum-exp, the sink's share
             # taken out after (out x sigmoid(lse - sink)): 4x the plain ops at 4 x 512
-            out, lse = _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
+            out, lse = FLASH_CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
             sink = self.sinks.to(lse.dtype).view(1, -1, 1)
             return out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
         scores = torch.matmul(q, k.transpose(2, 3)) * scale
@@ -265,46 +249,8 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, config: ModelConfig) -> torch.Ten
     return (up + 1) * (gate * torch.sigmoid(gate * config.swiglu_alpha))
 
 
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-"""SDPA's CPU flash kernel, which also returns each row's log-sum-exp (torch's own op;
-it has no gradient for that output, so training takes the plain path)."""
-
-
-def _cascade(q_B_H_1_D: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             mask: torch.Tensor | None, shared: list[SharedKeys],
-             scale: float | None) -> torch.Tensor:
-    """One query per row over its own keys (`k`, `v`, `mask`) and the segments of
-    `shared`: each part by SDPA's CPU flash kernel, which also returns each query's
-    log-sum-exp, then merged by those (softmax over the union of the keys): a segment's
-    keys are read once for the G query heads of each of its rows at once."""
-    flash = _FLASH_CPU
-    if flash is None:
-        raise RuntimeError("shared keys need SDPA's CPU flash kernel, which this torch lacks")
-    B, H, _, D = q_B_H_1_D.shape
-    Hkv = k.shape[1]
-    G = H // Hkv
-    q = q_B_H_1_D.reshape(B, Hkv, G, D)  # (GQA: a KV head's query heads as its queries)
-    out, lse = flash(q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
-    for part in shared:
-        S, M = part.rows_S_M.shape
-        rows = part.rows_S_M.flatten()
-        q_S = q[rows].view(S, M, Hkv, G, D).transpose(1, 2).reshape(S, Hkv, M * G, D)
-        o_S, lse_S = flash(q_S, part.k, part.v, 0.0, False, attn_mask=part.mask,
-                           scale=scale)[:2]
-        o_N = o_S.view(S, Hkv, M, G, D).transpose(1, 2).reshape(S * M, Hkv, G, D)
-        l_N = lse_S.view(S, Hkv, M, G).transpose(1, 2).reshape(S * M, Hkv, G)
-        l_own, o_own = lse[rows], out[rows]
-        top = torch.maximum(l_own, l_N)
-        w_own, w_N = (l_own - top).exp_(), (l_N - top).exp_()
-        total = w_own + w_N
-        out[rows] = ((o_own * w_own.unsqueeze(-1) + o_N * w_N.unsqueeze(-1))
-                     / total.unsqueeze(-1)).to(out.dtype)
-        lse[rows] = top + total.log()
-    return out.reshape(B, H, 1, D)
-
-
 def _flash_serves(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether `_FLASH_CPU` serves: no gradient, on CPU, fp32 (the sampler's KV; a bf16
+    """Whether `FLASH_CPU` serves: no gradient, on CPU, fp32 (the sampler's KV; a bf16
     forward takes transformers' plain ops, to round as they do), an additive mask or
     none."""
     return (not torch.is_grad_enabled() and q.device.type == "cpu"

@@ -361,7 +361,7 @@ class DecodeView:
         return ws_k[:, :, :Tk], ws_v[:, :, :Tk], self._mask(self.pool.windows[layer_idx])
 
     def shared(self, layer_idx: int) -> list[SharedKeys]:
-        """The keys this layer's rows share (`layers.SharedKeys`), beyond `update`'s."""
+        """The keys this layer's rows share (`shared_attention.SharedKeys`), beyond `update`'s."""
         return self.ws.shared.layer(layer_idx) if self.ws.shared is not None else []
 
     def _mask(self, window: int) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ tables. A decode step is memory-bound on reading keys and values (at 92M, 128 ro
 for that row alone. Here the rows' tables are split into segments: a run of blocks that
 the same rows all hold (FlashInfer's cascade attention, generalised to a tree of
 prefixes), whose keys are attended once for every query of those rows
-(`layers.SharedKeys`), and each row's own blocks after its deepest segment, which the
+(`shared_attention.SharedKeys`), and each row's own blocks after its deepest segment, which the
 decode workspace holds (`DecodeWorkspace(offsets=...)`). The model merges the parts by
 their log-sum-exp: the same softmax over the same keys, summed in another order (float
 noise of fp32, like another batch size).

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixgym.engine.model import ModelConfig, SharedKeys, Transformer
-from prefixgym.engine.model.layers import _cascade
+from prefixgym.engine.model.shared_attention import attend_shared
 from prefixgym.engine.sampler import runner as runner_module
 from prefixgym.engine.sampler.shared_keys import SharedPlan
 from prefixgym.local_service import LocalService
@@ -65,7 +65,7 @@ def test_merge_equals_attention_over_every_key_of_each_row() -> None:
             (torch.arange(T) >= lengths.unsqueeze(1))[:, None, None], float("-inf"))
         return SharedKeys(k_S, v_S, pad, torch.tensor([segments[n][0] for n in names]))
 
-    got = _cascade(q, k, v, mask, [part(["a"]), part(["b", "c"])], None)
+    got = attend_shared(q, k, v, mask, [part(["a"]), part(["b", "c"])], None)
     for r in range(B):
         mine = [keys[n] for n, (rows, _) in segments.items() if r in rows]
         k_r = torch.cat([kk for kk, _ in mine] + [k[r, :, : own[r]]], dim=1)
