@@ -59,6 +59,9 @@ class Transformer(nn.Module):
         self.head_linear: nn.Module | None = None
         """The output matrix as a layer of an inference copy (`packed.py`): `head` calls it
         instead of `F.linear` on `output_weight`."""
+        self.narrow_steps = False
+        """Whether a decode step may run narrow (`wide_ops.py`): every matmul of it runs
+        wide, which `packed.py` says of an inference copy it packed whole."""
         self.hf_config: dict[str, Any] | None = None
         """The config.json it was loaded from (`hf_checkpoint.py`), which `hf_export.py`
         writes back; None for a preset or a config built here."""

@@ -118,6 +118,7 @@ class TransformersCodeModel(Transformer):
         self.hf = hf
         self.head_adapter = None
         self.hf_config = raw
+        self.narrow_steps = False  # (transformers' linears are not packed)
 
     @property
     def layers(self) -> nn.ModuleList:  # type: ignore[override]

@@ -33,6 +33,7 @@ from torch import nn
 
 from prefixgym.engine.model.config import ModelConfig
 from prefixgym.engine.model.shared_attention import FLASH_CPU, attend_shared
+from prefixgym.engine.model.wide_ops import wide
 
 __all__ = ["Attention", "Block", "GatedMLP", "KVView", "MixtureOfExperts", "RMSNorm",
            "causal_window_mask", "window_allows"]
@@ -177,7 +178,9 @@ class Attention(nn.Module):
             if shared:
                 y = attend_shared(q_attn, k_all, v_all, mask, shared, self.scale).to(q.dtype)
             else:
-                y = self._attend(q_attn, k_all, v_all, mask, causal).to(q.dtype)
+                with wide():  # (a narrow decode step's attention: every thread)
+                    y = self._attend(q_attn, k_all, v_all, mask, causal)
+                y = y.to(q.dtype)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
     @property

@@ -44,6 +44,8 @@ import torch
 from torch import nn
 
 from prefixgym.engine.model.decoder import Transformer
+from prefixgym.engine.model.layers import MixtureOfExperts
+from prefixgym.engine.model.wide_ops import wide
 
 __all__ = ["PackedLinear", "WeightPacker", "packed_layers", "packs", "thread_counts"]
 
@@ -87,7 +89,8 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    with wide():  # (every thread, in a narrow decode step: wide_ops.py)
+        return _mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
@@ -174,6 +177,10 @@ class WeightPacker:
         # a tied head's weight is the embedding, which the model keeps: shared
         head = model.output if model.output is not None else model.tok_embeddings
         model.head_linear = self._layer(head, shared or model.output is None)
+        # every matmul of its decode step runs wide (`_apply`, attention), so the rest
+        # may run on one thread: not where a linear stayed on `F.linear`, nor a mixture
+        model.narrow_steps = model.head_linear is not None and not any(
+            isinstance(m, nn.Linear | MixtureOfExperts) for m in model.layers.modules())
         return model
 
     def _layer(self, layer: nn.Linear | nn.Embedding, shared: bool) -> PackedLinear | None:

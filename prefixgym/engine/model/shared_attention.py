@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixgym.engine.model.wide_ops import wide
+
 __all__ = ["FLASH_CPU", "SharedKeys", "attend_shared"]
 
 
@@ -52,13 +54,15 @@ def attend_shared(q_B_H_1_D: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Hkv = k.shape[1]
     G = H // Hkv
     q = q_B_H_1_D.reshape(B, Hkv, G, D)  # (GQA: a KV head's query heads as its queries)
-    out, lse = flash(q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+    with wide():  # the attention on every thread, the merge's small ops as they are
+        out, lse = flash(q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
     for part in shared:
         S, M = part.rows_S_M.shape
         rows = part.rows_S_M.flatten()
         q_S = q[rows].view(S, M, Hkv, G, D).transpose(1, 2).reshape(S, Hkv, M * G, D)
-        o_S, lse_S = flash(q_S, part.k, part.v, 0.0, False, attn_mask=part.mask,
-                           scale=scale)[:2]
+        with wide():
+            o_S, lse_S = flash(q_S, part.k, part.v, 0.0, False, attn_mask=part.mask,
+                               scale=scale)[:2]
         o_N = o_S.view(S, Hkv, M, G, D).transpose(1, 2).reshape(S * M, Hkv, G, D)
         l_N = lse_S.view(S, Hkv, M, G).transpose(1, 2).reshape(S * M, Hkv, G)
         l_own, o_own = lse[rows], out[rows]

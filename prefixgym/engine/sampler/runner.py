@@ -8,7 +8,9 @@
    view: for a prefill, the `PagedView` that writes each row's new keys/values through
    its block table and gathers what it attends to; for a decode step, a `DecodeView`
    over the batch's workspace, gathered from the pool only when its rows change;
-3) one forward (on the thread count `threads.py` chose for this kind of step);
+3) one forward (on the thread count `threads.py` chose for this kind of step; a decode
+   step of a model packed whole runs its small ops on one thread and only its matmuls
+   and attention on that count: `model/wide_ops.py`);
 4) for a prefill, copy each prompt's part-filled last block to its other samples; the
    prompt logprobs (and top-k) of a request that scores its prompt;
 5) sample every sequence's next token from its row's logits, drawing its uniform from
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from prefixgym.engine.model.wide_ops import narrow
 from prefixgym.engine.sampler.kv_pool import DecodeView, DecodeWorkspace, KVPool, PagedView
 from prefixgym.engine.sampler.requests import Request
 from prefixgym.engine.sampler.scheduler import Batch, Output
@@ -60,10 +63,12 @@ class ModelRunner:
         key = ((batch.kind, size_bucket(tokens_R_T.numel())) if prefill
                else (batch.kind, size_bucket(len(batch.seqs)), size_bucket(max(128, view.num_keys))))
         # 3) the forward
-        with self.threads.run(key, work=tokens_R_T.numel()):
-            logits = batch.model(tokens_R_T, positions_R_T, kv=view,
-                                 last_only=not batch.prompt_logprobs,
-                                 last_index_B=view.last_index_R, check_inputs=False)
+        with self.threads.run(key, work=tokens_R_T.numel()) as threads:
+            # (a prefill's ops are large: every thread serves them)
+            with narrow(1 if prefill or not batch.model.narrow_steps else threads):
+                logits = batch.model(tokens_R_T, positions_R_T, kv=view,
+                                     last_only=not batch.prompt_logprobs,
+                                     last_index_B=view.last_index_R, check_inputs=False)
         # 4) forks and prompt logprobs
         for src, dst, n in batch.fork_copies:
             pool.copy_block(src, dst, n)
