@@ -146,7 +146,10 @@ class Transformer(nn.Module):
         if self.local_rope_cos is not None and self.local_rope_sin is not None:
             local_rope = (self.local_rope_cos[positions_B_T], self.local_rope_sin[positions_B_T])
 
-        h = self.tok_embeddings(tokens_B_T)  # (B, T, C)
+        packing = getattr(kv, "packing", None)  # (the real tokens of a padded batch)
+        if packing is not None:
+            tokens_B_T = packing.pack(tokens_B_T.unsqueeze(-1)).squeeze(-1)  # (1, M)
+        h = self.tok_embeddings(tokens_B_T)  # (B, T, C), or (1, M, C) packed
         if cfg.embedding_multiplier != 1.0:
             multiplier: float | torch.Tensor = cfg.embedding_multiplier
             if cfg.embedding_multiplier_rounded:  # Gemma: a tensor in the weights' dtype
@@ -160,6 +163,11 @@ class Transformer(nn.Module):
                                preserve_rng_state=False)  # no randomness in a block
             else:
                 h = layer(h, cos, sin, kv)
+        if packing is not None:
+            if last_only and last_index_B is not None:  # each row's last real token
+                last = torch.arange(B, device=h.device) * T + last_index_B
+                return self.norm(h[0, torch.searchsorted(packing.index_M, last)].unsqueeze(1))
+            h = packing.unpack(h)
         if last_only:
             if last_index_B is None:
                 h = h[:, -1:]  # (B, 1, C)

@@ -25,6 +25,7 @@ business), how the RoPE tables are built or which positions they cover (the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -35,8 +36,30 @@ from prefixgym.engine.model.config import ModelConfig
 from prefixgym.engine.model.shared_attention import FLASH_CPU, attend_shared
 from prefixgym.engine.model.wide_ops import wide
 
-__all__ = ["Attention", "Block", "GatedMLP", "KVView", "MixtureOfExperts", "RMSNorm",
+__all__ = ["Attention", "Block", "GatedMLP", "KVView", "MixtureOfExperts", "Packing", "RMSNorm",
            "causal_window_mask", "window_allows"]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """The real tokens of a right-padded (B, T) forward: `index_M`, their flat indices
+    in B*T, ascending. A view that has one (`KVView`) gets the forward's per-token work
+    (embeddings, norms, linears, MLP, residuals) run on those M tokens only, as (1, M,
+    C); each attention layer unpacks its projections to (B, T) and packs its output."""
+
+    index_M: torch.Tensor
+    B: int
+    T: int
+
+    def pack(self, x_B_T_C: torch.Tensor) -> torch.Tensor:
+        """(1, M, C): the real cells of (B, T, C)."""
+        return x_B_T_C.reshape(self.B * self.T, -1).index_select(0, self.index_M).unsqueeze(0)
+
+    def unpack(self, x_1_M_C: torch.Tensor) -> torch.Tensor:
+        """(B, T, C): the M rows in their cells, zeros in the padding (finite keys and
+        values, which no real query sees)."""
+        out = x_1_M_C.new_zeros(self.B * self.T, x_1_M_C.shape[-1])
+        return out.index_copy_(0, self.index_M, x_1_M_C[0]).view(self.B, self.T, -1)
 
 
 class KVView(Protocol):
@@ -61,7 +84,9 @@ class KVView(Protocol):
 
     A view of a one-query forward may also have `shared(layer_idx)`, a list of
     `SharedKeys` (the sampler's, for a model that `attends_shared_keys`): `update` then
-    returns each row's keys beyond those, and its attention is over both.
+    returns each row's keys beyond those, and its attention is over both. A view of a
+    padded forward may have `packing`, a `Packing` (or None): the layers then see only
+    its real tokens but in attention (the sampler's prefill: no matmul on padding).
     """
 
     def update(
@@ -152,9 +177,12 @@ class Attention(nn.Module):
     def forward(
         self, x_B_T_C: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | None
     ) -> torch.Tensor:
-        B, T, _ = x_B_T_C.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         proj = self.wqkv(x_B_T_C)  # (B, T, (H+2Hkv)*D)
+        packing: Packing | None = getattr(kv, "packing", None)
+        if packing is not None:  # (1, M, C) in: the real tokens of a padded (B, T)
+            proj = packing.unpack(proj)
+        B, T, _ = proj.shape
         if self.qk_norm == "all_heads":  # over every head's width at once (OLMo 2)
             q, k, v = proj.split([H * D, Hkv * D, Hkv * D], dim=-1)
             proj = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
@@ -181,7 +209,8 @@ class Attention(nn.Module):
                 with wide():  # (a narrow decode step's attention: every thread)
                     y = self._attend(q_attn, k_all, v_all, mask, causal)
                 y = y.to(q.dtype)
-        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
+        y = y.transpose(1, 2).reshape(B, T, H * D)
+        return self.wo(y if packing is None else packing.pack(y))
 
     @property
     def takes_shared_keys(self) -> bool:

@@ -43,7 +43,7 @@ from typing import Protocol
 
 import torch
 
-from prefixgym.engine.model import SharedKeys, window_allows
+from prefixgym.engine.model import Packing, SharedKeys, window_allows
 
 
 class SharedLayers(Protocol):
@@ -164,6 +164,9 @@ class PagedView:
         # write targets: the valid (row, t) cells, as flat (head, block, offset) slots
         valid_R_T = torch.arange(T, device=dev) < torch.tensor(lengths, device=dev).unsqueeze(1)
         self.src_M = valid_R_T.flatten().nonzero().squeeze(1)  # into the flattened (R*T)
+        # the model's per-token layers skip the padding (layers.Packing)
+        self.packing = (Packing(self.src_M, len(lengths), T) if len(self.src_M) < len(lengths) * T
+                        else None)
         pos_M = query_pos_R_T.flatten()[self.src_M]
         row_M = self.src_M // T
         heads_bs = torch.arange(Hkv, device=dev) * (N * bs)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import gc
 
 import pytest
+import torch
 
-from prefixgym.engine.model import ModelConfig
+from prefixgym.engine.model import ModelConfig, Transformer
+from prefixgym.engine.sampler.kv_pool import KVPool
 from prefixgym.local_service import LocalService
 from prefixgym.types import SampleResponse, SamplingParams
 
@@ -128,3 +130,31 @@ def test_bfloat16_sampler_runs_end_to_end_close_to_float32() -> None:
         reference = fp32.create_sampling_client().compute_logprobs(prompt + seq.tokens).result()
         assert seq.logprobs == pytest.approx(reference[len(prompt):], abs=0.05)
         bf16.check_cache_integrity()
+
+
+def test_a_padded_prefill_runs_its_layers_on_its_real_tokens_only() -> None:
+    """The view's `Packing`: the linears see the rows' real tokens (no padding), and each
+    row's logits are those of the row run alone."""
+    model = Transformer(SMALL).eval()
+    pool = KVPool(SMALL.n_layers, SMALL.n_kv_heads, SMALL.head_dim, 8, BS, torch.float32,
+                  torch.device("cpu"))
+    rows = [[11, 12, 13], list(range(20, 27)), [30]]
+    width = max(map(len, rows))
+    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    view = pool.view([[1], [2], [3]], [0, 0, 0], list(map(len, rows)), width)
+    assert view.packing is not None and view.packing.index_M.numel() == 11
+    seen: list[int] = []
+    hook = model.layers[0].attn.wqkv.register_forward_hook(
+        lambda _m, args, _out: seen.append(args[0].shape[-2]))
+    with torch.inference_mode():
+        logits = model(tokens, view.positions_R_T, kv=view)
+        last = model(tokens, view.positions_R_T, kv=pool.view([[4], [5], [6]], [0, 0, 0],
+                     list(map(len, rows)), width), last_only=True, last_index_B=view.last_index_R)
+        hook.remove()
+        for r, row in enumerate(rows):
+            alone = model(torch.tensor([row]))[0]
+            torch.testing.assert_close(logits[r, : len(row)], alone, atol=1e-5, rtol=0)
+            torch.testing.assert_close(last[r, 0], alone[-1], atol=1e-5, rtol=0)
+    assert seen == [11, 11]  # (1, M) tokens: the padding never reached a linear
+    full = pool.view([[1]], [0], [3], 3)
+    assert full.packing is None  # nothing to skip: the plain (B, T) forward
