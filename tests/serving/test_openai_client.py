@@ -197,3 +197,23 @@ def test_a_failed_vllm_reload_says_why_and_resumes() -> None:
           pytest.raises(ValueError, match="share a filesystem")):
         c.update_weights_from_disk("/shared/w/v000002", "run-2")
     assert seen[-2:] == ["/collective_rpc", "/resume"]  # never labelled, not left paused
+
+
+def test_a_request_on_a_connection_the_server_closed_goes_out_once_more() -> None:
+    """uvicorn closes a kept-alive connection after 5 s idle: a request sent on it as it
+    closes gets no answer (httpx: RemoteProtocolError); the client sends it again, once."""
+    answer = _fake_vllm(token_field=True, tokens_as_ids=False)
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path.endswith("/completions") and len(calls) in (2, 4, 5):
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return answer.handle_request(request)
+
+    with OpenAISamplingClient("http://fake", transport=httpx.MockTransport(handler)) as c:
+        assert c.sample([1, 2, 3]).result().sequences[0].tokens == [10, 11]
+        assert calls == ["/v1/models", "/v1/completions", "/v1/completions"]
+        with pytest.raises(ConnectionError, match="Server disconnected"):
+            c.sample([1, 2, 3]).result()  # twice in a row: the server is gone
+    assert len(calls) == 5
