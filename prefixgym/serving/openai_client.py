@@ -53,6 +53,7 @@ KEEPALIVE_EXPIRY_S = 2.0
 it, so that a request rarely goes out on a connection the server is closing (one that
 does is sent again once, on a new connection: `_call`)."""
 
+
 class OpenAISamplingClient:
     def __init__(
         self,
