@@ -30,7 +30,6 @@ import torch
 __all__ = ["narrow", "wide"]
 
 
-
 class _State(threading.local):
     wide = 0
     """The count `wide()` runs on in this thread (0: not in a narrow block)."""
