@@ -48,11 +48,6 @@ from prefixgym.types import (
     Usage,
 )
 
-KEEPALIVE_EXPIRY_S = 2.0
-"""Seconds an idle connection is kept for reuse: below the 5 s after which uvicorn closes
-it, so that a request rarely goes out on a connection the server is closing (one that
-does is sent again once, on a new connection: `_call`)."""
-
 
 class OpenAISamplingClient:
     def __init__(
@@ -79,10 +74,13 @@ class OpenAISamplingClient:
         self._http = httpx.Client(
             base_url=self.base_url, timeout=timeout,
             headers={"Authorization": f"Bearer {api_key}"},
-            # idle connections are dropped before a server's own keep-alive timeout
-            # (uvicorn's, which vLLM and `prefixgym serve` run, is 5 s) can close them
-            limits=httpx.Limits(max_connections=max_concurrency,
-                                keepalive_expiry=KEEPALIVE_EXPIRY_S), transport=transport,
+            # a connection per request, none kept idle: a kept one races the server's
+            # keep-alive timeout (uvicorn closes it after 5 s idle: "Server disconnected
+            # without sending a response") and, across this client's threads, its own
+            # closing of idle ones ("Bad file descriptor" as a request read its reply,
+            # once in bench_vllm); a request here lasts far longer than a connect
+            limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=0),
+            transport=transport,
         )
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_concurrency, thread_name_prefix="prefixgym-openai"
@@ -330,12 +328,7 @@ class OpenAISamplingClient:
     def _call(self, method: str, path: str, body: JSONObject | None = None,
               absolute: bool = False) -> JSONObject:
         try:
-            try:
-                reply = self._http.request(method, path, json=body)
-            except httpx.RemoteProtocolError:
-                # a kept-alive connection the server closed as the request went out on
-                # it (the server read nothing: its keep-alive race); once more, anew
-                reply = self._http.request(method, path, json=body)
+            reply = self._http.request(method, path, json=body)
         except httpx.HTTPError as e:
             raise ConnectionError(f"cannot reach the sampling server at {self.base_url}: "
                                   f"{e}") from e
