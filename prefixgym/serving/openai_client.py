@@ -74,13 +74,7 @@ class OpenAISamplingClient:
         self._http = httpx.Client(
             base_url=self.base_url, timeout=timeout,
             headers={"Authorization": f"Bearer {api_key}"},
-            # a connection per request, none kept idle: a kept one races the server's
-            # keep-alive timeout (uvicorn closes it after 5 s idle: "Server disconnected
-            # without sending a response") and, across this client's threads, its own
-            # closing of idle ones ("Bad file descriptor" as a request read its reply,
-            # once in bench_vllm); a request here lasts far longer than a connect
-            limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=0),
-            transport=transport,
+            limits=httpx.Limits(max_connections=max_concurrency), transport=transport,
         )
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_concurrency, thread_name_prefix="prefixgym-openai"
@@ -328,7 +322,12 @@ class OpenAISamplingClient:
     def _call(self, method: str, path: str, body: JSONObject | None = None,
               absolute: bool = False) -> JSONObject:
         try:
-            reply = self._http.request(method, path, json=body)
+            try:
+                reply = self._http.request(method, path, json=body)
+            except httpx.RemoteProtocolError:
+                # a kept-alive connection the server closed as the request went out on it
+                # (uvicorn closes one idle for 5 s, as long as httpx keeps it): once more
+                reply = self._http.request(method, path, json=body)
         except httpx.HTTPError as e:
             raise ConnectionError(f"cannot reach the sampling server at {self.base_url}: "
                                   f"{e}") from e

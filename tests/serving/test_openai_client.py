@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import http.server
 import json
-import threading
 
 import gymnasium as gym
 import httpx
@@ -202,46 +200,23 @@ def test_a_failed_vllm_reload_says_why_and_resumes() -> None:
 
 
 
-def test_each_request_gets_a_connection_of_its_own() -> None:
-    """No connection is kept idle for reuse (a kept one races the server's keep-alive
-    timeout, and httpcore's expiry across threads): a server sees one per request."""
-    connections: list[int] = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # (keep-alive offered)
+def test_a_request_on_a_connection_the_server_closed_goes_out_once_more() -> None:
+    """uvicorn closes a kept-alive connection after 5 s idle, as long as httpx keeps it:
+    a request sent on it as it closes gets no answer (RemoteProtocolError); the client
+    sends it again, once."""
+    answer = _fake_vllm(token_field=True, tokens_as_ids=False)
+    calls: list[str] = []
 
-        def setup(self) -> None:
-            super().setup()
-            connections.append(1)
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path.endswith("/completions") and len(calls) in (2, 4, 5):
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return answer.handle_request(request)
 
-        def do_GET(self) -> None:  # /v1/models
-            self._answer({"data": [{"id": "m"}]})
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self._answer({"choices": [{"index": 0, "text": "", "finish_reason": "length",
-                                       "token_ids": [7], "logprobs": {"token_logprobs": [-1.0]}}],
-                          "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
-
-        def _answer(self, data: dict) -> None:  # type: ignore[type-arg]
-            body = json.dumps(data).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with OpenAISamplingClient(f"http://127.0.0.1:{server.server_port}") as c:
-            for _ in range(3):
-                assert c.sample([1, 2, 3]).result().sequences[0].tokens == [7]
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert len(connections) == 4  # /v1/models, then one per sample
+    with OpenAISamplingClient("http://fake", transport=httpx.MockTransport(handler)) as c:
+        assert c.sample([1, 2, 3]).result().sequences[0].tokens == [10, 11]
+        assert calls == ["/v1/models", "/v1/completions", "/v1/completions"]
+        with pytest.raises(ConnectionError, match="Server disconnected"):
+            c.sample([1, 2, 3]).result()  # twice in a row: the server is gone
+    assert len(calls) == 5
