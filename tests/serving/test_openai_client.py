@@ -199,8 +199,6 @@ def test_a_failed_vllm_reload_says_why_and_resumes() -> None:
     assert seen[-2:] == ["/collective_rpc", "/resume"]  # never labelled, not left paused
 
 
-
-
 def test_a_request_on_a_connection_the_server_closed_goes_out_once_more() -> None:
     """uvicorn closes a kept-alive connection after 5 s idle, as long as httpx keeps it:
     a request sent on it as it closes gets no answer (RemoteProtocolError); the client
