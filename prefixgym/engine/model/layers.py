@@ -25,7 +25,6 @@ business), how the RoPE tables are built or which positions they cover (the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -34,32 +33,11 @@ from torch import nn
 
 from prefixgym.engine.model.config import ModelConfig
 from prefixgym.engine.model.shared_attention import FLASH_CPU, attend_shared
+from prefixgym.engine.model.token_packing import Packing
 from prefixgym.engine.model.wide_ops import wide
 
-__all__ = ["Attention", "Block", "GatedMLP", "KVView", "MixtureOfExperts", "Packing", "RMSNorm",
+__all__ = ["Attention", "Block", "GatedMLP", "KVView", "MixtureOfExperts", "RMSNorm",
            "causal_window_mask", "window_allows"]
-
-
-@dataclass(frozen=True)
-class Packing:
-    """The real tokens of a right-padded (B, T) forward: `index_M`, their flat indices
-    in B*T, ascending. A view that has one (`KVView`) gets the forward's per-token work
-    (embeddings, norms, linears, MLP, residuals) run on those M tokens only, as (1, M,
-    C); each attention layer unpacks its projections to (B, T) and packs its output."""
-
-    index_M: torch.Tensor
-    B: int
-    T: int
-
-    def pack(self, x_B_T_C: torch.Tensor) -> torch.Tensor:
-        """(1, M, C): the real cells of (B, T, C)."""
-        return x_B_T_C.reshape(self.B * self.T, -1).index_select(0, self.index_M).unsqueeze(0)
-
-    def unpack(self, x_1_M_C: torch.Tensor) -> torch.Tensor:
-        """(B, T, C): the M rows in their cells, zeros in the padding (finite keys and
-        values, which no real query sees)."""
-        out = x_1_M_C.new_zeros(self.B * self.T, x_1_M_C.shape[-1])
-        return out.index_copy_(0, self.index_M, x_1_M_C[0]).view(self.B, self.T, -1)
 
 
 class KVView(Protocol):

@@ -164,7 +164,7 @@ class PagedView:
         # write targets: the valid (row, t) cells, as flat (head, block, offset) slots
         valid_R_T = torch.arange(T, device=dev) < torch.tensor(lengths, device=dev).unsqueeze(1)
         self.src_M = valid_R_T.flatten().nonzero().squeeze(1)  # into the flattened (R*T)
-        # the model's per-token layers skip the padding (layers.Packing)
+        # the model's per-token layers skip the padding (model/token_packing.py)
         self.packing = (Packing(self.src_M, len(lengths), T) if len(self.src_M) < len(lengths) * T
                         else None)
         pos_M = query_pos_R_T.flatten()[self.src_M]
