@@ -113,7 +113,7 @@ def find_vllm_python(explicit: str = "") -> str:
             return candidate
     local = Path(".venv-vllm/bin/python")
     if local.is_file():
-        return str(local.resolve())
+        return str(local.absolute())  # not resolved: a venv's python is a link out of it
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     raise ValueError(

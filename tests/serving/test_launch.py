@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from prefixgym.serving.launch import ServerProcess, VLLMLaunch, free_port
+from prefixgym.serving.launch import (
+    VLLM_PYTHON_VARIABLE,
+    ServerProcess,
+    VLLMLaunch,
+    find_vllm_python,
+    free_port,
+)
 
 
 def test_vllm_gets_the_flags_rl_needs() -> None:
@@ -83,3 +89,17 @@ def test_a_server_that_dies_at_startup_says_its_last_error(tmp_path: Path) -> No
     with pytest.raises(RuntimeError, match="vLLM exited with code 1 before it answered; "
                                            "its last error: ValueError: No common block"):
         server.wait_ready(timeout_s=60, progress=False)
+
+
+def test_the_local_vllm_venv_is_found_by_its_own_link_not_the_interpreter_behind_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a venv's bin/python is a link to the base interpreter, which lacks the venv's
+    # packages: resolving it would start a Python without vllm
+    base = tmp_path / "base-python"
+    base.write_text("")
+    (tmp_path / ".venv-vllm" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv-vllm" / "bin" / "python").symlink_to(base)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(VLLM_PYTHON_VARIABLE, raising=False)
+    assert find_vllm_python() == str(tmp_path / ".venv-vllm" / "bin" / "python")
