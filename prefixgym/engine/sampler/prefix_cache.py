@@ -196,6 +196,11 @@ class PrefixCache:
     def _cached_blocks(self) -> int:
         return len(self._index) + len(self._window_entry_of)
 
+    def generation(self) -> tuple[int, int, int]:
+        """Changes whenever `match` could answer differently (an entry or a window
+        block came or went)."""
+        return self.inserted_blocks, self.evicted_blocks, len(self._window_entry_of)
+
     def is_indexed(self, block: int) -> bool:
         return block in self._entry_of
 

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixgym.engine.model import ModelConfig, Transformer
+from prefixgym.engine.sampler.scheduler import _PATIENCE
 from prefixgym.local_service import LocalService
 from prefixgym.types import ModelInput, SampleRequest, SampleResponse, SamplingParams
 
@@ -450,6 +451,52 @@ def test_a_request_that_bypasses_the_cache_leaves_its_cached_prefix_evictable() 
             if pool_blocks == 10:
                 assert svc.cache_stats()["evicted_blocks"] > 0
     assert results[0] == results[1]
+
+
+def admitted_in_order(pool_blocks: int, prompts: dict[str, list[int]],
+                      first: list[int]) -> tuple[list[str], dict[str, int]]:
+    """Cache `first`, then queue `prompts` (in their order) in one wave into a pool of
+    `pool_blocks` blocks (one of them padding): the order they finished in and each one's
+    cached prompt tokens. A pool that runs one at a time finishes them as admitted."""
+    block_bytes = 2 * SMALL.n_layers * SMALL.n_kv_heads * BS * SMALL.head_dim * 4
+    params = SamplingParams(max_tokens=12, seed=3)
+    with LocalService(SMALL, seed=0, block_size=BS, cache_bytes=pool_blocks * block_bytes) as svc:
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        sampler.sample(first, sampling_params=SamplingParams(max_tokens=1)).result()
+        finished: list[str] = []
+        svc.engine.pause()
+        futures = {}
+        for name, prompt in prompts.items():
+            futures[name] = sampler.sample(prompt, sampling_params=params)
+            futures[name].future().add_done_callback(lambda _, name=name: finished.append(name))
+        svc.engine.resume()
+        cached = {n: f.result(timeout=60).usage.prefill_cached_tokens for n, f in futures.items()}
+        svc.check_cache_integrity()
+    return finished, cached
+
+
+def test_a_full_pool_admits_the_request_with_the_longest_cached_prefix_first() -> None:
+    # 9 usable blocks; "fresh" (first in the queue) needs 6, "cached" extends the 4
+    # cached blocks of `first` and needs 2 more: both do not fit. Arrival order would
+    # run "fresh" first, whose blocks evict part of the cached prefix.
+    first = list(range(1, 4 * BS + 1))
+    prompts = {"fresh": list(range(100, 184)), "cached": first + list(range(300, 320))}
+    finished, cached = admitted_in_order(10, prompts, first)
+    assert finished == ["cached", "fresh"]
+    assert cached == {"cached": 4 * BS, "fresh": 0}
+
+
+def test_a_request_passed_over_for_cached_ones_goes_first_after_its_patience() -> None:
+    # 7 usable blocks: one request at a time. "fresh" arrived first, with no cached
+    # prefix; the others all extend the cached `first`, so each wave prefers one of
+    # them until "fresh" has been passed over _PATIENCE times.
+    first = list(range(1, 4 * BS + 1))
+    prompts = {"fresh": list(range(100, 184))}
+    prompts |= {f"cached{i}": first + list(range(300 + 20 * i, 320 + 20 * i))
+                for i in range(_PATIENCE + 1)}
+    finished, cached = admitted_in_order(8, prompts, first)
+    assert finished == [f"cached{i}" for i in range(_PATIENCE)] + ["fresh", f"cached{_PATIENCE}"]
+    assert all(cached[f"cached{i}"] == 4 * BS for i in range(_PATIENCE))
 
 
 def test_seeds_reproduce_while_other_requests_share_the_batch(service: LocalService) -> None:
