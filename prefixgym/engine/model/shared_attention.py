@@ -27,12 +27,15 @@ class SharedKeys:
 
     `k`, `v`: (S, Hkv, Tk, D), every segment's keys from 0; `mask`: additive (S, 1, 1,
     Tk), hiding the padding of segments shorter than Tk, or None; `rows_S_M`: each
-    segment's M rows (a row in one segment of the S at most)."""
+    segment's M rows (a row in one segment of the S at most); `every_row`: one segment,
+    whose rows are the forward's rows 0..B-1 in order (its queries and results are then
+    read and written in place, not gathered and scattered)."""
 
     k: torch.Tensor
     v: torch.Tensor
     mask: torch.Tensor | None
     rows_S_M: torch.Tensor
+    every_row: bool = False
 
 
 FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -58,18 +61,23 @@ def attend_shared(q_B_H_1_D: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out, lse = flash(q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
     for part in shared:
         S, M = part.rows_S_M.shape
-        rows = part.rows_S_M.flatten()
-        q_S = q[rows].view(S, M, Hkv, G, D).transpose(1, 2).reshape(S, Hkv, M * G, D)
+        rows = None if part.every_row else part.rows_S_M.flatten()
+        q_rows = q if rows is None else q[rows]
+        q_S = q_rows.view(S, M, Hkv, G, D).transpose(1, 2).reshape(S, Hkv, M * G, D)
         with wide():
             o_S, lse_S = flash(q_S, part.k, part.v, 0.0, False, attn_mask=part.mask,
                                scale=scale)[:2]
         o_N = o_S.view(S, Hkv, M, G, D).transpose(1, 2).reshape(S * M, Hkv, G, D)
         l_N = lse_S.view(S, Hkv, M, G).transpose(1, 2).reshape(S * M, Hkv, G)
-        l_own, o_own = lse[rows], out[rows]
+        l_own, o_own = (lse, out) if rows is None else (lse[rows], out[rows])
         top = torch.maximum(l_own, l_N)
         w_own, w_N = (l_own - top).exp_(), (l_N - top).exp_()
         total = w_own + w_N
-        out[rows] = ((o_own * w_own.unsqueeze(-1) + o_N * w_N.unsqueeze(-1))
-                     / total.unsqueeze(-1)).to(out.dtype)
-        lse[rows] = top + total.log()
+        merged = ((o_own * w_own.unsqueeze(-1) + o_N * w_N.unsqueeze(-1))
+                  / total.unsqueeze(-1)).to(out.dtype)
+        if rows is None:
+            out, lse = merged, top + total.log()
+        else:
+            out[rows] = merged
+            lse[rows] = top + total.log()
     return out.reshape(B, H, 1, D)

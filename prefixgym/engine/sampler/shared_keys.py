@@ -121,7 +121,8 @@ class SharedSegments:
                 mask = torch.zeros(S, 1, 1, nb * bs, dtype=pool.attend_dtype,
                                    device=dev).masked_fill_(hidden[:, None, None], float("-inf"))
             rows_S_M = torch.tensor([rows for rows, _, _ in segs], device=dev)
-            self._batches.append((k, v, SharedKeys(k[:0], v[:0], mask, rows_S_M)))
+            every_row = S == 1 and segs[0][0] == list(range(len(tables)))
+            self._batches.append((k, v, SharedKeys(k[:0], v[:0], mask, rows_S_M, every_row)))
 
     def layer(self, layer_idx: int) -> list[SharedKeys]:
         """What layer `layer_idx` attends once per segment, batch by batch."""

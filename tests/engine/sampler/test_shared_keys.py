@@ -75,6 +75,25 @@ def test_merge_equals_attention_over_every_key_of_each_row() -> None:
         torch.testing.assert_close(got[r : r + 1], want, atol=1e-6, rtol=0)
 
 
+def test_a_segment_of_every_row_is_merged_in_place_with_the_same_bits() -> None:
+    gen = torch.Generator().manual_seed(1)
+    B, H, Hkv, D = 4, 6, 2, 8
+    q, k, v = (torch.randn(*shape, generator=gen)
+               for shape in ((B, H, 1, D), (B, Hkv, 5, D), (B, Hkv, 5, D)))
+    mask = torch.zeros(B, 1, 1, 5)
+    mask[1, ..., 3:] = float("-inf")
+    k_S, v_S = torch.randn(1, Hkv, 7, D, generator=gen), torch.randn(1, Hkv, 7, D, generator=gen)
+    rows = torch.arange(B).unsqueeze(0)
+    gathered = attend_shared(q, k, v, mask, [SharedKeys(k_S, v_S, None, rows)], None)
+    in_place = attend_shared(q, k, v, mask, [SharedKeys(k_S, v_S, None, rows, True)], None)
+    assert torch.equal(gathered, in_place)
+    k_r = torch.cat((k_S.expand(B, -1, -1, -1), k), dim=2)
+    v_r = torch.cat((v_S.expand(B, -1, -1, -1), v), dim=2)
+    full_mask = torch.cat((torch.zeros(B, 1, 1, 7), mask), dim=-1)
+    want = F.scaled_dot_product_attention(q, k_r, v_r, attn_mask=full_mask, enable_gqa=True)
+    torch.testing.assert_close(in_place, want, atol=1e-6, rtol=0)
+
+
 def test_only_plain_attention_without_windows_takes_shared_keys() -> None:
     base = dict(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
                 max_seq_len=128)
