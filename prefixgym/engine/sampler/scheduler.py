@@ -16,18 +16,16 @@ previous turn ran them first: LRU's cyclic thrash), while the wave's new blocks 
 the prefixes still cached; cached-first uses those before they go (at 92M, 128
 conversations of 8 turns in a 1 GiB pool: 13% fewer prompt tokens computed). A request
 passed over (a later one admitted before it) in `_PATIENCE` waves goes first, so none
-waits for ever behind cached ones.
-Each takes its longest cached prefix (at most
+waits for ever behind cached ones. Each takes its longest cached prefix (at most
 len(prompt)-1 tokens, since the last prompt token must be computed for its logits; a
-request that scores its prompt reads none, or, with `prompt_logprobs_last_n`, only
-the prefix before the positions it scores). A request whose first uncached block
-an earlier request of the wave will compute waits one wave and hits the cache instead.
+request that scores its prompt reads none, or, with `prompt_logprobs_last_n`, only the
+prefix before the positions it scores). A request whose first uncached block an
+earlier request of the wave will compute waits one wave and hits the cache instead.
 The wave is prefilled in chunks of similar uncached length (prompt-logprob and
-zero-token requests alone). A request's G samples share its prompt's full blocks;
-each gets its own copy of a part-filled last block. With sliding windows
-(`release_window`: the widest, when some blocks can be freed), each decode step first
-drops what no window reads (block_tables.py, which also keeps a hybrid model's table
-per group of layers).
+zero-token requests alone). A request's G samples share its prompt's full blocks; each gets
+its own copy of a part-filled last block. With sliding windows (`release_window`: the
+widest, when some blocks can be freed), each decode step first drops what no window
+reads (block_tables.py, which also keeps a hybrid model's table per group of layers).
 
 Errors travel: `fail(requests, error)` fails those requests' futures and frees what
 they hold; `handling` names the requests the step in progress touches (the batch's,
