@@ -14,7 +14,7 @@ exception in scheduling, `run` or postprocessing fails the requests it concerns 
 batch's, or the one being admitted) with it; the thread keeps serving the others.
 
 Determinism: requests are admitted in an order that depends only on the queue and the
-cache (cached-first, then arrival: scheduler.py), batches are formed from the
+cache (cached-first, then arrival: admission.py), batches are formed from the
 queue's contents at each step, and every sample draws from its own seeded generator,
 so the same submissions reaching an idle engine together give the same batches and
 the same outputs. `submit_many` queues its requests as one *round*: they always enter

@@ -85,7 +85,7 @@ class Request:
     return_prompt_logprobs: bool = True  # False when only the top-k were asked for
     request_id: int = field(default_factory=lambda: next(_REQUEST_IDS))
     num_cached_tokens: int = 0
-    passed_over: int = 0  # waves that admitted a later request while it waited (scheduler.py)
+    passed_over: int = 0  # waves that admitted a later request while it waited (admission.py)
     tail_pin: list[int] = field(default_factory=list)  # a cached block to copy from
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[TopkLogprobs | None] | None = None

@@ -9,23 +9,18 @@ futures completed. Neither calls the other or the runner.
 Admission, in `schedule()`: requests leave the waiting queue as a wave, while they fit
 under `max_running` rows and the KV pool can promise every block they may need
 (`PrefixCache.can_reserve`); the first that does not fit waits, and so does everything
-behind it. The queue's head goes cached-first: longest cached prefix first, then in
-arrival order (`request_id`). When a turn of conversations outgrows the pool, arrival
-order would admit first the very requests whose prefixes the last wave evicted (the
-previous turn ran them first: LRU's cyclic thrash), while the wave's new blocks evict
-the prefixes still cached; cached-first uses those before they go (at 92M, 128
-conversations of 8 turns in a 1 GiB pool: 13% fewer prompt tokens computed). A request
-passed over (a later one admitted before it) in `_PATIENCE` waves goes first, so none
-waits for ever behind cached ones. Each takes its longest cached prefix (at most
-len(prompt)-1 tokens, since the last prompt token must be computed for its logits; a
-request that scores its prompt reads none, or, with `prompt_logprobs_last_n`, only the
-prefix before the positions it scores). A request whose first uncached block an
-earlier request of the wave will compute waits one wave and hits the cache instead.
-The wave is prefilled in chunks of similar uncached length (prompt-logprob and
-zero-token requests alone). A request's G samples share its prompt's full blocks; each gets
-its own copy of a part-filled last block. With sliding windows (`release_window`: the
-widest, when some blocks can be freed), each decode step first drops what no window
-reads (block_tables.py, which also keeps a hybrid model's table per group of layers).
+behind it. The queue's head goes cached-first (admission.py: longest cached prefix,
+then arrival order; arrival order alone thrashes a pool a turn outgrows). Each takes
+its longest cached prefix (at most len(prompt)-1 tokens, since the last prompt token
+must be computed for its logits; a request that scores its prompt reads none, or, with
+`prompt_logprobs_last_n`, only the prefix before the positions it scores). A request
+whose first uncached block an earlier request of the wave will compute waits one wave
+and hits the cache instead. The wave is prefilled in chunks of similar uncached length
+(prompt-logprob and zero-token requests alone). A request's G samples share its
+prompt's full blocks; each gets its own copy of a part-filled last block. With sliding
+windows (`release_window`: the widest, when some blocks can be freed), each decode
+step first drops what no window reads (block_tables.py, which also keeps a hybrid
+model's table per group of layers).
 
 Errors travel: `fail(requests, error)` fails those requests' futures and frees what
 they hold; `handling` names the requests the step in progress touches (the batch's,
@@ -38,7 +33,6 @@ block ids, token counts and futures are all it moves.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -46,6 +40,7 @@ from dataclasses import dataclass, field
 
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.sampler import block_tables
+from prefixgym.engine.sampler.admission import AdmissionOrder
 from prefixgym.engine.sampler.cache_integrity import check_prefix_cache
 from prefixgym.engine.sampler.prefix_cache import Match, PrefixCache
 from prefixgym.engine.sampler.requests import (
@@ -60,8 +55,6 @@ from prefixgym.engine.usage import UsageLedger
 from prefixgym.types import TopkLogprobs
 
 _CALL_COST_TOKENS = 64  # a forward call's fixed cost, in padded positions
-_PATIENCE = 4  # waves a request may be passed over for cached ones, then it goes first
-_ORDERED_HEAD = 512  # waiting requests, from the queue's head, that admission orders
 
 
 @dataclass(eq=False)
@@ -118,8 +111,7 @@ class Scheduler:
         self.handling: list[Request] = []  # those of the step in progress: its errors are theirs
         self._version_models: dict[int, weakref.ref[Transformer]] = {}  # the latest is kept
         self._turn = 0
-        self._head_generation: tuple[int, ...] = ()
-        self._head_cached: dict[int, int] = {}  # request id -> cached tokens, at that generation
+        self._order = AdmissionOrder(cache, self._cached_tokens)
         self.counters = dict.fromkeys(
             ("prefill_calls", "prefill_positions", "decode_steps", "decoded_tokens",
              "max_batch_size", "requests_completed", "requests_failed",
@@ -177,23 +169,10 @@ class Scheduler:
             return Match()
         return self.cache.match(req.prompt, req.version, cache_limit(req))
 
-    def _order_head(self) -> list[Request]:
-        """Put the queue's head cached-first (the module's docstring); return it."""
-        head = list(itertools.islice(self.waiting, _ORDERED_HEAD))
-        generation = self.cache.generation()
-        if generation != self._head_generation:  # (a wave is tried every decode step)
-            self._head_generation, self._head_cached = generation, {}
-        cached = self._head_cached
-        for req in head:  # (an error here is the request's: `handling`; nothing moved yet)
-            if req.request_id not in cached:
-                self.handling = [req]
-                cached[req.request_id] = self._match(req).num_tokens
-        order = sorted(head, key=lambda r: (
-            r.passed_over < _PATIENCE, -cached[r.request_id], r.request_id))
-        for _ in head:
-            self.waiting.popleft()
-        self.waiting.extendleft(reversed(order))
-        return head
+    def _cached_tokens(self, req: Request) -> int:
+        """For the admission order; an error in it is the request's (`handling`)."""
+        self.handling = [req]
+        return self._match(req).num_tokens
 
     def _admit_wave(self) -> None:
         claimed: set[Hashable] = set()
@@ -201,7 +180,7 @@ class Scheduler:
         wave: list[Request] = []
         rows = sum(len(seqs) for seqs in self.running.values())
         bs = self.cache.block_size
-        head = self._order_head()
+        head = self._order.order(self.waiting)
         try:  # an error fails the request being admitted (`handling`), not the wave
             while self.waiting:
                 req = self.waiting[0]
@@ -236,11 +215,7 @@ class Scheduler:
                 rows += req.num_samples
         finally:
             self.waiting.extendleft(reversed(deferred))
-            newest = max((r.request_id for r in wave), default=-1)
-            admitted = set(wave)
-            for req in head:  # those a later request went before
-                if req.request_id < newest and req not in admitted:
-                    req.passed_over += 1
+            self._order.passed_over(head, wave)
             single = [r for r in wave if r.include_prompt_logprobs or r.params.max_tokens == 0]
             together = sorted((r for r in wave if r not in single),
                               key=lambda r: (r.version, len(r.prompt) - r.num_cached_tokens))

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixgym.engine.model import ModelConfig, Transformer
-from prefixgym.engine.sampler.scheduler import _PATIENCE
+from prefixgym.engine.sampler.admission import PATIENCE
 from prefixgym.local_service import LocalService
 from prefixgym.types import ModelInput, SampleRequest, SampleResponse, SamplingParams
 
@@ -489,14 +489,14 @@ def test_a_full_pool_admits_the_request_with_the_longest_cached_prefix_first() -
 def test_a_request_passed_over_for_cached_ones_goes_first_after_its_patience() -> None:
     # 7 usable blocks: one request at a time. "fresh" arrived first, with no cached
     # prefix; the others all extend the cached `first`, so each wave prefers one of
-    # them until "fresh" has been passed over _PATIENCE times.
+    # them until "fresh" has been passed over PATIENCE times.
     first = list(range(1, 4 * BS + 1))
     prompts = {"fresh": list(range(100, 184))}
     prompts |= {f"cached{i}": first + list(range(300 + 20 * i, 320 + 20 * i))
-                for i in range(_PATIENCE + 1)}
+                for i in range(PATIENCE + 1)}
     finished, cached = admitted_in_order(8, prompts, first)
-    assert finished == [f"cached{i}" for i in range(_PATIENCE)] + ["fresh", f"cached{_PATIENCE}"]
-    assert all(cached[f"cached{i}"] == 4 * BS for i in range(_PATIENCE))
+    assert finished == [f"cached{i}" for i in range(PATIENCE)] + ["fresh", f"cached{PATIENCE}"]
+    assert all(cached[f"cached{i}"] == 4 * BS for i in range(PATIENCE))
 
 
 def test_seeds_reproduce_while_other_requests_share_the_batch(service: LocalService) -> None:
