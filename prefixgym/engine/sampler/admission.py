@@ -49,10 +49,10 @@ class AdmissionOrder:
         generation = self.cache.generation()
         if generation != self._generation:
             self._generation, self._cached = generation, {}
-        cached = self._cached
-        for req in head:
-            if req.request_id not in cached:
-                cached[req.request_id] = self.cached_tokens(req)
+        known = self._cached
+        cached = {r.request_id: known[r.request_id] if r.request_id in known
+                  else self.cached_tokens(r) for r in head}
+        self._cached = cached  # (the head's only: it stays bounded, cache or no cache)
         ordered = sorted(head, key=lambda r: (
             r.passed_over < PATIENCE, -cached[r.request_id], r.request_id))
         for _ in head:
