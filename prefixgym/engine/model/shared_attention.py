@@ -75,9 +75,9 @@ def attend_shared(q_B_H_1_D: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         total = w_own + w_N
         merged = ((o_own * w_own.unsqueeze(-1) + o_N * w_N.unsqueeze(-1))
                   / total.unsqueeze(-1)).to(out.dtype)
+        merged_lse = top + total.log()
         if rows is None:
-            out, lse = merged, top + total.log()
+            out, lse = merged, merged_lse
         else:
-            out[rows] = merged
-            lse[rows] = top + total.log()
+            out[rows], lse[rows] = merged, merged_lse
     return out.reshape(B, H, 1, D)

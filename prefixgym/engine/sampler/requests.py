@@ -155,6 +155,11 @@ def new_sequences(req: Request, cached_blocks: list[int], block_size: int, group
     return seqs
 
 
+def reads_cache(req: Request) -> bool:
+    """Whether it takes a cached prefix at all: not when it scores its whole prompt."""
+    return not req.include_prompt_logprobs or req.prompt_logprobs_last_n is not None
+
+
 def cache_limit(req: Request) -> int:
     """How many prompt tokens may come from the cache: all but the last (its logits are
     needed); for a request scoring its prompt, none, or those before the position whose

@@ -50,6 +50,7 @@ from prefixgym.engine.sampler.requests import (
     build_response,
     cache_limit,
     new_sequences,
+    reads_cache,
 )
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.types import TopkLogprobs
@@ -165,7 +166,7 @@ class Scheduler:
 
     def _match(self, req: Request) -> Match:
         """The cached prefix `req` would take (none when it scores its whole prompt)."""
-        if req.include_prompt_logprobs and req.prompt_logprobs_last_n is None:
+        if not reads_cache(req):
             return Match()
         return self.cache.match(req.prompt, req.version, cache_limit(req))
 
@@ -188,7 +189,6 @@ class Scheduler:
                 P = len(req.prompt)
                 if rows and rows + req.num_samples > self.max_running:
                     break
-                reuse = not req.include_prompt_logprobs or req.prompt_logprobs_last_n is not None
                 limit = cache_limit(req)
                 match = self._match(req)
                 hit = match.blocks
@@ -206,7 +206,7 @@ class Scheduler:
                 req.tail_pin = [] if match.tail_block is None else [
                     match.tail_block, *match.tail_window_blocks]
                 req.sequences = new_sequences(req, hit, bs, self.groups, match.window_blocks)
-                if reuse:
+                if reads_cache(req):
                     self.cache.record_lookup(P, req.num_cached_tokens)
                 if match.claim is not None:
                     claimed.add(match.claim)
