@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from prefixgym.futures import APIFuture
 from prefixgym.types import (
@@ -127,4 +127,25 @@ class UsageSink(Protocol):
 
     def add(self, usage: Usage) -> None:
         """Add one response's usage to the running totals; safe from any thread."""
+        ...
+
+
+@runtime_checkable
+class AgentGateway(Protocol):
+    """Where agent programs send their OpenAI calls during rollouts: a base URL per
+    rollout, each call recorded in that rollout's call tree (`serving.agent_gateway`)."""
+
+    api_key: str | None
+
+    def open(self, key: str, tree: Any, sampler: SamplingClient, seed: int,
+             temperature: float | None = None) -> str:
+        """Serve the rollout `key` at a base URL of its own, whose calls continue `tree`
+        (a `prompting.call_tree.CallTree`: protocols may not import prompting) and are
+        sampled from `sampler` with seeds fixed by `seed`, at `temperature` unless a call
+        sets its own (None: the gateway's default). Returns the base URL."""
+        ...
+
+    def close(self, key: str) -> list[str]:
+        """Stop serving `key` (later calls to it are refused); one line per call of it the
+        gateway refused (a wrong model name, a malformed request)."""
         ...

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 
+from prefixgym.cli.agent_source import agent_source, check_agent
 from prefixgym.cli.errors import error_line
 from prefixgym.engine.device import describe_device, has_fast_bf16, resolve_device
 from prefixgym.engine.sampler.options import SamplerOptions
@@ -39,6 +40,7 @@ from prefixgym.protocols import TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.types import TrajectoryGroup
 from prefixgym.serving.config import API_KEY_VARIABLE
+from prefixgym.trainer.agent_steps import AgentSource
 from prefixgym.trainer.clients import Clients, Ranks, RunResult
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.run import Run
@@ -63,15 +65,10 @@ def trainer_options(config: TrainConfig, device: torch.device) -> TrainerOptions
         router_aux_loss_coef=config.router_aux_loss_coef)
 
 
-def build_run(config: TrainConfig, service: LocalService | None = None,
-              tinker_service: Any = None) -> tuple[Run, LocalService | None]:
-    """The run of `config` and the service it trains on (built here unless given; none
-    with `--backend tinker`, whose tinker `ServiceClient` may be given instead)."""
-
-    def make(overrides: JSONObject | None = None) -> AgentGymEnv:
-        return make_agent_env(config.env, {**(config.env_kwargs or {}), **(overrides or {})})
-
-    env = make()  # a bad --env, or an --out that cannot be written, fails before the model loads
+def check_env(config: TrainConfig, make: Callable[[JSONObject | None], AgentGymEnv]) -> None:
+    """A bad --env (or stage env_kwargs), one without the expert its warm start needs, or
+    one that ignores its reset seed, fails before the model loads."""
+    env = make(None)
     try:
         if config.sft_steps and not has_expert(env):
             raise ValueError(
@@ -95,6 +92,20 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
             make(stage["env_kwargs"]).close()
         except ValueError as e:
             raise ValueError(f"--sft-stages: stage {i + 1}: {e}") from None
+
+
+def build_run(config: TrainConfig, service: LocalService | None = None,
+              tinker_service: Any = None) -> tuple[Run, LocalService | None]:
+    """The run of `config` and the service it trains on (built here unless given; none
+    with `--backend tinker`, whose tinker `ServiceClient` may be given instead)."""
+
+    def make(overrides: JSONObject | None = None) -> AgentGymEnv:
+        return make_agent_env(config.env, {**(config.env_kwargs or {}), **(overrides or {})})
+
+    if config.agent:
+        check_agent(config)
+    else:
+        check_env(config, make)
     ensure_writable_dir(Path(config.out))
     pricing = run_prices(config.model, config.price_model, config.prices)
     if config.trace:  # a trace that cannot be written fails before the model loads
@@ -113,7 +124,8 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
             "time: --async (sampling the next step from the previous version) needs LoRA "
             "adapters (--lora-rank) or in-process sampling")
     if config.backend == "tinker":
-        return Run(config, tinker_clients(config, tinker_service), make, pricing), None
+        tinker = tinker_clients(config, tinker_service)
+        return Run(config, tinker, make, pricing, with_agent(config, tinker)), None
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None,
         device=config.device, sampler=SamplerOptions(deterministic=config.deterministic),
@@ -146,7 +158,15 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
     clients.numerics = {"compute_dtype": str(options.compute_dtype).removeprefix("torch."),
                         "threads": torch.get_num_threads(),
                         "device": describe_device(service.device)}
-    return Run(config, clients, make, pricing), service
+    return Run(config, clients, make, pricing, with_agent(config, clients)), service
+
+
+def with_agent(config: TrainConfig, clients: Clients) -> AgentSource | None:
+    """`--agent`'s rollouts, through a gateway that lives as long as this process."""
+    if not config.agent:
+        return None
+    source, _ = agent_source(config, clients.tokenizer)
+    return source
 
 
 def tinker_clients(config: TrainConfig, service_client: Any = None) -> Clients:

@@ -41,6 +41,9 @@ def parse_train_config(argv: list[str], prog: str = "prefixgym train",
         saved = saved_run_config({**from_file, **given})
     except ValueError as e:
         parser.error(str(e))
+    merged = {**saved, **from_file, **given}
+    if merged.get("agent") and "sft_steps" not in merged:  # no expert: GRPO alone
+        given["sft_steps"] = 0
     config = build_config(TrainConfig, parser, saved, from_file, given)
     config.env = absolute_spec(config.env)
     return config

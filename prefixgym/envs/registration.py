@@ -144,6 +144,17 @@ def _import(source: str, spec: str) -> ModuleType:
         raise  # the module exists but imports something missing: its own error
 
 
+def import_source(source: str) -> ModuleType:
+    """The module a `module:name` or `path/to/file.py:name` spec's left side names (the
+    working directory importable too); ValueError for one that does not exist."""
+    return _import(source, source)
+
+
+def located(error: Exception) -> str:
+    """`Type: message (file:line)` of the innermost frame that raised `error`."""
+    return _located(error)
+
+
 def _unknown_id(spec: str) -> str:
     """What to say of an id no env is registered under: the built-in ids (the one the
     spec spells otherwise first, e.g. 'guess_number' for GuessNumber), and the forms."""

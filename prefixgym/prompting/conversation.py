@@ -28,6 +28,7 @@ caches or envs.
 
 from __future__ import annotations
 
+import copy
 import operator
 import warnings
 import weakref
@@ -197,6 +198,18 @@ class Conversation:
             if seg.kind == "reply":
                 return self._reply_text(self._tokens[seg.start : seg.end])
         raise ValueError("the conversation has no assistant reply yet")
+
+    def fork(self) -> Conversation:
+        """A copy that grows on its own from here (the format and tokenizer are shared):
+        two continuations of one conversation, e.g. the replies of an `n > 1` request."""
+        twin = copy.copy(self)
+        twin._tokens, twin._segments = list(self._tokens), list(self._segments)
+        twin._history = [dict(m) for m in self._history]
+        twin.tools = list(self.tools)
+        for name in ("_issued_prompt", "_expected_prefix"):
+            value = getattr(self, name)
+            setattr(twin, name, None if value is None else list(value))
+        return twin
 
     # -- building ---------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import json
 import re
 import typing
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 import pydantic
@@ -64,6 +64,9 @@ class Tool:
     description: str
     args_model: type[BaseModel]
     fn: Callable[..., Any] | None = None  # a user's function: any signature
+    parameters: JSONObject | None = field(default=None, compare=False, hash=False)
+    """The arguments' JSON schema as a client sent it (`from_openai`): `schema()` gives it
+    back unchanged instead of deriving one from `args_model`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -129,8 +132,32 @@ class Tool:
         return cls(tool_name, description if description is not None else _oneline(doc),
                    model_cls, fn)
 
+    @classmethod
+    def from_openai(cls, spec: object, where: str = "tool") -> Tool:
+        """A tool from OpenAI's JSON form, `{"type": "function", "function": {"name",
+        "description", "parameters"}}` (chat completions) or the same keys without the
+        `function` level (Responses). It has no function to run: a client's program runs
+        its own tools. ValueError, naming `where`, for anything else."""
+        body = spec.get("function", spec) if isinstance(spec, dict) else None
+        if not isinstance(body, dict) or (isinstance(spec, dict) and
+                                          spec.get("type", "function") != "function"):
+            raise ValueError(f"{where} must be a function tool, {{'type': 'function', "
+                             f"'function': {{'name', 'description', 'parameters'}}}}")
+        name, description = body.get("name"), body.get("description") or ""
+        parameters = body.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(name, str) or not isinstance(description, str) \
+                or not isinstance(parameters, dict):
+            raise ValueError(f"{where}: name and description must be strings and parameters "
+                             "a JSON schema object")
+        args_model = pydantic.create_model(  # type: ignore[call-overload]
+            _camel(name) + "Args", __config__=ConfigDict(extra="allow"))
+        return cls(name, description, args_model, None, parameters)
+
     def schema(self) -> JSONObject:
         """{"name", "description", "parameters"}: parameters is the arguments' JSON schema."""
+        if self.parameters is not None:
+            return {"name": self.name, "description": self.description,
+                    "parameters": self.parameters}
         parameters = _drop_titles(self.args_model.model_json_schema())
         if parameters.get("description") == self.description:
             del parameters["description"]  # a model docstring already used as the description

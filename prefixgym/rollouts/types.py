@@ -65,7 +65,19 @@ class Trajectory:
     error: str | None = None
     extension_ok: bool = True
     env_s: float = 0.0
-    """Seconds the env spent in its reset and steps (its own work, or its server's)."""
+    """Seconds the env spent in its reset and steps (its own work, or its server's); for
+    an agent program, the seconds it ran."""
+    branches: list[Trajectory] = field(default_factory=list)
+    """An agent program's other sequences: where it rewrote its history, the calls after
+    that began a new sequence (`prompting.call_tree`). Trained with this trajectory's
+    advantage; their usage is part of this trajectory's."""
+    branch_notes: list[str] = field(default_factory=list)
+    """One line per branch: the call, why it continued no earlier reply, what it cost."""
+    branch_reprefilled_tokens: int = 0
+    """Prompt tokens its branches prefilled again (past what they shared with earlier
+    sequences), summed."""
+    reward_components: dict[str, float] = field(default_factory=dict)
+    """An agent program's named reward parts, as it returned them."""
 
     @property
     def total_reward(self) -> float:
@@ -81,7 +93,7 @@ class Trajectory:
 
     @property
     def usage(self) -> Usage:
-        return Usage.total(t.usage for t in self.turns)
+        return Usage.total([*(t.usage for t in self.turns), *(b.usage for b in self.branches)])
 
     @property
     def trained_length(self) -> int:

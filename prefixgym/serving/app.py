@@ -38,21 +38,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.engine.service import EngineService
-from prefixgym.serving.bodies import BodyError, parse_json_object, read_body
+from prefixgym.serving.bodies import parse_json_object, read_body
 from prefixgym.serving.chat import add_chat_route
 from prefixgym.serving.config import ServeConfig
+from prefixgym.serving.errors import install_error_handlers
 from prefixgym.serving.protocol import (
     APIError,
     CompletionRequest,
     decode_ids,
     describe_validation_error,
-    error_body,
 )
-from prefixgym.serving.weights import ServedWeights, WeightsError, add_weight_routes
+from prefixgym.serving.weights import ServedWeights, add_weight_routes
 from prefixgym.types import JSONObject, SampleResponse
 
 log = logging.getLogger("prefixgym.serve")
@@ -75,30 +74,7 @@ def create_app(
     app = FastAPI(title="prefixgym serve", docs_url=None, redoc_url=None, openapi_url=None)
     weights = ServedWeights(service, model_name)
 
-    @app.exception_handler(WeightsError)
-    async def _weights_error(_: Request, e: WeightsError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, "invalid_request_error", e.param, e.status),
-                            e.status)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.kind, e.param, e.status), e.status)
-
-    @app.exception_handler(BodyError)
-    async def _body_error(_: Request, e: BodyError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, "invalid_request_error", None, e.status),
-                            e.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(e.detail), "invalid_request_error", None,
-                                       e.status_code), e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception) -> JSONResponse:
-        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
-        return JSONResponse(error_body("the server failed to answer this request (its log has "
-                                       "the details)", "internal_error", None, 500), 500)
+    install_error_handlers(app)
 
     def authorize(request: Request) -> None:
         if expected_auth is None:

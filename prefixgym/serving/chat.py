@@ -75,9 +75,10 @@ class ChatMessage(BaseModel):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
-    def for_template(self) -> JSONObject:
+    def for_template(self, raw_calls: bool = False) -> JSONObject:
         """What a chat template reads: role and text, and the tool fields given (a
-        call's `arguments` as an object, which templates render; OpenAI sends a string)."""
+        call's `arguments` as an object, which templates render; OpenAI sends a string;
+        `raw_calls` keeps them as sent)."""
         out: JSONObject = {"role": "system" if self.role == "developer" else self.role,
                            "content": self.text}
         if self.name is not None:
@@ -85,7 +86,8 @@ class ChatMessage(BaseModel):
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            out["tool_calls"] = [_arguments_as_object(call) for call in self.tool_calls]
+            out["tool_calls"] = (list(self.tool_calls) if raw_calls else
+                                 [_arguments_as_object(call) for call in self.tool_calls])
         return out
 
 
@@ -136,7 +138,7 @@ def add_chat_route(
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
         authorize(request)
         body = await read_body(request, max_body_bytes)
-        req = await run_in_threadpool(_parse, body)
+        req = await run_in_threadpool(parse_chat_request, body)
         model = req.model or weights.model_name
         if not weights.serves(req.model):
             raise APIError(404, f"model {req.model!r} does not exist; this server serves "
@@ -169,13 +171,15 @@ def add_chat_route(
         answer = await run_in_threadpool(_answer, req, prompt, response, tokenizer, model)
         answer["metadata"] = {"weight_version": weight_version}
         if req.stream:
-            return StreamingResponse(_chunks(answer, req), media_type="text/event-stream")
+            return StreamingResponse(chat_stream(answer, req), media_type="text/event-stream")
         return JSONResponse(answer)
 
 
-def _parse(body: bytes) -> ChatRequest:
+def parse_chat_request(body: bytes | JSONObject) -> ChatRequest:
+    """A chat request from its JSON body (bytes as read, or parsed); APIError 400."""
     try:
-        return ChatRequest.model_validate(parse_json_object(body))
+        return ChatRequest.model_validate(
+            parse_json_object(body) if isinstance(body, bytes) else body)
     except ValidationError as e:
         raise APIError(400, *describe_validation_error(e)) from None
 
@@ -244,7 +248,7 @@ def _answer(req: ChatRequest, prompt: list[int], response: SampleResponse,
     }
 
 
-def _chunks(answer: JSONObject, req: ChatRequest) -> Iterator[str]:
+def chat_stream(answer: JSONObject, req: ChatRequest) -> Iterator[str]:
     """The answer as OpenAI's stream of chat.completion.chunk events."""
     head = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
             "model": answer["model"]}

@@ -93,7 +93,11 @@ class SamplingFields(BaseModel):
         """A sampled sequence's text, cut before the stop string that ended it (unless
         `keep_stop`: vLLM's `include_stop_str_in_output`)."""
         text = decode_ids(tokenizer, tokens, self.skip_special_tokens)
-        if stop_reason != "stop" or keep_stop:
+        return text if keep_stop else self.cut_at_stop(text, stop_reason)
+
+    def cut_at_stop(self, text: str, stop_reason: str) -> str:
+        """`text` cut before the first of this request's stop strings, when one ended it."""
+        if stop_reason != "stop":
             return text
         hits = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
         return text[: min(hits)] if hits else text

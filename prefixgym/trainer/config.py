@@ -51,7 +51,8 @@ after the change would not compare)."""
 
 ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine",
                             "sft_warmup": 0.1, "sft_stages": [], "chat_template_kwargs": None,
-                            "router_aux_loss_coef": 0.0}
+                            "router_aux_loss_coef": 0.0, "agent": "", "tasks": "",
+                            "eval_tasks": "", "agent_timeout": 300.0}
 """Fields added after runs were saved, with the value that gives what a run saved
 without them did (it evaluated greedily, its warm start warmed up over 10% of its
 steps, decayed on the cosine and imitated one expert throughout):
@@ -80,6 +81,18 @@ class TrainConfig:
     half its turns and wins 70%, so GRPO has a better strategy to find; an invalid
     reply costs as much as a win earns, so an episode that wins after one scores about
     what a failed one does, its speed bonus only), {} for any other env."""
+    agent: str = ""
+    """An agent program to train instead of an env: path/to/file.py:fn, module:fn or an
+    entry point of the prefixgym.agents group (docs/agents.md). It is called with
+    base_url, api_key, model and task, talks to the model through OpenAI's API at
+    base_url, and returns its reward; every call's tokens are recorded as sampled."""
+    tasks: str = ""
+    """With --agent: a JSONL file, one task (any JSON value) a line, passed to the program
+    as `task`; a GRPO group runs one task G times."""
+    eval_tasks: str = ""
+    """With --agent: held-out tasks (JSONL) to evaluate on; unset: the first of --tasks."""
+    agent_timeout: float = 300.0
+    """With --agent: seconds one rollout of the program may take; a slower one fails."""
     model: str = "tiny"
     """A built-in preset (tiny, small) or a local Hugging Face checkpoint directory
     (config.json, *.safetensors and its tokenizer) of a supported family (docs/models.md);
@@ -295,6 +308,15 @@ class TrainConfig:
         if self.router_aux_loss_coef < 0:
             raise ValueError(f"--router-aux-loss-coef must be >= 0, got "
                              f"{self.router_aux_loss_coef}")
+        if self.agent and not self.tasks:
+            raise ValueError("--agent needs --tasks FILE.jsonl: the tasks its program is run on")
+        if (self.tasks or self.eval_tasks) and not self.agent:
+            raise ValueError("--tasks and --eval-tasks go with --agent")
+        if self.agent and self.sft_steps:
+            raise ValueError("--agent runs train with GRPO alone: pass --sft-steps 0 (a warm "
+                             "start on an agent's recorded expert runs is not built yet)")
+        if not self.agent_timeout > 0:
+            raise ValueError(f"--agent-timeout must be positive, got {self.agent_timeout}")
         if self.group_size < 2:
             raise ValueError(
                 f"--group-size must be at least 2 (group-relative advantages), got "

@@ -83,10 +83,11 @@ def assemble(
             skipped += 1
             continue
         for traj, a in zip(kept, adv.advantages_G):
-            if not traj.extension_ok:  # its tokens are not what was sampled from
-                broken += 1
-            elif trainable(traj):
-                chosen.append((traj, a))
+            for seq in [traj, *traj.branches]:  # an agent program's branches: one advantage
+                if not seq.extension_ok:  # its tokens are not what was sampled from
+                    broken += 1
+                elif trainable(seq):
+                    chosen.append((seq, a))
     metrics = {
         "groups/skipped": float(skipped), "episodes/failed": float(failed),
         "episodes/broken_extension": float(broken), "datums/count": float(len(chosen)),
@@ -139,12 +140,30 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> tuple[dict[str, float]
     trajs = [t for g in groups for t in g.trajectories if not t.failed]
     usage = Usage.total(g.usage for g in groups)
     n = max(len(trajs), 1)
-    return {
+    metrics: dict[str, float] = {
         "reward/mean": sum(t.total_reward for t in trajs) / n,
         "success/mean": sum(t.is_success for t in trajs) / n,
         "turns/mean": sum(len(t.turns) for t in trajs) / n,
         "invalid_actions/mean": sum(t.num_invalid_actions for t in trajs) / n,
-    }, usage
+    }
+    if any(t.branches for t in trajs):  # an agent program rewrote its history
+        metrics["agent/branches"] = float(sum(len(t.branches) for t in trajs))
+        metrics["tokens/branch_reprefilled"] = float(
+            sum(t.branch_reprefilled_tokens for t in trajs))
+    return metrics, usage
+
+
+def first_lines(groups: Sequence[TrajectoryGroup]) -> dict[str, str]:
+    """The step's first failed episode's error and first branch's note, for the log."""
+    trajs = [t for g in groups for t in g.trajectories]
+    out = {}
+    failed = next((t for t in trajs if t.failed and t.error), None)
+    if failed is not None:
+        out["episodes/first_error"] = f"{failed.episode_id}: {failed.error}"
+    branched = next((t for t in trajs if t.branch_notes), None)
+    if branched is not None:
+        out["agent/first_branch"] = f"{branched.episode_id}: {branched.branch_notes[0]}"
+    return out
 
 
 class StepPipeline:

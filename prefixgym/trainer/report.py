@@ -257,6 +257,23 @@ def seconds_table(records: Sequence[JSONObject], wall_s: float) -> str:
     return "\n".join(lines)
 
 
+def branch_lines(records: Sequence[JSONObject]) -> list[str]:
+    """An agent program's branches over the run: where it rewrote its history, the calls
+    after began a new sequence, prefilled again (none: no lines)."""
+    steps = [r for r in records if r.get("phase") == "grpo" and r.get("agent/branches")]
+    if not steps:
+        return []
+    branches = sum(int(r["agent/branches"]) for r in steps)
+    tokens = sum(int(r.get("tokens/branch_reprefilled", 0)) for r in steps)
+    firsts = [f"- step {r['step']}: {r['agent/first_branch']}" for r in steps
+              if r.get("agent/first_branch")][:5]
+    return ["## Branches of the agent program", "",
+            f"{branches} branches in {len(steps)} GRPO steps: calls whose messages continued "
+            f"no earlier reply (the program edited, dropped or reordered its history), "
+            f"{tokens:,} prompt tokens prefilled again. The first of each step, up to five:",
+            "", *firsts, ""]
+
+
 def write_report(
     out: Path, title: str, config: JSONObject, total: Usage, sft_usage: Usage,
     evals: Sequence[JSONObject], wall_s: float, numerics: JSONObject | None = None,
@@ -277,6 +294,7 @@ def write_report(
         eval_table(evals) if evals else "No evaluation ran.",
         "",
         *improvement_lines(evals),
+        *branch_lines(records),
         *(["## Seconds per phase", "", seconds_table(records, wall_s), ""]
           if any(k.startswith("time/") and k != "time/sample_s" for r in records for k in r)
           else []),

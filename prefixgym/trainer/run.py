@@ -35,6 +35,7 @@ from prefixgym.pricing import Prices
 from prefixgym.protocols import SamplingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.rollout import RolloutConfig, TraceWriter
+from prefixgym.trainer.agent_steps import AgentSource, collect_agent, evaluate_agent
 from prefixgym.trainer.checkpoint import (
     WARM_START,
     ForeignCheckpointError,
@@ -52,8 +53,15 @@ from prefixgym.trainer.checkpoint import (
 )
 from prefixgym.trainer.clients import Clients, RunResult
 from prefixgym.trainer.config import RUN_CONFIG, TrainConfig, run_identity
-from prefixgym.trainer.evaluate import EVAL_WIDTH, evaluate
-from prefixgym.trainer.grpo import StepPipeline, collect, grpo_step, samples_after_sync
+from prefixgym.trainer.evaluate import EVAL_WIDTH, EvalResult, evaluate
+from prefixgym.trainer.grpo import (
+    Collected,
+    StepPipeline,
+    collect,
+    first_lines,
+    grpo_step,
+    samples_after_sync,
+)
 from prefixgym.trainer.plots import write_plots
 from prefixgym.trainer.progress import Progress
 from prefixgym.trainer.report import MetricsLog, phase_metrics, write_report
@@ -66,8 +74,8 @@ from prefixgym.types import JSONObject, Usage
 class Run:
     def __init__(
         self, config: TrainConfig, clients: Clients,
-        make_env: Callable[[JSONObject | None], AgentGymEnv],
-        pricing: tuple[Prices, str] | None = None,
+        make_env: Callable[[JSONObject | None], AgentGymEnv] | None,
+        pricing: tuple[Prices, str] | None = None, agent: AgentSource | None = None,
     ) -> None:
         self.config = config
         self.pricing = pricing
@@ -80,9 +88,14 @@ class Run:
         self.main = clients.ranks.is_main
         self.out = Path(config.out)
         ensure_writable_dir(self.out)
-        self.envs = [make_env(None) for _ in range(config.groups_per_step * config.group_size)]
-        self.eval_envs = [make_env(None) for _ in range(min(config.eval_episodes, EVAL_WIDTH))]
-        self.make_env = make_env
+        self.agent = agent
+        """An agent program's rollouts, in place of the env's episodes (`--agent`)."""
+        envs = 0 if agent is not None or make_env is None else config.groups_per_step * \
+            config.group_size
+        self.make_env = make_env or _no_env
+        self.envs = [self.make_env(None) for _ in range(envs)]
+        self.eval_envs = [self.make_env(None)
+                          for _ in range(min(config.eval_episodes, EVAL_WIDTH) if envs else 0)]
         self.rollout_config = RolloutConfig(
             max_tokens=config.max_tokens, temperature=config.temperature,
             lockstep=config.deterministic,
@@ -113,14 +126,13 @@ class Run:
         temperature = self.config.eval_temperature
         assert temperature is not None  # resolved by TrainConfig
         t0, before = time.perf_counter(), self.clients.seconds()
-        with Progress(f"eval ({when})", self.config.eval_episodes, "episode",
-                      self.config.progress) as progress:
-            result = evaluate(
-                sampler, self.tokenizer, self.eval_envs, self.config.eval_episodes,
-                self.rollout_config,
-                on_episodes=lambda n, done, wins: progress.update(n, success=f"{wins / done:.1%}"),
-                temperature=temperature, trace=self.trace, name=f"eval{len(state.evals)}",
-            )
+        if self.agent is not None:
+            episodes = min(self.config.eval_episodes, len(self.agent.eval_tasks))
+            print(f"eval ({when}): {episodes} tasks", file=sys.stderr)
+            result = evaluate_agent(self.agent, sampler, episodes, temperature,
+                                    name=f"eval{len(state.evals)}")
+        else:
+            result = self.evaluate_envs(sampler, temperature, state, when)
         record = {"step": step, "phase": "eval", "when": when, **result.as_metrics(),
                   "eval/temperature": temperature,
                   **phase_metrics(result.usage), **self.clients.seconds_since(before),
@@ -132,6 +144,17 @@ class Run:
                   file=sys.stderr)
         state.evals.append(record)
         self.write(record)
+
+    def evaluate_envs(self, sampler: SamplingClient, temperature: float, state: LoopState,
+                      when: str) -> EvalResult:
+        with Progress(f"eval ({when})", self.config.eval_episodes, "episode",
+                      self.config.progress) as progress:
+            return evaluate(
+                sampler, self.tokenizer, self.eval_envs, self.config.eval_episodes,
+                self.rollout_config,
+                on_episodes=lambda n, done, wins: progress.update(n, success=f"{wins / done:.1%}"),
+                temperature=temperature, trace=self.trace, name=f"eval{len(state.evals)}",
+            )
 
     def start(self, base_usage: Usage, t_start: float) -> tuple[LoopState, SamplingClient | None]:
         """A fresh run: steps 1-2. A resumed one: its newest checkpoint (the warm start's if
@@ -277,6 +300,8 @@ class Run:
             return self._run()
         finally:
             close_all([*self.envs, *self.eval_envs])
+            if self.agent is not None:
+                self.agent.close()
             if stream is not None:
                 stream.close()
 
@@ -285,6 +310,14 @@ class Run:
         path = Path(self.config.trace)
         rank = self.ranks.rank
         return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+    def collect(self, sampler: SamplingClient, step: int) -> Collected:
+        """GRPO's step 1: the env's episodes, or the agent program's rollouts."""
+        c, rank, world = self.config, self.ranks.rank, self.ranks.world
+        if self.agent is not None:
+            return collect_agent(self.agent, sampler, c, step, rank, world)
+        return collect(sampler, self.tokenizer, self.envs, c, step, self.rollout_config,
+                       rank, world, self.trace)
 
     def _run(self) -> RunResult:
         c = self.config
@@ -295,11 +328,8 @@ class Run:
         base_usage, t_start = self.clients.usage(), time.perf_counter()
         self._prior = (state.usage, state.wall_s)
         sampler = self.training.save_weights_and_get_sampling_client()
-        pipeline = StepPipeline(
-            lambda s, step: collect(s, self.tokenizer, self.envs, c, step, self.rollout_config,
-                                    self.ranks.rank, self.ranks.world, self.trace),
-            c.async_mode, sync_before=lambda step: samples_after_sync(c, step),
-        )
+        pipeline = StepPipeline(self.collect, c.async_mode,
+                                sync_before=lambda step: samples_after_sync(c, step))
         progress = Progress("GRPO", c.steps, "step", c.progress and self.main,
                             initial=state.next_step)
         try:
@@ -320,7 +350,12 @@ class Run:
                 if self.clients.sampler_metrics is not None:
                     metrics.update(self.clients.sampler_metrics())
                 env_s = sum(t.env_s for g in groups for t in g.trajectories)
-                self.write({"step": step, "phase": "grpo", **metrics, **phase_metrics(usage),
+                notes = first_lines(groups)
+                if "episodes/first_error" in notes and self.main:
+                    print(f"step {step}: {metrics['episodes/failed']:.0f} episodes failed "
+                          f"(first: {notes['episodes/first_error']})", file=sys.stderr)
+                self.write({"step": step, "phase": "grpo", **metrics, **notes,
+                            **phase_metrics(usage),
                             **self.clients.seconds_since(before), "time/env_s": env_s,
                             "time/sample_s": sample_s, "time/step_s": time.perf_counter() - t0})
                 state.next_step = step + 1
@@ -342,8 +377,12 @@ class Run:
         self.account(state, base_usage, t_start)
         if self.main:
             records = self.log.read()
-            write_report(self.out, f"prefixgym train: {c.env}", asdict(c), state.usage,
+            write_report(self.out, f"prefixgym train: {c.agent or c.env}", asdict(c), state.usage,
                          state.sft_usage, state.evals, state.wall_s, self.clients.numerics,
                          records, self.pricing)
             write_plots(self.out, records)
         return RunResult(self.out, state.evals, state.usage)
+
+
+def _no_env(_: JSONObject | None) -> AgentGymEnv:
+    raise ValueError("this run has no env (it trains an agent program's rollouts)")

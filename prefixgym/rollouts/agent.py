@@ -1,0 +1,290 @@
+"""Agent rollouts: a user's program over OpenAI's API, run G times per task, trained on.
+
+An agent program is a function, sync or async, called with the keyword arguments
+`base_url`, `api_key`, `model` and `task` (it may declare only those it uses); it talks
+to the model through `base_url` with any OpenAI client or agent framework and returns its
+reward: a number, or a dict of named numbers (summed with `AgentConfig.reward_weights`,
+1 for a name it does not give).
+
+A group: G rollouts of one task, at once (`AgentRollouts.run_groups`). Each rollout:
+  1) opens a base URL of its own on the gateway, backed by a fresh `CallTree` (nothing
+     passes between rollouts);
+  2) runs the program against it, within `timeout_s`;
+  3) closes the URL, and turns the tree into its `Trajectory`: the sequence its last
+     call ended, plus the branches its program made by rewriting history
+     (`Trajectory.branches`, trained with the same advantage; a reply shared by two
+     sequences is trained once). The reward goes on the last turn.
+A program that raises, times out, returns no number, or sent a call the gateway refused
+(another model's name) fails its rollout with one line (`Trajectory.error`); training
+goes on without it. Many groups run at once, in waves of `max_concurrent` rollouts; in
+lockstep (the default) each wave's calls are sampled in rounds (`agent_rounds.py`), so
+that the engine's batches do not depend on timing.
+
+Knows the gateway and sampling protocols, call trees and trajectories; not HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import inspect
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixgym.envs.registration import import_source, located
+from prefixgym.prompting.call_tree import Branch, CallTree, TrainedSequence
+from prefixgym.protocols import AgentGateway, SamplingClient
+from prefixgym.rollouts.agent_rounds import AgentRounds
+from prefixgym.rollouts.types import Trajectory, TrajectoryGroup, Turn
+from prefixgym.types import JSONObject, Usage
+
+PROGRAM_ARGS = ("base_url", "api_key", "model", "task")
+AGENT_ENTRY_POINTS = "prefixgym.agents"
+AgentTask = Any  # a JSON value (a line of --tasks), or whatever an iterable yields
+
+
+@dataclass
+class AgentConfig:
+    timeout_s: float = 300.0
+    """Seconds a program may take for one rollout before it is counted as failed."""
+    max_concurrent: int = 128
+    """Programs running at once: rollouts go in waves of this many, in order."""
+    lockstep: bool = True
+    """Hold each call until every rollout of its wave has called or returned, then sample
+    them as one round in a fixed order (`agent_rounds.py`): the engine's batches, and so
+    the run, do not depend on timing."""
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    """Weights of a dict reward's named components (1 for those not named)."""
+
+
+class AgentProgram:
+    """A user's program: which of `PROGRAM_ARGS` it takes, and how to call it."""
+
+    def __init__(self, fn: Callable[..., Any], name: str = "") -> None:
+        self.name = name or getattr(fn, "__qualname__", repr(fn))
+        if not callable(fn):
+            raise ValueError(f"agent {self.name} is not callable")
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            raise ValueError(f"agent {self.name}: cannot read its signature") from None
+        var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        unknown = [n for n, p in params.items() if n not in PROGRAM_ARGS
+                   and p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        if unknown:
+            raise ValueError(f"agent {self.name} requires {unknown}; an agent is called with "
+                             f"the keyword arguments {', '.join(PROGRAM_ARGS)} (any of them)")
+        self.args = PROGRAM_ARGS if var_kw else tuple(n for n in PROGRAM_ARGS if n in params)
+        self.fn = fn
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None))
+
+    async def __call__(self, **kwargs: Any) -> Any:
+        given = {k: v for k, v in kwargs.items() if k in self.args}
+        if self.is_async:
+            return await self.fn(**given)
+        result = await _in_daemon_thread(self.fn, given)
+        if inspect.isawaitable(result):  # a sync function that returned a coroutine
+            return await result
+        return result
+
+
+async def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """`fn(**kwargs)` in a daemon thread of its own: a program that never returns is
+    given up on at its timeout and left behind, never waited for at exit (as threads of
+    asyncio's default executor would be)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if done.done():  # timed out and cancelled meanwhile
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(value)
+
+    def target() -> None:
+        try:
+            value, error = fn(**kwargs), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting rollout
+            value, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop has closed: nobody waits for this program
+            pass
+
+    threading.Thread(target=target, name="agent-program", daemon=True).start()
+    return await done
+
+
+def load_agent(spec: str) -> AgentProgram:
+    """The program `spec` names: `path/to/file.py:fn`, `module:fn`, or the name of an
+    entry point in the `prefixgym.agents` group. ValueError when it cannot be loaded."""
+    source, _, name = spec.rpartition(":")
+    if not source:
+        found = [ep for ep in importlib.metadata.entry_points(group=AGENT_ENTRY_POINTS)
+                 if ep.name == spec]
+        if not found:
+            raise ValueError(f"--agent {spec!r}: write path/to/file.py:fn or module:fn, or name "
+                             f"an entry point of the {AGENT_ENTRY_POINTS!r} group")
+        try:
+            return AgentProgram(found[0].load(), spec)
+        except Exception as e:  # noqa: BLE001 - the program's module failed to import
+            raise ValueError(f"--agent {spec!r}: {located(e)}") from None
+    try:
+        module = import_source(source)
+    except ValueError as e:
+        raise ValueError(f"--agent {spec!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the program's module failed to import
+        raise ValueError(f"--agent {spec!r}: importing {source} failed: {located(e)}") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ValueError(f"--agent {spec!r}: {source} has no {name!r}")
+    return AgentProgram(fn, spec)
+
+
+def reward_of(result: Any, weights: Mapping[str, float]) -> tuple[float, dict[str, float]]:
+    """The program's return value as (reward, components); ValueError when it is none."""
+    if isinstance(result, bool) or not isinstance(result, (int, float, Mapping)):
+        raise ValueError(f"the program returned {_short(result)}, not a reward (a number, or "
+                         "a dict of named numbers)")
+    if not isinstance(result, Mapping):
+        components = {"reward": float(result)}
+        total = float(result)
+    else:
+        components = {}
+        for name, value in result.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"the program's reward component {name!r} is "
+                                 f"{_short(value)}, not a number")
+            components[str(name)] = float(value)
+        total = sum(v * weights.get(k, 1.0) for k, v in components.items())
+    if not math.isfinite(total):
+        raise ValueError(f"the program returned a reward that is not finite ({total})")
+    return total, components
+
+
+class AgentRollouts:
+    """Runs groups of an agent program's rollouts against a gateway (module docstring)."""
+
+    def __init__(self, program: AgentProgram, gateway: AgentGateway,
+                 make_tree: Callable[[], CallTree], model: str, config: AgentConfig) -> None:
+        self.program = program
+        self.gateway = gateway
+        self.make_tree = make_tree
+        self.model = model
+        self.config = config
+
+    async def run_groups(self, sampler: SamplingClient,
+                         groups: Sequence[tuple[AgentTask, int, str]], group_size: int,
+                         temperature: float | None = None) -> list[TrajectoryGroup]:
+        """Each (task, seed, group id) run `group_size` times: the rollouts in waves of
+        `max_concurrent`, in order; in lockstep, each wave's calls in rounds."""
+        out = [TrajectoryGroup(gid, seed, [
+            Trajectory(episode_id=f"{gid}/{i}", group_id=gid, seed=seed)
+            for i in range(group_size)]) for _, seed, gid in groups]
+        runs = [(task, _mix(seed, i), traj) for (task, seed, _), group in zip(groups, out)
+                for i, traj in enumerate(group.trajectories)]
+        width = self.config.max_concurrent
+        for start in range(0, len(runs), width):
+            wave = runs[start:start + width]
+            rounds = AgentRounds(sampler, len(wave)) if self.config.lockstep else None
+            await asyncio.gather(*(self.rollout(sampler, task, seed, traj, temperature, rounds)
+                                   for task, seed, traj in wave))
+        return out
+
+    async def rollout(self, sampler: SamplingClient, task: AgentTask, seed: int,
+                      traj: Trajectory, temperature: float | None = None,
+                      rounds: AgentRounds | None = None) -> None:
+        """Steps 1-3 for one rollout, recorded on `traj`."""
+        tree = self.make_tree()
+        key = traj.episode_id.replace("/", ".")
+        # 1) a base URL of its own (in lockstep, its calls join the wave's rounds)
+        calls = rounds.client(key) if rounds is not None else sampler
+        base_url = self.gateway.open(key, tree, calls, seed, temperature)
+        error, reward, components = None, 0.0, dict[str, float]()
+        start = time.perf_counter()
+        # 2) the program
+        try:
+            result = await asyncio.wait_for(
+                self.program(base_url=base_url, api_key=self.gateway.api_key or "none",
+                             model=self.model, task=task), self.config.timeout_s)
+            reward, components = reward_of(result, self.config.reward_weights)
+        except asyncio.TimeoutError:
+            error = f"the program did not return within {self.config.timeout_s:g} s"
+        except ValueError as e:
+            error = str(e)
+        except Exception as e:  # noqa: BLE001 - a program's failure fails its rollout
+            error = f"the program raised {type(e).__name__}: {_first_line(e)}"
+        finally:
+            refused = self.gateway.close(key)
+            if rounds is not None:
+                rounds.retire()
+        traj.env_s = time.perf_counter() - start
+        if error is None and refused:
+            error = f"a call was refused: {refused[0]}"
+        # 3) the trajectory
+        record(traj, tree.sequences(), reward, components, tree.branches)
+        if error is None and not traj.turns:
+            error = "the program made no call to its base_url"
+        if error is not None:
+            traj.failed, traj.error = True, error
+        traj.is_success = error is None and reward > 0
+        traj.stop_reason = "agent_error" if error is not None else "agent_returned"
+
+
+def record(traj: Trajectory, sequences: Sequence[TrainedSequence], reward: float,
+           components: dict[str, float], branches: Sequence[Branch]) -> None:
+    """Fill `traj` from a rollout's sequences: the last is the trajectory itself, the
+    others its branches. Each reply's usage is counted once, and each reply is trained
+    in the first sequence that holds it (the last sequence first)."""
+    if not sequences:
+        return
+    seen: set[int] = set()
+    built: list[Trajectory] = []
+    for seq in [sequences[-1], *sequences[:-1]]:
+        target = traj if not built else Trajectory(
+            episode_id=f"{traj.episode_id}#{len(built)}", group_id=traj.group_id, seed=traj.seed)
+        _fill(target, seq, seen)
+        target.turns[-1].reward = reward
+        built.append(target)
+    traj.branches = built[1:]
+    traj.reward_components = components
+    traj.branch_notes = [b.line() for b in branches]
+    traj.branch_reprefilled_tokens = sum(b.reprefilled_tokens for b in branches)
+    traj.terminated = True
+
+
+def _fill(traj: Trajectory, seq: TrainedSequence, seen: set[int]) -> None:
+    mask = list(seq.sampled_mask)
+    for reply in seq.replies:
+        first = id(reply) not in seen
+        seen.add(id(reply))
+        info: JSONObject = reply.info
+        usage = Usage(**info["usage"]) if first and info.get("usage") else Usage()
+        traj.turns.append(Turn(reply.start, reply.end, reply.stop_reason, reply.text,
+                               usage=usage, shared_by=int(info.get("shared_by", 1)),
+                               weights_version=info.get("weights_version")))
+        if not first:
+            mask[reply.start:reply.end] = [False] * (reply.end - reply.start)
+    traj.tokens, traj.sampled_mask, traj.logprobs = seq.tokens, mask, seq.logprobs
+    traj.extension_ok = seq.extension_ok
+
+
+def _mix(seed: int, k: int) -> int:
+    return (seed * 1_000_003 + k * 7919) % (2**31 - 1)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,260 @@
+"""Tool-call syntax per template family: detection, parsing, formatting, round trips.
+
+The templates below are small, written here, and carry the lines that real templates
+(Qwen2.5, Llama 3.1, Mistral v0.3, Mistral Small 3.2, gpt-oss) use to write an
+assistant's tool calls, so that `format` is checked against what the template renders."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from prefixgym.prompting.templates.jinja_render import CLOCK_A, render_in_process
+from prefixgym.prompting.tokenizer import builtin_chat_template
+from prefixgym.prompting.tool_syntax import (
+    GptOssSyntax,
+    HermesSyntax,
+    Llama3JsonSyntax,
+    MistralSyntax,
+    ParsedCall,
+    ToolCallSyntax,
+    syntax_for_template,
+)
+from prefixgym.prompting.tools import format_tool_call
+
+QWEN_LIKE = """{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}
+{%- for tool in tools %}{{- tool | tojson }}{%- endfor %}
+{{- '</tools>\\n\\nFor each function call, return a json object with function name and \
+arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, \
+"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}{%- endif %}
+{%- for message in messages %}{%- if message.role == 'assistant' %}
+{{- '<|im_start|>assistant' }}{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}{%- set tool_call = tool_call.function %}
+{{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
+{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}{%- endfor %}"""
+
+LLAMA31_LIKE = """{%- for message in messages %}{%- if 'tool_calls' in message %}
+{%- set tool_call = message.tool_calls[0].function %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+{{- '{"name": "' + tool_call.name + '", ' }}{{- '"parameters": ' }}
+{{- tool_call.arguments | tojson }}{{- "}" }}{{- "<|eot_id|>" }}
+{%- elif message.role == 'ipython' %}
+{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n<|python_tag|>' + message.content }}
+{%- else %}{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' }}
+{{- 'Given the following functions, please respond with a JSON for a function call.' }}
+{%- endif %}{%- endfor %}"""
+
+MISTRAL_V03_LIKE = """{%- for message in messages %}{%- if message.role == 'user' %}
+{{- '[INST] ' + message.content + '[/INST]' }}
+{%- elif message.tool_calls is defined and message.tool_calls is not none %}
+{{- "[TOOL_CALLS] [" }}{%- for tool_call in message.tool_calls %}
+{%- set out = tool_call.function|tojson %}{{- out[:-1] }}
+{{- ', "id": "' + tool_call.id + '"}' }}
+{%- if not loop.last %}{{- ", " }}{%- else %}{{- "]" + eos_token }}{%- endif %}
+{%- endfor %}{%- endif %}{%- endfor %}"""
+
+MISTRAL_ARGS_LIKE = """{%- for message in messages %}{%- if message.role == 'assistant' %}
+{{- message['content'] }}{%- for tool in message['tool_calls'] %}
+{%- set arguments = tool['function']['arguments'] %}
+{%- if arguments is not string %}{%- set arguments = arguments|tojson|safe %}{%- endif %}
+{{- '[TOOL_CALLS]' + tool['function']['name'] + '[ARGS]' + arguments }}
+{%- endfor %}{{- eos_token }}{%- endif %}{%- endfor %}"""
+
+GPT_OSS_LIKE = """{%- for message in messages %}{%- if message.tool_calls %}
+{%- set tool_call = message.tool_calls[0] %}
+{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- "<|start|>assistant to=" }}
+{{- "functions." + tool_call.name + "<|channel|>commentary " }}
+{{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}
+{{- tool_call.arguments|tojson }}{{- "<|call|>" }}
+{%- else %}{{- "<|start|>" + message.role + "<|message|>" + message.content + "<|end|>" }}
+{%- endif %}{%- endfor %}"""
+
+WEATHER = ParsedCall("get_weather", {"city": "Paris", "units": "celsius"})
+SEARCH = ParsedCall("search", {"query": "café ünï", "filters": {"year": [2023, 2024]}})
+NO_ARGS = ParsedCall("now", {})
+
+ALL_SYNTAXES: list[ToolCallSyntax] = [
+    HermesSyntax(), HermesSyntax(compact=True), Llama3JsonSyntax(), MistralSyntax(),
+    MistralSyntax(args_form=True), GptOssSyntax(),
+]
+
+
+def _render(template: str, messages: list[dict[str, Any]]) -> str:
+    return render_in_process(template, messages, False, None, CLOCK_A, {"eos_token": "</s>"})
+
+
+def _assistant(content: str, calls: list[ParsedCall]) -> dict[str, Any]:
+    return {"role": "assistant", "content": content, "tool_calls": [
+        {"id": f"call{i:05d}", "type": "function",
+         "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]}
+
+
+@pytest.mark.parametrize(("template", "expected"), [
+    (QWEN_LIKE, HermesSyntax()),
+    (LLAMA31_LIKE, Llama3JsonSyntax()),
+    (MISTRAL_V03_LIKE, MistralSyntax()),
+    (MISTRAL_ARGS_LIKE, MistralSyntax(args_form=True)),
+    (GPT_OSS_LIKE, GptOssSyntax()),
+    (builtin_chat_template(), HermesSyntax(compact=True)),
+])
+def test_detects_each_family_from_its_markers(template: str, expected: ToolCallSyntax) -> None:
+    assert syntax_for_template(template) == expected
+
+
+def test_detection_names() -> None:
+    names = [type(s).name for s in ALL_SYNTAXES]
+    assert names == ["hermes", "hermes", "llama3_json", "mistral", "mistral", "gpt_oss"]
+
+
+def test_builtin_format_is_hermes_in_format_tool_calls_form() -> None:
+    syntax = syntax_for_template(None, builtin=True)
+    assert syntax == HermesSyntax(compact=True) and syntax is not None
+    assert syntax.name == "hermes"
+    assert syntax.format("", [WEATHER]) == format_tool_call(WEATHER.name, WEATHER.arguments)
+
+
+@pytest.mark.parametrize("template", [
+    None, "",
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content }}{% endfor %}",
+    "{{ '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' }}",  # Llama 3.0
+    "{{ '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + calls|tojson }}",  # Granite
+    "{{ '<|im_start|>assistant\\n<tool_call>\\n<function=' + name + '>' }}",  # Qwen3-Coder XML
+    "{{ '<tool_call>' + name + '<arg_key>' + key + '</arg_key>' }}",  # GLM-4.5 XML
+])
+def test_unknown_templates_have_no_syntax(template: str | None) -> None:
+    assert syntax_for_template(template) is None
+
+
+@pytest.mark.parametrize("syntax", [HermesSyntax(), HermesSyntax(compact=True)])
+def test_hermes_parses_blocks_with_and_without_whitespace(syntax: HermesSyntax) -> None:
+    spaced = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": ' \
+             '{"city": "Paris", "units": "celsius"}}\n</tool_call>'
+    tight = '<tool_call>{"name":"search","arguments":{"query":"café ünï",' \
+            '"filters":{"year":[2023,2024]}}}</tool_call>'
+    assert syntax.parse(spaced) == ("Checking.", [WEATHER])
+    assert syntax.parse(tight) == ("", [SEARCH])
+    assert syntax.parse(spaced + "\n" + tight + "\nDone.") == ("Checking.\n\n\nDone.",
+                                                                [WEATHER, SEARCH])
+    assert syntax.parse('<tool_call>{"name": "now"}</tool_call>') == ("", [NO_ARGS])
+
+
+def test_hermes_leaves_unusable_blocks_in_the_content() -> None:
+    syntax = HermesSyntax()
+    good = format_tool_call(WEATHER.name, WEATHER.arguments)
+    for bad in ['<tool_call>{"name": "f", "arguments": {</tool_call>',
+                '<tool_call>{"arguments": {}}</tool_call>',
+                '<tool_call>{"name": 3}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": [1]}</tool_call>']:
+        assert syntax.parse(bad) == (bad, [])
+        assert syntax.parse(f"{bad} {good}") == (bad, [WEATHER])
+    unclosed = good + ' then <tool_call>{"name": "f"'
+    assert syntax.parse(unclosed) == ('then <tool_call>{"name": "f"', [WEATHER])
+    assert syntax.parse("  no calls here ") == ("  no calls here ", [])
+
+
+def test_hermes_close_tag_inside_a_json_string_does_not_end_the_block() -> None:
+    call = ParsedCall("echo", {"text": "</tool_call> is a tag"})
+    assert HermesSyntax().parse(HermesSyntax().format("", [call])) == ("", [call])
+
+
+def test_llama3_parses_bare_tagged_and_parallel_calls() -> None:
+    syntax = Llama3JsonSyntax()
+    one = '{"name": "get_weather", "parameters": {"city": "Paris", "units": "celsius"}}'
+    assert syntax.parse(one) == ("", [WEATHER])
+    assert syntax.parse("  <|python_tag|>" + one) == ("", [WEATHER])
+    assert syntax.parse(one + '; {"name": "now", "arguments": {}}') == ("", [WEATHER, NO_ARGS])
+    assert syntax.parse("Sure.<|python_tag|>" + one + "\nsent") == ("Sure.\nsent", [WEATHER])
+
+
+def test_llama3_reads_nothing_unless_every_object_is_a_call() -> None:
+    syntax = Llama3JsonSyntax()
+    call = '{"name": "now", "parameters": {}}'
+    for text in ['{"answer": 4}', '{"name": "now", "parameters": {', "The answer is 4.",
+                 'I would call {"name": "now", "parameters": {}}', f'{call}; {{"x": 1}}',
+                 '{"name": "now", "parameters": "not an object"}']:
+        assert syntax.parse(text) == (text, [])
+
+
+def test_mistral_parses_array_and_args_forms() -> None:
+    array = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "units": '
+             '"celsius"}, "id": "abcdef123"}, {"name": "now", "arguments": {}}]')
+    named = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "units": "celsius"}' \
+            '[TOOL_CALLS]now[CALL_ID]abc123def[ARGS]{}'
+    for syntax in (MistralSyntax(), MistralSyntax(args_form=True)):
+        assert syntax.parse(array) == ("", [WEATHER, NO_ARGS])
+        assert syntax.parse("Let me look." + named) == ("Let me look.", [WEATHER, NO_ARGS])
+
+
+def test_mistral_leaves_malformed_calls_in_the_content() -> None:
+    syntax = MistralSyntax()
+    for bad in ['[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"arguments": {}}]',
+                '[TOOL_CALLS] [{"name": "f", "arguments": {',
+                "[TOOL_CALLS] []",
+                "[TOOL_CALLS]f[ARGS]not json"]:
+        assert syntax.parse(bad) == (bad, [])
+
+
+def test_gpt_oss_parses_both_header_orders_and_keeps_other_messages() -> None:
+    syntax = GptOssSyntax()
+    sampled = ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant'
+               '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+               '{"city":"Paris","units":"celsius"}<|call|>')
+    assert syntax.parse(sampled) == ("<|channel|>analysis<|message|>Need weather.<|end|>",
+                                     [WEATHER])
+    role_form = ' to=functions.now<|channel|>commentary json<|message|>{}<|call|>'
+    assert syntax.parse(role_form) == ("", [NO_ARGS])
+    bad = "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{oops<|call|>"
+    assert syntax.parse(bad) == (bad, [])
+    final = "<|channel|>final<|message|>It is sunny.<|return|>"
+    assert syntax.parse(final) == (final, [])
+
+
+@pytest.mark.parametrize("syntax", ALL_SYNTAXES, ids=repr)
+@pytest.mark.parametrize("content", ["", "  Let me check that.\n", "Two lines.\nSecond one."])
+@pytest.mark.parametrize("calls", [[], [WEATHER], [SEARCH, NO_ARGS, WEATHER]], ids=len)
+def test_format_then_parse_round_trips(
+    syntax: ToolCallSyntax, content: str, calls: list[ParsedCall]
+) -> None:
+    assert syntax.parse(syntax.format(content, calls)) == (content.strip(), calls)
+
+
+@pytest.mark.parametrize("content", ["", "Let me check."])
+def test_hermes_format_is_what_a_qwen_template_renders(content: str) -> None:
+    rendered = _render(QWEN_LIKE, [_assistant(content, [WEATHER, SEARCH])])
+    expected = HermesSyntax().format(content, [WEATHER, SEARCH])
+    assert rendered == f"<|im_start|>assistant\n{expected}<|im_end|>\n"
+
+
+def test_llama3_format_is_what_a_llama31_template_renders() -> None:
+    rendered = _render(LLAMA31_LIKE, [_assistant("", [SEARCH])])
+    expected = Llama3JsonSyntax().format("", [SEARCH])
+    assert rendered == f"<|start_header_id|>assistant<|end_header_id|>\n\n{expected}<|eot_id|>"
+
+
+@pytest.mark.parametrize("content", ["", "Let me check."])
+def test_mistral_args_format_is_what_its_template_renders(content: str) -> None:
+    rendered = _render(MISTRAL_ARGS_LIKE, [_assistant(content, [WEATHER, SEARCH])])
+    assert rendered == MistralSyntax(args_form=True).format(content, [WEATHER, SEARCH]) + "</s>"
+
+
+def test_mistral_v03_and_gpt_oss_template_renders_parse_back() -> None:
+    mistral = _render(MISTRAL_V03_LIKE, [_assistant("", [WEATHER, SEARCH])])
+    assert MistralSyntax().parse(mistral.removesuffix("</s>")) == ("", [WEATHER, SEARCH])
+    gpt_oss = _render(GPT_OSS_LIKE, [_assistant("", [SEARCH])])
+    assert gpt_oss.startswith("<|start|>assistant to=functions.search<|channel|>")
+    assert GptOssSyntax().parse(gpt_oss) == ("", [SEARCH])
+
+
+@pytest.mark.parametrize("syntax", ALL_SYNTAXES, ids=repr)
+def test_parse_never_raises(syntax: ToolCallSyntax) -> None:
+    deep = "[" * 5000 + "]" * 5000
+    for text in ["", "<tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[TOOL_CALLS][" + deep,
+                 "<tool_call>" + deep + "</tool_call>", "{" * 5000, "<|python_tag|>;;",
+                 "<|channel|>commentary to=functions.<|message|>", "\x00\ud800"]:
+        content, calls = syntax.parse(text)
+        assert (content, calls) == (text, [])

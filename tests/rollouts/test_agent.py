@@ -1,0 +1,224 @@
+"""Agent programs over OpenAI's API: their calls recorded token for token through the
+gateway, branches where a program rewrites its history, and the faults that fail a
+rollout without stopping the others."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from agent_programs import CALC, ScriptedSampler, rollouts_for, run_one, sampled_ids  # noqa: E402
+from chat_templates import QWEN3_LIKE  # noqa: E402
+
+from prefixgym.prompting.chat_format import ChatMLFormat, HFTemplateFormat  # noqa: E402
+from prefixgym.prompting.tokenizer import load_tokenizer  # noqa: E402
+from prefixgym.rollouts.agent import (  # noqa: E402
+    AgentProgram,
+    reward_of,
+)
+from prefixgym.serving.agent_gateway import AgentGateway  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    gw = AgentGateway("policy", api_key="secret")
+    yield gw
+    gw.stop()
+
+
+def tool_reply(i: int) -> str:
+    if i < 2:
+        return f'<tool_call>{{"name": "calc", "arguments": {{"expr": "{i + 6}*7"}}}}</tool_call>'
+    return "The answer is 42."
+
+
+def tool_program(edit_history: bool = False):
+    def program(base_url, api_key, model, task):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "system", "content": "Use the calculator."},
+                    {"role": "user", "content": task["question"]}]
+        for turn in range(3):
+            reply = client.chat.completions.create(model=model, messages=messages, tools=CALC)
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                break
+            for call in message.tool_calls:
+                expr = json.loads(call.function.arguments)["expr"]
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(expr))})
+            if edit_history and turn == 0:  # the program trims its context: the task goes
+                messages[1] = {"role": "user", "content": "(question elided)"}
+        return {"correct": float("42" in (message.content or "")), "format": 0.5}
+    return program
+
+
+def test_a_multi_turn_tool_rollout_trains_exactly_the_sampled_ids(tokenizer, gateway):
+    fmt = ChatMLFormat(tokenizer)
+    sampler = ScriptedSampler(tokenizer, tool_reply, fmt.im_end)
+    rollouts = rollouts_for(tokenizer, gateway, tool_program(), weights={"format": 0.0})
+    group = run_one(rollouts, sampler, {"question": "What is 6*7?"})
+    [traj] = group.trajectories
+    assert traj.error is None and not traj.failed
+    assert traj.total_reward == 1.0 and traj.reward_components == {"correct": 1.0, "format": 0.5}
+    assert len(traj.turns) == 3 and traj.branches == [] and traj.branch_notes == []
+    # trained ids are the sampled ids, in order, and nothing else is trained
+    assert sampled_ids(traj) == [t for ids in sampler.sampled for t in ids]
+    for turn, ids in zip(traj.turns, sampler.sampled):
+        assert traj.tokens[turn.reply_start:turn.reply_end] == ids
+        assert traj.logprobs[turn.reply_start:turn.reply_end] == [-0.01 * (i + 1) for i in range(len(ids))]
+    # each prompt extends the previous prompt + its reply: the tree never re-renders history
+    for prev, reply, nxt in zip(sampler.prompts, sampler.sampled, sampler.prompts[1:]):
+        assert nxt[:len(prev) + len(reply)] == prev + reply
+    assert traj.tokens[:len(sampler.prompts[-1])] == sampler.prompts[-1]
+    assert traj.usage.sampled_tokens == sum(len(s) for s in sampler.sampled)
+
+
+def test_a_template_that_drops_reasoning_still_trains_the_sampled_reasoning(tokenizer, gateway):
+    qwen = load_tokenizer()
+    qwen.chat_template = QWEN3_LIKE
+    fmt = HFTemplateFormat(qwen)
+    assert fmt.template_mismatch  # rendered whole, earlier reasoning would be dropped
+    end = qwen.convert_tokens_to_ids("<|im_end|>")
+    replies = ["<think>six sevens</think>\nAsking again.", "<think>done</think>\nIt is 42."]
+    sampler = ScriptedSampler(qwen, lambda i: replies[i], end)
+
+    def program(base_url, api_key, model, task):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": "6*7?"}]
+        for _ in range(2):
+            message = client.chat.completions.create(model=model, messages=messages).choices[0].message
+            assert "<think>" not in (message.content or "")  # reasoning comes apart
+            messages += [{"role": "assistant", "content": message.content}, {"role": "user", "content": "sure?"}]
+        return 1.0
+
+    group = run_one(rollouts_for(qwen, gateway, program, chat_format=fmt), sampler, {})
+    [traj] = group.trajectories
+    assert traj.error is None and traj.branches == []
+    assert sampled_ids(traj) == [t for ids in sampler.sampled for t in ids]
+    assert sampler.prompts[1][:len(sampler.prompts[0]) + len(sampler.sampled[0])] == \
+        sampler.prompts[0] + sampler.sampled[0]  # the think block kept, as sampled
+
+
+def test_a_program_that_edits_its_history_branches_and_says_what_it_cost(tokenizer, gateway):
+    fmt = ChatMLFormat(tokenizer)
+    sampler = ScriptedSampler(tokenizer, tool_reply, fmt.im_end)
+    group = run_one(rollouts_for(tokenizer, gateway, tool_program(edit_history=True)), sampler,
+                    {"question": "What is 6*7?"})
+    [traj] = group.trajectories
+    assert traj.error is None
+    assert len(traj.branches) == 1 and len(traj.branch_notes) == 1
+    note = traj.branch_notes[0]
+    assert note.startswith("call 1: PG204 message 1 (user) was edited") and "prefilled again" in note
+    # the branch is the first call's sequence; every sampled reply is trained exactly once
+    [branch] = traj.branches
+    trained = sampled_ids(traj) + sampled_ids(branch)
+    assert sorted(trained) == sorted(t for ids in sampler.sampled for t in ids)
+    assert sampled_ids(branch) == sampler.sampled[0]
+    # the cost is the prompt past what it shares with the earlier sequence
+    shared = next(i for i, (a, b) in enumerate(zip(sampler.prompts[0], sampler.prompts[1])) if a != b)
+    assert f"{len(sampler.prompts[1]) - shared} of its {len(sampler.prompts[1])} prompt tokens" in note
+
+
+def test_a_group_runs_its_task_g_times_with_distinct_seeds(tokenizer, gateway):
+    fmt = ChatMLFormat(tokenizer)
+    seeds = []
+
+    class SeedSampler(ScriptedSampler):
+        def sample(self, prompt, num_samples=1, sampling_params=None, include_prompt_logprobs=False):
+            seeds.append(sampling_params.seed)
+            return super().sample(prompt, num_samples, sampling_params)
+
+    sampler = SeedSampler(tokenizer, lambda i: "The answer is 42.", fmt.im_end)
+    group = run_one(rollouts_for(tokenizer, gateway, tool_program()), sampler,
+                    {"question": "6*7?"}, group_size=4, seed=5)
+    assert [t.episode_id for t in group.trajectories] == [f"g0/{i}" for i in range(4)]
+    assert all(t.total_reward == 1.5 for t in group.trajectories)
+    assert len(set(seeds)) == 4
+
+
+def faulty(kind: str):
+    def program(base_url, api_key, model, task):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        if kind == "raises":
+            raise RuntimeError("the tool server is down")
+        if kind == "hangs":
+            time.sleep(30)
+        if kind == "wrong model":
+            try:
+                client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
+            except openai.NotFoundError:
+                return 1.0  # swallowed: the rollout still fails
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+        return {"text": "not a number"} if kind == "no number" else None
+    return program
+
+
+@pytest.mark.parametrize("kind, error", [
+    ("raises", "the program raised RuntimeError: the tool server is down"),
+    ("hangs", "the program did not return within 0.5 s"),
+    ("no number", "the program's reward component 'text' is 'not a number', not a number"),
+    ("none", "the program returned None, not a reward (a number, or a dict of named numbers)"),
+    ("wrong model", "a call was refused: 404: model 'gpt-5' does not exist; this rollout trains 'policy'"),
+])
+def test_a_faulty_program_fails_its_rollout_in_one_line(tokenizer, gateway, kind, error):
+    fmt = ChatMLFormat(tokenizer)
+    sampler = ScriptedSampler(tokenizer, lambda i: "ok", fmt.im_end)
+    start = time.monotonic()
+    group = run_one(rollouts_for(tokenizer, gateway, faulty(kind), timeout=0.5), sampler, {})
+    [traj] = group.trajectories
+    assert traj.failed and traj.error == error
+    assert time.monotonic() - start < 20  # a hung program is left behind, not waited for
+
+
+def test_no_state_passes_between_rollouts(tokenizer, gateway):
+    """A base URL stops answering once its rollout has returned."""
+    fmt = ChatMLFormat(tokenizer)
+    sampler = ScriptedSampler(tokenizer, lambda i: "ok", fmt.im_end)
+    urls = []
+
+    def program(base_url, api_key, model):
+        urls.append(base_url)
+        return 0.0
+
+    run_one(rollouts_for(tokenizer, gateway, program), sampler, {})
+    client = openai.OpenAI(base_url=urls[0], api_key="secret", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="no rollout"):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_the_gateway_wants_its_key(tokenizer, gateway):
+    fmt = ChatMLFormat(tokenizer)
+    sampler = ScriptedSampler(tokenizer, lambda i: "ok", fmt.im_end)
+
+    def program(base_url, model):
+        client = openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0)
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+        return 1.0
+
+    [traj] = run_one(rollouts_for(tokenizer, gateway, program), sampler, {}).trajectories
+    assert traj.failed and "AuthenticationError" in traj.error
+
+
+def test_reward_of_weighs_named_components():
+    assert reward_of(2, {}) == (2.0, {"reward": 2.0})
+    assert reward_of({"a": 1.0, "b": 0.5}, {"b": 2.0}) == (2.0, {"a": 1.0, "b": 0.5})
+    for bad in (True, "1", None, float("nan"), {"a": "x"}):
+        with pytest.raises(ValueError):
+            reward_of(bad, {})
+
+
+def test_a_program_must_take_the_documented_arguments():
+    with pytest.raises(ValueError, match="requires \\['client'\\]"):
+        AgentProgram(lambda client, task: 0)
+    assert AgentProgram(lambda task, **kw: 0).args == ("base_url", "api_key", "model", "task")
+    assert AgentProgram(lambda model=None: 0).args == ("model",)
