@@ -1,4 +1,4 @@
-"""The `prefixgym` command: train | rollout | demo | lint | serve | bench.
+"""The `prefixgym` command: train | rollout | demo | lint | serve | proxy | bench.
 
 Every entry point of prefixgym lives in this package, one module per command: it
 parses flags, builds the services and clients (`LocalService`, the OpenAI sampling
@@ -24,6 +24,7 @@ commands:
   demo      a short multi-turn sampling demo that prints the usage ledger
   lint      find what makes prompts miss the prefix cache (template | trace | env)
   serve     expose the built-in engine over an OpenAI-compatible HTTP API
+  proxy     record agent programs' calls, token for token, in front of another server
   bench     run a benchmark from bench/
 
 Run `prefixgym COMMAND --help` for the options of one command.
@@ -69,6 +70,12 @@ def _serve(argv: list[str]) -> int:
     return main(argv)
 
 
+def _proxy(argv: list[str]) -> int:
+    from prefixgym.cli.proxy import main
+
+    return main(argv)
+
+
 def _bench(argv: list[str]) -> int:
     from prefixgym.cli.bench import main
 
@@ -82,6 +89,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "demo": _demo,
     "lint": _lint,
     "serve": _serve,
+    "proxy": _proxy,
     "bench": _bench,
 }
 

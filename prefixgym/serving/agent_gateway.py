@@ -19,7 +19,13 @@ A call (`RolloutSession.complete`):
      with vLLM's extras: `token_ids`, `prompt_token_ids`, logprobs, `cached_tokens`, tool
      calls parsed in the model's own syntax, reasoning apart as `reasoning_content`.
 With an API key every route wants `Authorization: Bearer KEY`, as `prefixgym serve`'s do;
-bodies and `n` have its limits.
+bodies and `n` have its limits. The chat format's end-of-turn ids go with every call that
+names no stop strings, so a remote sampler (vLLM behind `--sampler-url`) stops where the
+built-in engine does; a sampler that cannot be reached or fails answers 502.
+
+In auto-open mode (`AutoOpen`: `prefixgym proxy`) the gateway opens its sessions itself:
+a key's first call opens it with a fresh tree, plain `/v1/...` is the key "default", and
+`POST /rollouts/{key}/close` (`/v1/close`) ends a session and hands it to `on_close`.
 
 Knows HTTP, OpenAI's shapes and the sampling protocol; not envs, rewards or training.
 """
@@ -28,10 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import logging
 import re
+import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -57,6 +66,9 @@ from prefixgym.types import JSONObject, ModelInput, SampleResponse, SamplingPara
 _KEY = re.compile(r"[A-Za-z0-9._\-]{1,200}")
 MAX_N = 64
 MAX_BODY_BYTES = 64 << 20
+DEFAULT_SESSION = "default"
+"""The session key of the plain `/v1/...` routes (auto-open mode)."""
+log = logging.getLogger("prefixgym.serve")
 
 
 @dataclass
@@ -105,6 +117,10 @@ class RolloutSession:
             raise self.refuse(APIError(400, *describe_validation_error(e))) from None
         except ValueError as e:
             raise self.refuse(APIError(400, str(e).splitlines()[0])) from None
+        except (ConnectionError, RuntimeError) as e:  # the sampler's server, or the engine
+            log.warning("a call's sampler failed", exc_info=e)
+            raise APIError(502, f"the sampler failed: {_first_line(e)}", None,
+                           "upstream_error") from None
         return await run_in_threadpool(self.answer, req, pending, response)
 
     def refuse(self, error: APIError) -> APIError:
@@ -118,8 +134,16 @@ class RolloutSession:
             max_tokens=req.max_completion_tokens or req.max_tokens or d.max_tokens,
             temperature=req.temperature if "temperature" in given else d.temperature,
             top_p=req.top_p if "top_p" in given else d.top_p, top_k=req.top_k,
-            stop=req.stop_strings, stop_token_ids=req.stop_token_ids or [],
+            stop=req.stop_strings, stop_token_ids=self.stop_token_ids(req),
             seed=req.seed if req.seed is not None else _mix(self.seed, call))
+
+    def stop_token_ids(self, req: ChatRequest) -> list[int]:
+        """The call's own, and the chat format's end-of-turn ids unless it names stop
+        strings (some samplers, tinker's, stop at strings or at ids, never both)."""
+        own = list(req.stop_token_ids or [])
+        if req.stop_strings:
+            return own
+        return list(dict.fromkeys([*own, *self.tree.format.stop_token_ids]))
 
     def answer(self, req: ChatRequest, pending: Pending, response: SampleResponse) -> JSONObject:
         """Step 4: record each reply in the tree and answer in OpenAI's shape."""
@@ -167,14 +191,27 @@ class RolloutSession:
             "metadata": {"weight_version": response.weights_version}}
 
 
+@dataclass
+class AutoOpen:
+    """Sessions the gateway opens itself: a key's first call opens it with a tree from
+    `make_tree`, sampled by `sampler` (a random seed each); closing it hands it to
+    `on_close`, which returns how many sequences it recorded."""
+
+    make_tree: Callable[[], CallTree]
+    sampler: SamplingClient
+    on_close: Callable[[str, RolloutSession], int]
+
+
 class AgentGateway:
     """OpenAI's API for agent programs, a base URL per open rollout (module docstring)."""
 
     def __init__(self, model: str, defaults: SamplingDefaults | None = None,
-                 api_key: str | None = None, host: str = "127.0.0.1") -> None:
+                 api_key: str | None = None, host: str = "127.0.0.1",
+                 auto_open: AutoOpen | None = None) -> None:
         self.model = model
         self.defaults = defaults or SamplingDefaults()
         self.api_key = api_key
+        self.auto_open = auto_open
         self._sessions: dict[str, RolloutSession] = {}
         self._lock = threading.Lock()
         self.app = self._create_app()
@@ -203,13 +240,29 @@ class AgentGateway:
         return f"{self.url}/rollouts/{key}/v1"
 
     def close(self, key: str) -> list[str]:
-        with self._lock:
-            session = self._sessions.pop(key, None)
+        session = self.take(key)
         return list(session.errors) if session is not None else []
 
+    def take(self, key: str) -> RolloutSession | None:
+        """Stop serving `key`; its session, None when it was not open."""
+        with self._lock:
+            return self._sessions.pop(key, None)
+
+    def take_all(self) -> dict[str, RolloutSession]:
+        """Stop serving every open key; their sessions, in the order they opened."""
+        with self._lock:
+            taken, self._sessions = self._sessions, {}
+        return taken
+
     def session(self, key: str) -> RolloutSession:
+        """The open session of `key` (in auto-open mode, opened now if need be); 404."""
+        auto = self.auto_open
         with self._lock:
             found = self._sessions.get(key)
+            if found is None and auto is not None and _KEY.fullmatch(key):
+                found = self._sessions[key] = RolloutSession(
+                    auto.make_tree(), auto.sampler, self.model, secrets.randbelow(2**31 - 1),
+                    self.defaults)
         if found is None:
             raise APIError(404, f"no rollout {key!r} is open: its program has returned, or the "
                                 "base_url is not one prefixgym gave", None, "not_found_error")
@@ -217,11 +270,11 @@ class AgentGateway:
 
     # -- the server -----------------------------------------------------------------
 
-    def start(self) -> None:
-        """uvicorn on a free loopback port, in a daemon thread."""
+    def start(self, port: int = 0) -> None:
+        """uvicorn on `port` (0: a free one), in a daemon thread."""
         import uvicorn
 
-        server = uvicorn.Server(uvicorn.Config(self.app, host=self._host, port=0,
+        server = uvicorn.Server(uvicorn.Config(self.app, host=self._host, port=port,
                                                log_level="error", lifespan="off"))
         thread = threading.Thread(target=server.run, name="agent-gateway", daemon=True)
         thread.start()
@@ -253,36 +306,58 @@ class AgentGateway:
         app = FastAPI(title="prefixgym agent gateway", docs_url=None, redoc_url=None,
                       openapi_url=None)
         install_error_handlers(app)
+        auto = self.auto_open
+
+        def key_of(request: Request) -> str:
+            return str(request.path_params.get("key", DEFAULT_SESSION))
 
         async def chat(request: Request, body: JSONObject) -> JSONObject:
-            return await self.session(request.path_params["key"]).complete(
-                parse_chat_request(body))
+            return await self.session(key_of(request)).complete(parse_chat_request(body))
 
-        @app.post("/rollouts/{key}/v1/chat/completions", response_model=None)
-        async def chat_completions(key: str, request: Request
-                                   ) -> JSONResponse | StreamingResponse:
+        async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
             self._authorize(request)
-            session = self.session(key)
+            session = self.session(key_of(request))
             req = parse_chat_request(await read_body(request, MAX_BODY_BYTES))
             answer = await session.complete(req)
             if req.stream:
                 return StreamingResponse(chat_stream(answer, req), media_type="text/event-stream")
             return JSONResponse(answer)
 
-        @app.get("/rollouts/{key}/v1/models")
-        async def models(key: str, request: Request) -> JSONObject:
+        async def models(request: Request) -> JSONObject:
             self._authorize(request)
-            model = self.session(key).model
+            model = self.model if self.auto_open else self.session(key_of(request)).model
             return {"object": "list", "data": [{"id": model, "object": "model",
                                                 "created": 0, "owned_by": "prefixgym"}]}
 
-        add_responses_route(app, "/rollouts/{key}/v1/responses", chat, self._authorize,
-                            MAX_BODY_BYTES, ResponseStore())
+        async def close(request: Request) -> JSONObject:
+            self._authorize(request)
+            key = key_of(request)
+            session = self.take(key)
+            if session is None or auto is None:
+                raise APIError(404, f"no session {key!r} is open", None, "not_found_error")
+            return {"session": key,
+                    "sequences": await run_in_threadpool(auto.on_close, key, session)}
+
+        store = ResponseStore()
+        for base in ("/rollouts/{key}/v1", "/v1"):
+            app.add_api_route(f"{base}/chat/completions", chat_completions, methods=["POST"],
+                              response_model=None)
+            app.add_api_route(f"{base}/models", models, methods=["GET"])
+            add_responses_route(app, f"{base}/responses", chat, self._authorize,
+                                MAX_BODY_BYTES, store)
+        if auto is not None:
+            app.add_api_route("/rollouts/{key}/close", close, methods=["POST"])
+            app.add_api_route("/v1/close", close, methods=["POST"])
         return app
 
 
 def _mix(seed: int, k: int) -> int:
     return (seed * 1_000_003 + k * 7919) % (2**31 - 1)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def _json(value: object) -> str:

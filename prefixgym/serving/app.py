@@ -1,6 +1,7 @@
 """The HTTP face of the built-in engine: OpenAI-compatible completions and chat.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (chat.py), `GET /v1/models`,
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (chat.py), `POST /v1/responses`
+(responses.py, over the chat handler), `GET /v1/models`,
 `GET /health`, and the weight routes of `serving.weights` (`/update_weights_from_disk`,
 `/v1/load_lora_adapter`, ...).
 With an API key configured, every route but /health wants `Authorization: Bearer KEY`
@@ -42,7 +43,7 @@ from transformers import PreTrainedTokenizerBase
 
 from prefixgym.engine.service import EngineService
 from prefixgym.serving.bodies import parse_json_object, read_body
-from prefixgym.serving.chat import add_chat_route
+from prefixgym.serving.chat import add_chat_route, parse_chat_request
 from prefixgym.serving.config import ServeConfig
 from prefixgym.serving.errors import install_error_handlers
 from prefixgym.serving.protocol import (
@@ -51,6 +52,7 @@ from prefixgym.serving.protocol import (
     decode_ids,
     describe_validation_error,
 )
+from prefixgym.serving.responses import ResponseStore, add_responses_route
 from prefixgym.serving.weights import ServedWeights, add_weight_routes
 from prefixgym.types import JSONObject, SampleResponse
 
@@ -85,8 +87,14 @@ def create_app(
                            None, "authentication_error")
 
     add_weight_routes(app, weights, authorize, config.max_body_bytes)
-    add_chat_route(app, authorize, weights, tokenizer, config.max_n, max_request_tokens,
-                   max_prompt_chars, config.max_body_bytes)
+    complete_chat = add_chat_route(app, authorize, weights, tokenizer, config.max_n,
+                                   max_request_tokens, max_prompt_chars, config.max_body_bytes)
+
+    async def chat_for_responses(_: Request, body: JSONObject) -> JSONObject:
+        return await complete_chat(parse_chat_request(body))
+
+    add_responses_route(app, "/v1/responses", chat_for_responses, authorize,
+                        config.max_body_bytes, ResponseStore())
 
     @app.get("/health")
     async def health() -> dict[str, str]:

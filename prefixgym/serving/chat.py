@@ -32,7 +32,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -131,14 +131,11 @@ def add_chat_route(
     app: FastAPI, authorize: Callable[[Request], None], weights: ServedWeights,
     tokenizer: PreTrainedTokenizerBase | None, max_n: int, max_request_tokens: int,
     max_prompt_chars: int, max_body_bytes: int,
-) -> None:
-    """`POST /v1/chat/completions` on `app`, under the same key and limits as completions."""
+) -> Callable[[ChatRequest], Awaitable[JSONObject]]:
+    """`POST /v1/chat/completions` on `app`, under the same key and limits as completions.
+    Returns the handler (a parsed request -> its answer), which /v1/responses calls too."""
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
-        authorize(request)
-        body = await read_body(request, max_body_bytes)
-        req = await run_in_threadpool(parse_chat_request, body)
+    async def complete(req: ChatRequest) -> JSONObject:
         model = req.model or weights.model_name
         if not weights.serves(req.model):
             raise APIError(404, f"model {req.model!r} does not exist; this server serves "
@@ -170,9 +167,19 @@ def add_chat_route(
             raise APIError(400, str(e).splitlines()[0]) from None
         answer = await run_in_threadpool(_answer, req, prompt, response, tokenizer, model)
         answer["metadata"] = {"weight_version": weight_version}
+        return answer
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+        authorize(request)
+        body = await read_body(request, max_body_bytes)
+        req = await run_in_threadpool(parse_chat_request, body)
+        answer = await complete(req)
         if req.stream:
             return StreamingResponse(chat_stream(answer, req), media_type="text/event-stream")
         return JSONResponse(answer)
+
+    return complete
 
 
 def parse_chat_request(body: bytes | JSONObject) -> ChatRequest:

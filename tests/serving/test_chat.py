@@ -140,3 +140,17 @@ def test_hostile_bodies_are_one_line_errors(server):
         assert words in reply.json()["error"]["message"]
     unlabelled = chat(server, content=json.dumps({"messages": MESSAGES}).encode())
     assert unlabelled.status_code == 415
+
+
+def test_responses_create_goes_through_the_chat_handler(server, client):
+    """`prefixgym serve` answers the `openai` SDK's default API too: a plain input, then a
+    follow-up by previous_response_id, whose prompt starts with the first one's."""
+    first = client.responses.create(model="tiny", input="Name a colour.", instructions="Be brief.",
+                                    max_output_tokens=6, temperature=0)
+    assert first.status in ("completed", "incomplete") and first.usage.output_tokens > 0
+    second = client.responses.create(model="tiny", input="Another?", previous_response_id=first.id,
+                                     instructions="Be brief.", max_output_tokens=6, temperature=0)
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="Previous response with id 'resp_nope'"):
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_nope")

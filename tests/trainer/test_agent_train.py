@@ -1,0 +1,126 @@
+"""`prefixgym train --agent FILE.py:fn --tasks FILE.jsonl`: an agent program over the
+`openai` client trains the built-in model as an env does: its multi-turn calls hit the
+prefix cache, its steps train, two runs of one config log the same numbers, and a run
+killed after a checkpoint resumes as the uninterrupted one went on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+import prefixgym.trainer.run as run_module  # noqa: E402
+from prefixgym.cli import main  # noqa: E402
+from prefixgym.cli.train import train  # noqa: E402
+from prefixgym.trainer.config import TrainConfig  # noqa: E402
+
+PROGRAM = '''
+from openai import OpenAI
+
+def agent(base_url, api_key, model, task):
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": task["question"]}]
+    firsts = []
+    for turn in range(2):
+        reply = client.chat.completions.create(model=model, messages=messages)
+        message = reply.choices[0].message
+        firsts.append(reply.choices[0].token_ids[0])
+        messages += [{"role": "assistant", "content": message.content},
+                     {"role": "user", "content": "Once more."}]
+    return {"odd": float(sum(firsts) % 2)}
+'''
+
+
+class Killed(Exception):
+    pass
+
+
+def write_agent(tmp_path: Path) -> tuple[str, str]:
+    (tmp_path / "agent.py").write_text(PROGRAM)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"question": f"What is {i} + {i}?"}) + "\n"
+                             for i in range(5)))
+    return f"{tmp_path / 'agent.py'}:agent", str(tasks)
+
+
+def config(tmp_path: Path, out: str, **more) -> TrainConfig:
+    agent, tasks = write_agent(tmp_path)
+    return TrainConfig(agent=agent, tasks=tasks, sft_steps=0, groups_per_step=2, group_size=4,
+                       eval_episodes=3, eval_every=2, max_tokens=8, progress=False,
+                       out=str(tmp_path / out), **more)
+
+
+def lines(out: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith("time/")}
+            for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_agent_run_trains_and_repeats_and_resumes_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+    train(config(tmp_path, "a", steps=3, checkpoint_every=2, seed=1))
+    a = lines(tmp_path / "a")
+    grpo = [r for r in a if r["phase"] == "grpo"]
+    assert [r["step"] for r in grpo] == [0, 1, 2]
+    assert all(r["tokens/prefill_cached"] > 0 for r in grpo)  # turn 2 extends turn 1
+    assert sum(r["datums/count"] for r in grpo) > 0 and any(r["tokens/train_computed"] for r in grpo)
+    assert all(r["episodes/failed"] == 0 for r in grpo)
+    assert [r["eval/episodes"] for r in a if r["phase"] == "eval"] == [3.0, 3.0]
+    assert "prefixgym train: " + str(tmp_path / "agent.py") in (tmp_path / "a" / "report.md").read_text()
+
+    save = run_module.save_checkpoint
+
+    def save_then_die(out, training, state, *args, **kwargs):
+        path = save(out, training, state, *args, **kwargs)
+        if state.next_step == 2:
+            raise Killed
+        return path
+
+    with monkeypatch.context() as patch:
+        patch.setattr(run_module, "save_checkpoint", save_then_die)
+        with pytest.raises(Killed):
+            train(config(tmp_path, "c", steps=3, checkpoint_every=2, seed=1))
+    train(config(tmp_path, "c", steps=3, checkpoint_every=2, seed=1, resume=True))
+    assert lines(tmp_path / "c") == a
+
+
+def test_a_failing_program_is_counted_and_training_goes_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+    (tmp_path / "flaky.py").write_text(PROGRAM + '''
+def flaky(base_url, api_key, model, task):
+    if task["question"].startswith("What is 1 "):
+        raise RuntimeError("tool server down")
+    return agent(base_url, api_key, model, task)
+''')
+    _, tasks = write_agent(tmp_path)
+    train(TrainConfig(agent=f"{tmp_path / 'flaky.py'}:flaky", tasks=tasks, sft_steps=0,
+                      groups_per_step=5,
+                      group_size=2, eval_episodes=2, steps=1, max_tokens=4, progress=False,
+                      out=str(tmp_path / "run")))
+    [step] = [r for r in lines(tmp_path / "run") if r["phase"] == "grpo"]
+    assert step["episodes/failed"] == 2
+    assert step["episodes/first_error"].endswith(
+        "the program raised RuntimeError: tool server down")
+    assert "step 0: 2 episodes failed (first: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--agent", "x.py:agent"], "--agent needs --tasks FILE.jsonl"),
+    (["--agent", "{agent}", "--tasks", "{tasks}", "--sft-steps", "3"], "pass --sft-steps 0"),
+    (["--agent", "{dir}/agent.py:nope", "--tasks", "{tasks}"], "agent.py has no 'nope'"),
+    (["--agent", "{agent}", "--tasks", "{dir}/missing.jsonl"], "missing.jsonl: No such file"),
+    (["--tasks", "{tasks}"], "--tasks and --eval-tasks go with --agent"),
+])
+def test_bad_agent_flags_get_one_line(tmp_path, capsys, argv, message):
+    agent, tasks = write_agent(tmp_path)
+    argv = [a.format(agent=agent, tasks=tasks, dir=tmp_path) for a in argv]
+    try:
+        code = main(["train", *argv, "--out", str(tmp_path / "run"), "--no-progress"])
+    except SystemExit as e:  # a usage error: argparse's exit
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
