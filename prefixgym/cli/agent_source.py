@@ -19,7 +19,8 @@ from prefixgym.prompting.chat_format import ChatMLFormat
 from prefixgym.prompting.conversation import chat_format_for
 from prefixgym.prompting.tool_syntax import syntax_for_template
 from prefixgym.rollouts.agent import AgentConfig, AgentRollouts, load_agent
-from prefixgym.serving.agent_gateway import AgentGateway, SamplingDefaults
+from prefixgym.serving.agent_gateway import AgentGateway
+from prefixgym.serving.agent_session import SamplingDefaults
 from prefixgym.trainer.agent_steps import AgentSource, read_tasks
 from prefixgym.trainer.config import TrainConfig
 

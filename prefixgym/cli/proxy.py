@@ -96,8 +96,8 @@ def main(argv: list[str]) -> int:
               f"no API key is set: anyone who reaches port {config.port} can sample from the "
               f"upstream (set {API_KEY_VARIABLE} or --api-key)", file=sys.stderr)
     try:
-        import uvicorn  # noqa: F401 - the gateway's server
-        import fastapi  # noqa: F401
+        import fastapi  # noqa: F401 - the gateway's app and server
+        import uvicorn  # noqa: F401
     except ImportError as e:
         print(f"prefixgym proxy needs fastapi and uvicorn: pip install 'prefixgym[serve]' ({e})",
               file=sys.stderr)
@@ -130,7 +130,7 @@ def build_proxy(config: ProxyConfig) -> RecordingProxy:
     from prefixgym.prompting.chat_format import ChatMLFormat
     from prefixgym.prompting.conversation import chat_format_for
     from prefixgym.prompting.tool_syntax import syntax_for_template
-    from prefixgym.serving.agent_gateway import SamplingDefaults
+    from prefixgym.serving.agent_session import SamplingDefaults
     from prefixgym.serving.openai_client import OpenAISamplingClient
     from prefixgym.serving.proxy import RecordingProxy
 

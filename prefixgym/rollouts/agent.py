@@ -4,7 +4,8 @@ An agent program is a function, sync or async, called with the keyword arguments
 `base_url`, `api_key`, `model` and `task` (it may declare only those it uses); it talks
 to the model through `base_url` with any OpenAI client or agent framework and returns its
 reward: a number, or a dict of named numbers (summed with `AgentConfig.reward_weights`,
-1 for a name it does not give).
+1 for a name it does not give). A rollout succeeded when its `success` component, or
+without one its reward, is above 0.
 
 A group: G rollouts of one task, at once (`AgentRollouts.run_groups`). Each rollout:
   1) opens a base URL of its own on the gateway, backed by a fresh `CallTree` (nothing
@@ -234,7 +235,7 @@ class AgentRollouts:
             error = "the program made no call to its base_url"
         if error is not None:
             traj.failed, traj.error = True, error
-        traj.is_success = error is None and reward > 0
+        traj.is_success = error is None and components.get("success", reward) > 0
         traj.stop_reason = "agent_error" if error is not None else "agent_returned"
 
 

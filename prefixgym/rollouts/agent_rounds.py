@@ -9,6 +9,11 @@ has it (a deterministic engine runs the round alone). A rollout that will call n
 (its program returned, failed or timed out) must `retire` exactly once. Each rollout gets
 its own `SamplingClient` view (`client(key)`), which the gateway samples through.
 
+Calls of one round with the same prompt and the same way of sampling (a GRPO group's
+first calls: one task, G programs) go to the sampler as one request for all their samples,
+so that one prefill serves them, as a group's first turn does for envs; the first call's
+seed seeds them, and the first carries the request's usage.
+
 A program that sends calls in parallel counts each as a rollout's turn, so its rounds can
 close before a slower rollout has sent its call: still correct, no longer reproducible.
 
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 
 from prefixgym.futures import APIFuture
 from prefixgym.protocols import RoundSamplingClient, SamplingClient
-from prefixgym.types import ModelInput, SampleRequest, SampleResponse, SamplingParams
+from prefixgym.types import ModelInput, SampleRequest, SampleResponse, SamplingParams, Usage
 
 
 @dataclass
@@ -77,9 +82,16 @@ class AgentRounds:
         return ready
 
     def _run(self, ready: list[_Held]) -> None:
+        """Submit a round: calls with one prompt and one way of sampling (their seeds
+        aside) go as one request for all their samples, so that they share one prefill
+        -- a GRPO group's first calls, which pose one task -- seeded by the first."""
         if not ready:
             return
-        requests = [h.request for h in ready]
+        merged: dict[tuple[tuple[int, ...], str], list[_Held]] = {}
+        for held in ready:
+            merged.setdefault(_shape(held.request), []).append(held)
+        batches = list(merged.values())
+        requests = [_joined(batch) for batch in batches]
         try:
             if isinstance(self._sampler, RoundSamplingClient):
                 futures = self._sampler.sample_many(requests)
@@ -90,8 +102,38 @@ class AgentRounds:
             for h in ready:
                 h.future.set_exception(error)
             return
-        for held, inner in zip(ready, futures):
-            inner.future().add_done_callback(functools.partial(_settle, held.future))
+        for batch, inner in zip(batches, futures):
+            inner.future().add_done_callback(functools.partial(_split, batch))
+
+
+def _shape(request: SampleRequest) -> tuple[tuple[int, ...], str]:
+    prompt = request.prompt
+    tokens = prompt.tokens if isinstance(prompt, ModelInput) else list(prompt)
+    params = (request.sampling_params or SamplingParams()).model_copy(update={"seed": None})
+    return tuple(tokens), params.model_dump_json()
+
+
+def _joined(batch: list[_Held]) -> SampleRequest:
+    first = batch[0].request
+    return SampleRequest(first.prompt, sum(h.request.num_samples for h in batch),
+                         first.sampling_params)
+
+
+def _split(batch: list[_Held], done: concurrent.futures.Future[SampleResponse]) -> None:
+    """Each call of a joined request gets its own samples; the first carries the usage."""
+    error = done.exception()
+    if error is not None:
+        for h in batch:
+            h.future.set_exception(error)
+        return
+    response = done.result()
+    start = 0
+    for i, held in enumerate(batch):
+        n = held.request.num_samples
+        held.future.set_result(response.model_copy(update={
+            "sequences": response.sequences[start:start + n],
+            "usage": response.usage if i == 0 else Usage()}))
+        start += n
 
 
 class _RoundClient:
@@ -111,12 +153,3 @@ class _RoundClient:
 
     def compute_logprobs(self, prompt: ModelInput | list[int]) -> APIFuture[list[float | None]]:
         return self._rounds._sampler.compute_logprobs(prompt)
-
-
-def _settle(out: APIFuture[SampleResponse],
-            done: concurrent.futures.Future[SampleResponse]) -> None:
-    error = done.exception()
-    if error is not None:
-        out.set_exception(error)
-    else:
-        out.set_result(done.result())

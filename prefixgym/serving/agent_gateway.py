@@ -7,21 +7,8 @@ weights it samples from, hands its program `base_url`, and `close`s the key when
 program returns: a call that arrives after that (or for a key never opened) is a 404, so
 nothing passes from one rollout to the next.
 
-A call (`RolloutSession.complete`):
-  1) the request's model must be the rollout's (404 otherwise, and the rollout is marked
-     failed: a program that calls another model is not training this one);
-  2) its messages go to the tree, which continues the conversation of the reply they
-     extend and renders only what is new (`prompting.call_tree`);
-  3) one engine request samples its `n` choices from that prompt (the prefix cache serves
-     what earlier calls computed); the run's temperature and reply length unless the
-     program sets its own; a seed fixed by (rollout seed, call number) unless it sets one;
-  4) each reply is recorded in the tree exactly as sampled, and answered in OpenAI's shape
-     with vLLM's extras: `token_ids`, `prompt_token_ids`, logprobs, `cached_tokens`, tool
-     calls parsed in the model's own syntax, reasoning apart as `reasoning_content`.
-With an API key every route wants `Authorization: Bearer KEY`, as `prefixgym serve`'s do;
-bodies and `n` have its limits. The chat format's end-of-turn ids go with every call that
-names no stop strings, so a remote sampler (vLLM behind `--sampler-url`) stops where the
-built-in engine does; a sampler that cannot be reached or fails answers 502.
+A call goes to its rollout's `RolloutSession` (agent_session.py). With an API key every
+route wants `Authorization: Bearer KEY`, as `prefixgym serve`'s do; bodies are bounded.
 
 In auto-open mode (`AutoOpen`: `prefixgym proxy`) the gateway opens its sessions itself:
 a key's first call opens it with a fresh tree, plain `/v1/...` is the key "default", and
@@ -39,29 +26,24 @@ import re
 import secrets
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from prefixgym.prompting.call_tree import (
-    CallMessage,
     CallTree,
-    Pending,
-    call_messages,
-    reply_message,
 )
 from prefixgym.protocols import SamplingClient
+from prefixgym.serving.agent_session import RolloutSession, SamplingDefaults
 from prefixgym.serving.bodies import read_body
-from prefixgym.serving.chat import ChatRequest, chat_stream, parse_chat_request
+from prefixgym.serving.chat import chat_stream, parse_chat_request
 from prefixgym.serving.errors import install_error_handlers
-from prefixgym.serving.protocol import APIError, decode_ids, describe_validation_error
+from prefixgym.serving.protocol import APIError
 from prefixgym.serving.responses import ResponseStore, add_responses_route
-from prefixgym.types import JSONObject, ModelInput, SampleResponse, SamplingParams
+from prefixgym.types import JSONObject
 
 _KEY = re.compile(r"[A-Za-z0-9._\-]{1,200}")
 MAX_N = 64
@@ -69,126 +51,6 @@ MAX_BODY_BYTES = 64 << 20
 DEFAULT_SESSION = "default"
 """The session key of the plain `/v1/...` routes (auto-open mode)."""
 log = logging.getLogger("prefixgym.serve")
-
-
-@dataclass
-class SamplingDefaults:
-    """What a call that does not say samples with: the run's settings."""
-
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-
-
-@dataclass
-class RolloutSession:
-    """One rollout's calls: its tree, its sampler, its seed, and what went wrong."""
-
-    tree: CallTree
-    sampler: SamplingClient
-    model: str
-    seed: int
-    defaults: SamplingDefaults
-    errors: list[str] = field(default_factory=list)
-    """One line per call this endpoint refused (a wrong model, a bad request)."""
-
-    async def complete(self, req: ChatRequest) -> JSONObject:
-        """Steps 1-4 for one chat request; APIError for one it refuses."""
-        if req.model is not None and req.model != self.model:
-            raise self.refuse(APIError(
-                404, f"model {req.model!r} does not exist; this rollout trains {self.model!r}",
-                "model", "not_found_error"))
-        if req.n > MAX_N:
-            raise self.refuse(APIError(400, f"n = {req.n} exceeds the limit of {MAX_N}", "n"))
-        if req.tools and self.tree.syntax is None:
-            raise self.refuse(APIError(400, "this model's chat template has no tool-call syntax "
-                                            "prefixgym knows, so a request cannot have tools",
-                                       "tools"))
-        try:
-            messages = call_messages([m.for_template(raw_calls=True) for m in req.messages])
-            pending = await run_in_threadpool(self.tree.begin, messages, req.tools or [])
-        except ValueError as e:
-            raise self.refuse(APIError(400, str(e).splitlines()[0], "messages")) from None
-        try:
-            params = self.params(req, pending.call)
-            response = await self.sampler.sample(ModelInput.from_ints(pending.prompt),
-                                                 num_samples=req.n, sampling_params=params)
-        except ValidationError as e:
-            raise self.refuse(APIError(400, *describe_validation_error(e))) from None
-        except ValueError as e:
-            raise self.refuse(APIError(400, str(e).splitlines()[0])) from None
-        except (ConnectionError, RuntimeError) as e:  # the sampler's server, or the engine
-            log.warning("a call's sampler failed", exc_info=e)
-            raise APIError(502, f"the sampler failed: {_first_line(e)}", None,
-                           "upstream_error") from None
-        return await run_in_threadpool(self.answer, req, pending, response)
-
-    def refuse(self, error: APIError) -> APIError:
-        self.errors.append(f"{error.status}: {error.message}")
-        return error
-
-    def params(self, req: ChatRequest, call: int) -> SamplingParams:
-        given = req.model_fields_set
-        d = self.defaults
-        return SamplingParams(
-            max_tokens=req.max_completion_tokens or req.max_tokens or d.max_tokens,
-            temperature=req.temperature if "temperature" in given else d.temperature,
-            top_p=req.top_p if "top_p" in given else d.top_p, top_k=req.top_k,
-            stop=req.stop_strings, stop_token_ids=self.stop_token_ids(req),
-            seed=req.seed if req.seed is not None else _mix(self.seed, call))
-
-    def stop_token_ids(self, req: ChatRequest) -> list[int]:
-        """The call's own, and the chat format's end-of-turn ids unless it names stop
-        strings (some samplers, tinker's, stop at strings or at ids, never both)."""
-        own = list(req.stop_token_ids or [])
-        if req.stop_strings:
-            return own
-        return list(dict.fromkeys([*own, *self.tree.format.stop_token_ids]))
-
-    def answer(self, req: ChatRequest, pending: Pending, response: SampleResponse) -> JSONObject:
-        """Step 4: record each reply in the tree and answer in OpenAI's shape."""
-        tokenizer = self.tree.tokenizer
-        choices = []
-        for i, seq in enumerate(response.sequences):
-            reasoning: list[str | None] = [None]
-
-            def message_of(text: str) -> CallMessage:
-                cut = req.cut_at_stop(text, seq.stop_reason)
-                msg, reasoning[0] = reply_message(cut, self.tree.syntax, bool(req.tools))
-                return msg
-
-            info = {"weights_version": response.weights_version,
-                    "usage": response.usage.model_dump() if i == 0 else None,
-                    "shared_by": len(response.sequences)}
-            msg = self.tree.add_reply(pending, seq.tokens, seq.logprobs, seq.stop_reason,
-                                      message_of, info)
-            calls = [{"id": f"call_{pending.call}_{i}_{k}", "type": "function",
-                      "function": {"name": c.name, "arguments": _json(c.arguments)}}
-                     for k, c in enumerate(msg.tool_calls)]
-            message: JSONObject = {"role": "assistant",
-                                   "content": msg.content or (None if calls else "")}
-            if calls:
-                message["tool_calls"] = calls
-            if reasoning[0] is not None:
-                message["reasoning_content"] = reasoning[0]
-            choices.append({
-                "index": i, "message": message, "token_ids": list(seq.tokens),
-                "prompt_token_ids": pending.prompt if i == 0 else None,
-                "finish_reason": "tool_calls" if calls else seq.stop_reason,
-                "logprobs": {"content": [
-                    {"token": piece, "logprob": value, "bytes": list(piece.encode()),
-                     "top_logprobs": []}
-                    for piece, value in zip((decode_ids(tokenizer, [t], False)
-                                             for t in seq.tokens), seq.logprobs)]}})
-        sampled = sum(len(s.tokens) for s in response.sequences)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-            "created": int(time.time()), "model": self.model, "choices": choices,
-            "usage": {"prompt_tokens": len(pending.prompt), "completion_tokens": sampled,
-                      "total_tokens": len(pending.prompt) + sampled,
-                      "prompt_tokens_details": {
-                          "cached_tokens": response.usage.prefill_cached_tokens}},
-            "metadata": {"weight_version": response.weights_version}}
 
 
 @dataclass
@@ -349,18 +211,3 @@ class AgentGateway:
             app.add_api_route("/rollouts/{key}/close", close, methods=["POST"])
             app.add_api_route("/v1/close", close, methods=["POST"])
         return app
-
-
-def _mix(seed: int, k: int) -> int:
-    return (seed * 1_000_003 + k * 7919) % (2**31 - 1)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-def _json(value: object) -> str:
-    import json
-
-    return json.dumps(value, ensure_ascii=False)

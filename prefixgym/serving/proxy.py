@@ -27,7 +27,8 @@ from pathlib import Path
 
 from prefixgym.prompting.call_tree import CallTree
 from prefixgym.protocols import SamplingClient
-from prefixgym.serving.agent_gateway import AgentGateway, AutoOpen, RolloutSession, SamplingDefaults
+from prefixgym.serving.agent_gateway import AgentGateway, AutoOpen
+from prefixgym.serving.agent_session import RolloutSession, SamplingDefaults
 from prefixgym.types import JSONObject
 
 

@@ -16,7 +16,7 @@ from agent_programs import CALC, ScriptedSampler, rollouts_for, run_one, sampled
 from chat_templates import QWEN3_LIKE  # noqa: E402
 
 from prefixgym.prompting.chat_format import ChatMLFormat, HFTemplateFormat  # noqa: E402
-from prefixgym.prompting.tokenizer import load_tokenizer  # noqa: E402
+from prefixgym.prompting.tokenizer import ASSETS_DIR, load_tokenizer  # noqa: E402
 from prefixgym.rollouts.agent import (  # noqa: E402
     AgentProgram,
     reward_of,
@@ -84,7 +84,7 @@ def test_a_multi_turn_tool_rollout_trains_exactly_the_sampled_ids(tokenizer, gat
 
 
 def test_a_template_that_drops_reasoning_still_trains_the_sampled_reasoning(tokenizer, gateway):
-    qwen = load_tokenizer()
+    qwen = load_tokenizer(ASSETS_DIR)  # a copy: the shared built-in one stays as it is
     qwen.chat_template = QWEN3_LIKE
     fmt = HFTemplateFormat(qwen)
     assert fmt.template_mismatch  # rendered whole, earlier reasoning would be dropped
@@ -129,21 +129,25 @@ def test_a_program_that_edits_its_history_branches_and_says_what_it_cost(tokeniz
     assert f"{len(sampler.prompts[1]) - shared} of its {len(sampler.prompts[1])} prompt tokens" in note
 
 
-def test_a_group_runs_its_task_g_times_with_distinct_seeds(tokenizer, gateway):
+def test_a_groups_first_calls_share_one_prefill(tokenizer, gateway):
+    """G programs posing one task send the same first prompt: in lockstep the round joins
+    them into one request for G samples (one prefill), whose usage is counted once."""
     fmt = ChatMLFormat(tokenizer)
-    seeds = []
+    requests = []
 
-    class SeedSampler(ScriptedSampler):
+    class CountingSampler(ScriptedSampler):
         def sample(self, prompt, num_samples=1, sampling_params=None, include_prompt_logprobs=False):
-            seeds.append(sampling_params.seed)
+            requests.append((num_samples, sampling_params.seed))
             return super().sample(prompt, num_samples, sampling_params)
 
-    sampler = SeedSampler(tokenizer, lambda i: "The answer is 42.", fmt.im_end)
+    sampler = CountingSampler(tokenizer, lambda i: "The answer is 42.", fmt.im_end)
     group = run_one(rollouts_for(tokenizer, gateway, tool_program()), sampler,
                     {"question": "6*7?"}, group_size=4, seed=5)
     assert [t.episode_id for t in group.trajectories] == [f"g0/{i}" for i in range(4)]
-    assert all(t.total_reward == 1.5 for t in group.trajectories)
-    assert len(set(seeds)) == 4
+    assert all(t.total_reward == 1.5 and not t.failed for t in group.trajectories)
+    assert len(requests) == 1 and requests[0][0] == 4
+    assert group.usage.prefill_computed_tokens == len(sampler.prompts[0])
+    assert [sampled_ids(t) for t in group.trajectories] == sampler.sampled
 
 
 def faulty(kind: str):
