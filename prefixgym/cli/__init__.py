@@ -32,12 +32,12 @@ Run `prefixgym COMMAND --help` for the options of one command.
 
 
 def _train(argv: list[str]) -> int:
-    from prefixgym.cli.train_args import parse_train_config
+    from prefixgym.cli.train_args import parse_train_args
 
-    config = parse_train_config(argv)  # --help and usage errors answer before torch loads
+    config, pretrained = parse_train_args(argv)  # --help and usage errors answer before torch
     from prefixgym.cli.train import run_command
 
-    return run_command(config)
+    return run_command(config, pretrained)
 
 
 def _estimate(argv: list[str]) -> int:

@@ -10,7 +10,10 @@ the model's own chat format and tool-call syntax, and the tasks of `--tasks` and
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -18,26 +21,64 @@ from prefixgym.prompting.call_tree import CallTree
 from prefixgym.prompting.chat_format import ChatMLFormat
 from prefixgym.prompting.conversation import chat_format_for
 from prefixgym.prompting.tool_syntax import syntax_for_template
-from prefixgym.rollouts.agent import AgentConfig, AgentRollouts, load_agent
+from prefixgym.rollouts.agent import (
+    AgentConfig,
+    AgentProgram,
+    AgentRollouts,
+    AgentTask,
+    load_agent,
+)
 from prefixgym.serving.agent_gateway import AgentGateway
 from prefixgym.serving.agent_session import SamplingDefaults
 from prefixgym.trainer.agent_steps import AgentSource, read_tasks
 from prefixgym.trainer.config import TrainConfig
 
 
-def check_agent(config: TrainConfig) -> None:
+@dataclass
+class AgentInputs:
+    """What the Python API may hand `train` instead of `--agent` and the task files: the
+    program itself, and the tasks as any iterable of JSON-like values."""
+
+    program: Callable[..., Any] | None = None
+    tasks: Iterable[AgentTask] | None = None
+    eval_tasks: Iterable[AgentTask] | None = None
+
+    def __post_init__(self) -> None:  # a generator is read once, here
+        if self.tasks is not None:
+            self.tasks = list(self.tasks)
+        if self.eval_tasks is not None:
+            self.eval_tasks = list(self.eval_tasks)
+
+    def resolve(self, config: TrainConfig) -> tuple[AgentProgram, list[AgentTask],
+                                                     list[AgentTask]]:
+        """The program and tasks of the run (ValueError, in one line, for bad ones)."""
+        program = (AgentProgram(self.program, config.agent) if self.program is not None
+                   else load_agent(config.agent))
+        if self.tasks is not None:
+            tasks = list(self.tasks)
+        elif config.tasks:
+            tasks = read_tasks(config.tasks)
+        else:
+            raise ValueError("--agent needs --tasks FILE.jsonl: the tasks its program is run on")
+        if self.eval_tasks is not None:
+            eval_tasks = list(self.eval_tasks)
+        else:
+            eval_tasks = read_tasks(config.eval_tasks, "--eval-tasks") if config.eval_tasks else []
+        if not tasks:
+            raise ValueError("an agent run needs at least one task")
+        return program, tasks, eval_tasks
+
+
+def check_agent(config: TrainConfig, inputs: AgentInputs) -> None:
     """A bad --agent or task file fails before the model loads."""
-    load_agent(config.agent)
-    read_tasks(config.tasks)
-    if config.eval_tasks:
-        read_tasks(config.eval_tasks, "--eval-tasks")
+    inputs.resolve(config)
 
 
-def agent_source(config: TrainConfig, tokenizer: PreTrainedTokenizerBase
-                 ) -> tuple[AgentSource, AgentGateway]:
+def agent_source(config: TrainConfig, tokenizer: PreTrainedTokenizerBase,
+                 inputs: AgentInputs | None = None) -> tuple[AgentSource, AgentGateway]:
     """The run's agent rollouts and the gateway they go through (started on first use;
     the caller stops it)."""
-    program = load_agent(config.agent)
+    program, tasks, eval_tasks = (inputs or AgentInputs()).resolve(config)
     fmt = chat_format_for(tokenizer)
     syntax = syntax_for_template(tokenizer.chat_template,
                                  builtin=isinstance(fmt, ChatMLFormat))
@@ -47,6 +88,4 @@ def agent_source(config: TrainConfig, tokenizer: PreTrainedTokenizerBase
                            api_key=secrets.token_urlsafe(16))
     rollouts = AgentRollouts(program, gateway, lambda: CallTree(tokenizer, fmt, syntax), model,
                              AgentConfig(timeout_s=config.agent_timeout))
-    tasks = read_tasks(config.tasks)
-    eval_tasks = read_tasks(config.eval_tasks, "--eval-tasks") if config.eval_tasks else []
     return AgentSource(rollouts, tasks, eval_tasks, gateway.stop), gateway

@@ -13,17 +13,18 @@ With `--backend tinker` the hosted service's clients stand behind our protocols
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from prefixgym.cli.agent_source import agent_source, check_agent
+from prefixgym.cli.agent_source import AgentInputs, agent_source, check_agent
 from prefixgym.cli.errors import error_line
 from prefixgym.engine.device import describe_device, has_fast_bf16, resolve_device
 from prefixgym.engine.sampler.options import SamplerOptions
@@ -43,6 +44,7 @@ from prefixgym.serving.config import API_KEY_VARIABLE
 from prefixgym.trainer.agent_steps import AgentSource
 from prefixgym.trainer.clients import Clients, Ranks, RunResult
 from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.model_defaults import pretrained_defaults_line
 from prefixgym.trainer.run import Run
 from prefixgym.types import JSONObject, Usage
 
@@ -95,15 +97,18 @@ def check_env(config: TrainConfig, make: Callable[[JSONObject | None], AgentGymE
 
 
 def build_run(config: TrainConfig, service: LocalService | None = None,
-              tinker_service: Any = None) -> tuple[Run, LocalService | None]:
+              tinker_service: Any = None, agent: AgentInputs | None = None,
+              ) -> tuple[Run, LocalService | None]:
     """The run of `config` and the service it trains on (built here unless given; none
-    with `--backend tinker`, whose tinker `ServiceClient` may be given instead)."""
+    with `--backend tinker`, whose tinker `ServiceClient` may be given instead); `agent`:
+    an agent program and its tasks given as Python objects (`train`'s)."""
+    agent = agent or AgentInputs()
 
     def make(overrides: JSONObject | None = None) -> AgentGymEnv:
         return make_agent_env(config.env, {**(config.env_kwargs or {}), **(overrides or {})})
 
     if config.agent:
-        check_agent(config)
+        check_agent(config, agent)
     else:
         check_env(config, make)
     ensure_writable_dir(Path(config.out))
@@ -125,7 +130,7 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
             "adapters (--lora-rank) or in-process sampling")
     if config.backend == "tinker":
         tinker = tinker_clients(config, tinker_service)
-        return Run(config, tinker, make, pricing, with_agent(config, tinker)), None
+        return Run(config, tinker, make, pricing, with_agent(config, tinker, agent)), None
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None,
         device=config.device, sampler=SamplerOptions(deterministic=config.deterministic),
@@ -158,14 +163,15 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
     clients.numerics = {"compute_dtype": str(options.compute_dtype).removeprefix("torch."),
                         "threads": torch.get_num_threads(),
                         "device": describe_device(service.device)}
-    return Run(config, clients, make, pricing, with_agent(config, clients)), service
+    return Run(config, clients, make, pricing, with_agent(config, clients, agent)), service
 
 
-def with_agent(config: TrainConfig, clients: Clients) -> AgentSource | None:
-    """`--agent`'s rollouts, through a gateway that lives as long as this process."""
+def with_agent(config: TrainConfig, clients: Clients, inputs: AgentInputs
+               ) -> AgentSource | None:
+    """`--agent`'s rollouts, through a gateway the run stops when it ends."""
     if not config.agent:
         return None
-    source, _ = agent_source(config, clients.tokenizer)
+    source, _ = agent_source(config, clients.tokenizer, inputs)
     return source
 
 
@@ -295,9 +301,20 @@ def shared_token(ranks: Ranks) -> str:
     return token[0]
 
 
-def train(config: TrainConfig, service: LocalService | None = None) -> RunResult:
-    """Run `config` end to end; print the evaluations as one JSON line."""
-    run, _ = build_run(config, service)
+def train(config: TrainConfig, service: LocalService | None = None, *,
+          agent: Callable[..., Any] | None = None, tasks: Iterable[Any] | None = None,
+          eval_tasks: Iterable[Any] | None = None,
+          pretrained: JSONObject | None = None) -> RunResult:
+    """Run `config` end to end; print the evaluations as one JSON line. An agent program
+    and its tasks may be given here as Python objects instead of `--agent` and files
+    (docs/agents.md, "From Python"). `pretrained`: the pretrained-model defaults the
+    command line gave `config` (`train_args.parse_train_args`), said once it is built."""
+    if agent is not None and not config.agent:
+        name = f"{getattr(agent, '__module__', '')}:{getattr(agent, '__qualname__', 'agent')}"
+        config = dataclasses.replace(config, agent=name)
+    run, _ = build_run(config, service, agent=AgentInputs(agent, tasks, eval_tasks))
+    if pretrained and run.main:
+        print(pretrained_defaults_line(pretrained), file=sys.stderr)
     result = run.run()
     if not run.main:
         return result
@@ -309,10 +326,10 @@ def train(config: TrainConfig, service: LocalService | None = None) -> RunResult
     return result
 
 
-def run_command(config: TrainConfig) -> int:
+def run_command(config: TrainConfig, pretrained: JSONObject | None = None) -> int:
     """Train `config` as the command does: an error is one line on stderr and code 2."""
     try:
-        result = train(config)
+        result = train(config, pretrained=pretrained)
     except (ValueError, OSError) as e:  # bad input, or a file that cannot be read or written
         print(f"prefixgym train: {error_line(e)}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """`prefixgym train`'s command line: flags, a config file or shipped recipe, and a
-resumed run's saved config, resolved into one `TrainConfig`.
+resumed run's saved config, resolved into one `TrainConfig` over its defaults (a
+checkpoint directory's own for what none of them sets: `trainer/model_defaults.py`).
 
 Kept apart from `train.py` so that `prefixgym train --help` and a usage error answer
 before torch and the engine load (`cli/__init__.py` parses here first). Knows flags
@@ -14,6 +15,7 @@ from prefixgym.cli.flags import build_config, build_parser, read_config_file, re
 from prefixgym.envs.registration import absolute_spec
 from prefixgym.recipes import config_path, recipe_names
 from prefixgym.trainer.config import RUN_CONFIG, TrainConfig, with_added_fields
+from prefixgym.trainer.model_defaults import pretrained_defaults
 from prefixgym.types import JSONObject
 
 FLAG_NAMES = {"async_mode": "async", "lr": "lr"}
@@ -26,12 +28,20 @@ TRAIN_DESCRIPTION = ("SFT warm start on expert episodes, then GRPO, on one env; 
 def parse_train_config(argv: list[str], prog: str = "prefixgym train",
                        description: str = TRAIN_DESCRIPTION) -> TrainConfig:
     """The run `argv` asks for; a bad flag or file exits with a usage error (code 2)."""
+    return parse_train_args(argv, prog, description)[0]
+
+
+def parse_train_args(argv: list[str], prog: str = "prefixgym train",
+                     description: str = TRAIN_DESCRIPTION) -> tuple[TrainConfig, JSONObject]:
+    """The run `argv` asks for, and the pretrained-model defaults it took (those of the
+    settings no flag, file or saved config gave; none unless --model is a checkpoint
+    directory); a bad flag or file exits with a usage error (code 2)."""
     parser = build_parser(
         TrainConfig, prog=prog,
         description=f"{description} Settings come from the "
         "defaults, then a resumed run's saved config.json, then --config FILE.toml (or a "
         f"shipped recipe's name: {', '.join(recipe_names()) or 'none'}), then the flags given "
-        "here.",
+        "here. A checkpoint directory (--model DIR) has its own defaults: see --model.",
         flag_names=FLAG_NAMES, config_file=True,
     )
     given = vars(parser.parse_args(argv))
@@ -42,11 +52,12 @@ def parse_train_config(argv: list[str], prog: str = "prefixgym train",
     except ValueError as e:
         parser.error(str(e))
     merged = {**saved, **from_file, **given}
+    pretrained = pretrained_defaults(merged)  # under every layer: what none of them set
     if merged.get("agent") and "sft_steps" not in merged:  # no expert: GRPO alone
         given["sft_steps"] = 0
-    config = build_config(TrainConfig, parser, saved, from_file, given)
+    config = build_config(TrainConfig, parser, pretrained, saved, from_file, given)
     config.env = absolute_spec(config.env)
-    return config
+    return config, pretrained
 
 
 def saved_run_config(settings: JSONObject) -> JSONObject:

@@ -1,7 +1,9 @@
 """The one config of `prefixgym train`: SFT warm start, then GRPO, on one env.
 
 Every field's docstring is its `--help` text. The defaults are the main job: the
-built-in `tiny` model learning the built-in GuessNumber env on two CPU cores.
+built-in `tiny` model learning the built-in GuessNumber env on two CPU cores. A run on
+a checkpoint directory (a pretrained model) takes its own defaults for the fields sized
+for `tiny` (`model_defaults.py`; the command line applies them).
 
 `run_identity(config)` is the part of a config that determines a run's results:
 every field but those in `RESUMABLE_CHANGES`, which a `--resume` may change (how far
@@ -64,6 +66,12 @@ def with_added_fields(saved: JSONObject) -> JSONObject:
     return {**ADDED_FIELDS, **saved}
 
 
+def is_checkpoint_directory(model: str) -> bool:
+    """Whether `--model` names a checkpoint directory (a pretrained model) rather than a
+    built-in preset (a random init) or a hosted model."""
+    return os.path.isdir(model)
+
+
 def default_env_kwargs(env: str) -> JSONObject:
     """The env kwargs a run uses when none are given."""
     return dict(DEFAULT_ENV_KWARGS) if env == DEFAULT_ENV else {}
@@ -97,7 +105,9 @@ class TrainConfig:
     """A built-in preset (tiny, small) or a local Hugging Face checkpoint directory
     (config.json, *.safetensors and its tokenizer) of a supported family (docs/models.md);
     its chat template builds the prompts turn by turn (a template that rewrites earlier
-    replies, as reasoning models' do, is said in the first lines)."""
+    replies, as reasoning models' do, is said in the first lines). A directory, a
+    pretrained model, takes its own defaults of --lr, --sft-lr, --sft-steps, --max-tokens
+    and --eval-episodes for those not set, said in the first lines."""
     chat_template_kwargs: JSONObject | None = None
     """The chat template's switches, passed to every render, e.g. {"enable_thinking":
     false} (a checkpoint directory's template only)."""
@@ -118,11 +128,13 @@ class TrainConfig:
     The default imitates the default env's noisy expert to convergence: every seed
     measured lands at 57-68% sampled success, the env's ceiling being 94%. Stopping
     short of an exact expert instead leaves a seed-dependent warm start (GuessNumber:
-    26-48% at 65 steps; docs/benchmarks.md)."""
+    26-48% at 65 steps; docs/benchmarks.md). --model a checkpoint directory: 0 unless
+    set (an env's expert is no teacher of a pretrained model; docs/models.md)."""
     sft_episodes_per_step: int = 16
     """Expert episodes per warm-start step."""
     sft_lr: float = 2e-3
-    """Learning rate of the warm start."""
+    """Learning rate of the warm start. --model a checkpoint directory: --lr's default
+    there (3e-5, LoRA 2e-4) unless set."""
     sft_lr_schedule: str = "cosine"
     """Warm-start learning-rate schedule after its linear warm-up (--sft-warmup):
     cosine (decay to --sft-lr/10) or constant (stay at --sft-lr, for skills learned
@@ -146,7 +158,8 @@ class TrainConfig:
     group_size: int = 8
     """Episodes per group, all reset with one seed: G."""
     lr: float = 6e-4
-    """GRPO learning rate."""
+    """GRPO learning rate. --model a checkpoint directory (a pretrained model): 3e-5, or
+    2e-4 with --lora-rank, unless set (docs/models.md)."""
     lr_schedule: str = "cosine"
     """GRPO learning-rate schedule: constant, or cosine (decay from --lr to --lr/10 over
     the steps, so the final weights are not a snapshot of a noisy large step)."""
@@ -157,14 +170,15 @@ class TrainConfig:
     normalize_std: bool = True
     """Divide group-relative advantages by the group's reward std."""
     max_tokens: int = 8
-    """Tokens one assistant turn may sample."""
+    """Tokens one assistant turn may sample. --model a checkpoint directory: 64 unless
+    set (an instruct model's short reply; docs/models.md)."""
     temperature: float = 1.0
     """Sampling temperature during GRPO (evaluation: --eval-temperature)."""
     eval_every: int = 30
     """Evaluate every this many GRPO steps (and before and after training)."""
     eval_episodes: int = 1500
     """Held-out seeds per evaluation (standard error of a success rate near 65%: 1.2
-    points)."""
+    points). --model a checkpoint directory: 200 unless set (3.5 points at most)."""
     eval_on_start: bool | None = None
     """Evaluate the starting weights before training. Unset: yes for a checkpoint
     directory or a hosted model; no for a built-in preset (tiny, small), whose starting
@@ -258,7 +272,7 @@ class TrainConfig:
         if self.eval_temperature is None:
             self.eval_temperature = self.temperature
         if self.eval_on_start is None:  # a local model is a preset unless it is a directory
-            self.eval_on_start = self.backend != "local" or os.path.isdir(self.model)
+            self.eval_on_start = self.backend != "local" or is_checkpoint_directory(self.model)
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
         _require_one_of("--loss", self.loss, LOSSES)
@@ -308,8 +322,6 @@ class TrainConfig:
         if self.router_aux_loss_coef < 0:
             raise ValueError(f"--router-aux-loss-coef must be >= 0, got "
                              f"{self.router_aux_loss_coef}")
-        if self.agent and not self.tasks:
-            raise ValueError("--agent needs --tasks FILE.jsonl: the tasks its program is run on")
         if (self.tasks or self.eval_tasks) and not self.agent:
             raise ValueError("--tasks and --eval-tasks go with --agent")
         if self.agent and self.sft_steps:

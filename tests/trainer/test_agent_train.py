@@ -109,7 +109,7 @@ def flaky(base_url, api_key, model, task):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--agent", "x.py:agent"], "--agent needs --tasks FILE.jsonl"),
+    (["--agent", "{agent}"], "--agent needs --tasks FILE.jsonl"),
     (["--agent", "{agent}", "--tasks", "{tasks}", "--sft-steps", "3"], "pass --sft-steps 0"),
     (["--agent", "{dir}/agent.py:nope", "--tasks", "{tasks}"], "agent.py has no 'nope'"),
     (["--agent", "{agent}", "--tasks", "{dir}/missing.jsonl"], "missing.jsonl: No such file"),
@@ -124,3 +124,27 @@ def test_bad_agent_flags_get_one_line(tmp_path, capsys, argv, message):
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_the_python_api_takes_the_program_and_tasks_as_objects(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+    seen = []
+
+    def program(base_url, api_key, model, task):
+        import openai
+
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": task}])
+        seen.append(task)
+        return float(reply.choices[0].token_ids[0] % 2)
+
+    result = train(TrainConfig(sft_steps=0, steps=1, groups_per_step=2, group_size=2,
+                               eval_episodes=2, max_tokens=4, progress=False,
+                               out=str(tmp_path / "run")),
+                   agent=program, tasks=(f"task {i}" for i in range(3)),
+                   eval_tasks=["held out"])
+    assert len(set(seen)) == 3 and "held out" in seen  # two training tasks, one held out
+    assert [e["eval/episodes"] for e in result.evals] == [1.0]
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["agent"].endswith("program")
