@@ -1,4 +1,4 @@
-from prefixgym.trainer.report import improvement_lines, phase_table
+from prefixgym.trainer.report import branch_lines, improvement_lines, phase_table
 from prefixgym.types import Usage
 
 
@@ -20,3 +20,20 @@ def test_phase_table_shows_what_training_would_have_computed_without_sharing():
     assert "| train, shared prefix (computed once for several datums) | 9,000 |" in table
     assert "training would have computed 12,000 tokens instead of 3,000" in table
     assert "**3,150**" in table  # computed in all: prefill + sample + train, as computed
+
+
+def test_an_agent_programs_branches_are_named_with_their_cost():
+    records = [
+        {"step": 0, "phase": "grpo", "agent/branches": 2.0, "tokens/branch_reprefilled": 130.0,
+         "agent/first_branch": "step0.g1/3: call 1: PG204 message 1 (user) was edited; 65 of "
+                               "its 80 prompt tokens prefilled again"},
+        {"step": 1, "phase": "grpo"},
+        {"step": 2, "phase": "grpo", "agent/branches": 1.0, "tokens/branch_reprefilled": 40.0},
+        {"step": 2, "phase": "eval", "agent/branches": 9.0},
+    ]
+    lines = branch_lines(records)
+    assert lines[0] == "## Branches of the agent program"
+    assert "3 branches in 2 GRPO steps" in lines[2] and "170 prompt tokens prefilled again" in lines[2]
+    assert lines[4] == ("- step 0: step0.g1/3: call 1: PG204 message 1 (user) was edited; 65 of "
+                        "its 80 prompt tokens prefilled again")
+    assert branch_lines([{"step": 0, "phase": "grpo"}]) == []
