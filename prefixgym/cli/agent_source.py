@@ -88,4 +88,4 @@ def agent_source(config: TrainConfig, tokenizer: PreTrainedTokenizerBase,
                            api_key=secrets.token_urlsafe(16))
     rollouts = AgentRollouts(program, gateway, lambda: CallTree(tokenizer, fmt, syntax), model,
                              AgentConfig(timeout_s=config.agent_timeout))
-    return AgentSource(rollouts, tasks, eval_tasks, gateway.stop), gateway
+    return AgentSource(config, rollouts, tasks, eval_tasks, gateway.stop), gateway

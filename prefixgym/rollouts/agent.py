@@ -183,9 +183,12 @@ class AgentRollouts:
 
     async def run_groups(self, sampler: SamplingClient,
                          groups: Sequence[tuple[AgentTask, int, str]], group_size: int,
-                         temperature: float | None = None) -> list[TrajectoryGroup]:
+                         temperature: float | None = None,
+                         on_rollout: Callable[[Trajectory], None] | None = None,
+                         ) -> list[TrajectoryGroup]:
         """Each (task, seed, group id) run `group_size` times: the rollouts in waves of
-        `max_concurrent`, in order; in lockstep, each wave's calls in rounds."""
+        `max_concurrent`, in order; in lockstep, each wave's calls in rounds.
+        `on_rollout(trajectory)` is told of each rollout as it ends."""
         out = [TrajectoryGroup(gid, seed, [
             Trajectory(episode_id=f"{gid}/{i}", group_id=gid, seed=seed)
             for i in range(group_size)]) for _, seed, gid in groups]
@@ -195,13 +198,14 @@ class AgentRollouts:
         for start in range(0, len(runs), width):
             wave = runs[start:start + width]
             rounds = AgentRounds(sampler, len(wave)) if self.config.lockstep else None
-            await asyncio.gather(*(self.rollout(sampler, task, seed, traj, temperature, rounds)
-                                   for task, seed, traj in wave))
+            await asyncio.gather(*(self.rollout(sampler, task, seed, traj, temperature, rounds,
+                                                on_rollout) for task, seed, traj in wave))
         return out
 
     async def rollout(self, sampler: SamplingClient, task: AgentTask, seed: int,
                       traj: Trajectory, temperature: float | None = None,
-                      rounds: AgentRounds | None = None) -> None:
+                      rounds: AgentRounds | None = None,
+                      on_rollout: Callable[[Trajectory], None] | None = None) -> None:
         """Steps 1-3 for one rollout, recorded on `traj`."""
         tree = self.make_tree()
         key = traj.episode_id.replace("/", ".")
@@ -237,6 +241,8 @@ class AgentRollouts:
             traj.failed, traj.error = True, error
         traj.is_success = error is None and components.get("success", reward) > 0
         traj.stop_reason = "agent_error" if error is not None else "agent_returned"
+        if on_rollout is not None:
+            on_rollout(traj)
 
 
 def record(traj: Trajectory, sequences: Sequence[TrainedSequence], reward: float,

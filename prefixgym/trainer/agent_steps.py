@@ -1,11 +1,11 @@
-"""GRPO's step 1 and evaluation when the rollouts are an agent program's, not an env's.
+"""Where a run's episodes come from when it trains an agent program (`--agent`).
 
-`AgentSource` is what `prefixgym train --agent` hands the run: the program's rollouts
-(`rollouts.agent`), the training tasks and the held-out ones. A step's B groups take B
-tasks in an order fixed by the run's seed (a pass over the tasks, then another in the
-same order), each group one task run G times, seeded as env groups are (`step_seeds`),
-so a resumed run samples the same tasks. Evaluation runs each of the first N held-out
-tasks once, at the evaluation temperature; success is a reward above 0.
+`AgentSource` answers the calls `trainer.env_source.EnvSource` answers for envs: GRPO's
+step 1, evaluation, closing. A step's B groups take B tasks in an order fixed by the
+run's seed (a pass over the tasks, then another in the same order), each group one task
+run G times, seeded as env groups are (`step_seeds`), so a resumed run samples the same
+tasks. Evaluation runs each of the first N held-out tasks once, at the evaluation
+temperature; success is the program's `success` component, or its reward, above 0.
 
 Knows rollouts, tasks and the sampling protocol; not how programs reach the model.
 """
@@ -22,23 +22,63 @@ from pathlib import Path
 
 from prefixgym.protocols import SamplingClient
 from prefixgym.rollouts.agent import AgentRollouts, AgentTask
+from prefixgym.rollouts.types import Trajectory
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.evaluate import EVAL_SEED_BASE, EvalResult, summarize
 from prefixgym.trainer.grpo import Collected, step_seeds
+from prefixgym.trainer.progress import Progress
 
 
 @dataclass
 class AgentSource:
+    """A run's agent rollouts, its tasks and held-out tasks (the first tasks without)."""
+
+    config: TrainConfig
     rollouts: AgentRollouts
     tasks: Sequence[AgentTask]
     eval_tasks: Sequence[AgentTask]
-    close: Callable[[], None] = lambda: None
+    on_close: Callable[[], None] = lambda: None
     """Called when the run ends (stops the gateway the rollouts go through)."""
 
     def __post_init__(self) -> None:
         if not self.tasks:
             raise ValueError("an agent run needs at least one task")
         self.eval_tasks = self.eval_tasks or self.tasks
+
+    def step_tasks(self, step: int) -> list[AgentTask]:
+        """The B tasks of GRPO step `step`: passes over the tasks in one seeded order."""
+        order = list(range(len(self.tasks)))
+        random.Random(self.config.seed).shuffle(order)
+        b = self.config.groups_per_step
+        return [self.tasks[order[(step * b + i) % len(order)]] for i in range(b)]
+
+    def collect(self, sampler: SamplingClient, step: int, rank: int = 0, world: int = 1,
+                trace: object = None) -> Collected:
+        """Step 1: B groups of G rollouts (this rank's share), and the seconds it took."""
+        start = time.perf_counter()
+        seeds = step_seeds(self.config, step)
+        groups = [(task, seed, f"step{step}.g{i}")
+                  for i, (task, seed) in enumerate(zip(self.step_tasks(step), seeds))
+                  if i % world == rank]
+        collected = asyncio.run(self.rollouts.run_groups(sampler, groups,
+                                                         self.config.group_size))
+        return collected, time.perf_counter() - start
+
+    def evaluate(self, sampler: SamplingClient, temperature: float, when: str, name: str,
+                 trace: object = None) -> EvalResult:
+        """The first `eval_episodes` held-out tasks, once each, at `temperature`."""
+        tasks = list(self.eval_tasks)[:self.config.eval_episodes]
+        groups = [(task, EVAL_SEED_BASE + i, f"{name}.{i}") for i, task in enumerate(tasks)]
+        with Progress(f"eval ({when})", len(tasks), "task", self.config.progress) as progress:
+            def done(_: Trajectory) -> None:
+                progress.update(1)
+
+            collected = asyncio.run(self.rollouts.run_groups(sampler, groups, 1, temperature,
+                                                             on_rollout=done))
+        return summarize([t for g in collected for t in g.trajectories])
+
+    def close(self) -> None:
+        self.on_close()
 
 
 def read_tasks(path: str, flag: str = "--tasks") -> list[AgentTask]:
@@ -59,32 +99,3 @@ def read_tasks(path: str, flag: str = "--tasks") -> list[AgentTask]:
     if not tasks:
         raise ValueError(f"{flag} {path}: no task in the file")
     return tasks
-
-
-def step_tasks(source: AgentSource, config: TrainConfig, step: int) -> list[AgentTask]:
-    """The B tasks of GRPO step `step`: passes over the tasks in one seeded order."""
-    order = list(range(len(source.tasks)))
-    random.Random(config.seed).shuffle(order)
-    b = config.groups_per_step
-    return [source.tasks[order[(step * b + i) % len(order)]] for i in range(b)]
-
-
-def collect_agent(source: AgentSource, sampler: SamplingClient, config: TrainConfig,
-                  step: int, rank: int = 0, world: int = 1) -> Collected:
-    """Step 1 with an agent program: B groups of G rollouts (this rank's share)."""
-    start = time.perf_counter()
-    tasks = step_tasks(source, config, step)
-    groups = [(task, seed, f"step{step}.g{i}")
-              for i, (task, seed) in enumerate(zip(tasks, step_seeds(config, step)))
-              if i % world == rank]
-    collected = asyncio.run(source.rollouts.run_groups(sampler, groups, config.group_size))
-    return collected, time.perf_counter() - start
-
-
-def evaluate_agent(source: AgentSource, sampler: SamplingClient, episodes: int,
-                   temperature: float, name: str = "eval") -> EvalResult:
-    """The first `episodes` held-out tasks, once each, at `temperature`."""
-    tasks = list(source.eval_tasks)[:episodes]
-    groups = [(task, EVAL_SEED_BASE + i, f"{name}.{i}") for i, task in enumerate(tasks)]
-    collected = asyncio.run(source.rollouts.run_groups(sampler, groups, 1, temperature))
-    return summarize([t for g in collected for t in g.trajectories])

@@ -35,7 +35,7 @@ from prefixgym.pricing import Prices
 from prefixgym.protocols import SamplingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.rollout import RolloutConfig, TraceWriter
-from prefixgym.trainer.agent_steps import AgentSource, collect_agent, evaluate_agent
+from prefixgym.trainer.agent_steps import AgentSource
 from prefixgym.trainer.checkpoint import (
     WARM_START,
     ForeignCheckpointError,
@@ -53,15 +53,8 @@ from prefixgym.trainer.checkpoint import (
 )
 from prefixgym.trainer.clients import Clients, RunResult
 from prefixgym.trainer.config import RUN_CONFIG, TrainConfig, run_identity
-from prefixgym.trainer.evaluate import EVAL_WIDTH, EvalResult, evaluate
-from prefixgym.trainer.grpo import (
-    Collected,
-    StepPipeline,
-    collect,
-    first_lines,
-    grpo_step,
-    samples_after_sync,
-)
+from prefixgym.trainer.env_source import EnvSource
+from prefixgym.trainer.grpo import StepPipeline, first_lines, grpo_step, samples_after_sync
 from prefixgym.trainer.plots import write_plots
 from prefixgym.trainer.progress import Progress
 from prefixgym.trainer.report import MetricsLog, phase_metrics, write_report
@@ -88,18 +81,15 @@ class Run:
         self.main = clients.ranks.is_main
         self.out = Path(config.out)
         ensure_writable_dir(self.out)
-        self.agent = agent
-        """An agent program's rollouts, in place of the env's episodes (`--agent`)."""
-        envs = 0 if agent is not None or make_env is None else config.groups_per_step * \
-            config.group_size
-        self.make_env = make_env or _no_env
-        self.envs = [self.make_env(None) for _ in range(envs)]
-        self.eval_envs = [self.make_env(None)
-                          for _ in range(min(config.eval_episodes, EVAL_WIDTH) if envs else 0)]
         self.rollout_config = RolloutConfig(
             max_tokens=config.max_tokens, temperature=config.temperature,
             lockstep=config.deterministic,
         )
+        self.make_env = make_env or _no_env
+        self.source: EnvSource | AgentSource = agent if agent is not None else EnvSource(
+            config, self.tokenizer, self.make_env, self.rollout_config)
+        """Where episodes come from: the env's (`env_source.py`), or an agent program's
+        rollouts (`--agent`, `agent_steps.py`)."""
         self.log = MetricsLog(self.out / "metrics.jsonl", open_tracker(config.tracker, self.out))
         self._prior = (Usage(), 0.0)
         """What the checkpoint resumed from had counted: usage and wall time."""
@@ -126,13 +116,8 @@ class Run:
         temperature = self.config.eval_temperature
         assert temperature is not None  # resolved by TrainConfig
         t0, before = time.perf_counter(), self.clients.seconds()
-        if self.agent is not None:
-            episodes = min(self.config.eval_episodes, len(self.agent.eval_tasks))
-            print(f"eval ({when}): {episodes} tasks", file=sys.stderr)
-            result = evaluate_agent(self.agent, sampler, episodes, temperature,
-                                    name=f"eval{len(state.evals)}")
-        else:
-            result = self.evaluate_envs(sampler, temperature, state, when)
+        result = self.source.evaluate(sampler, temperature, when, f"eval{len(state.evals)}",
+                                      self.trace)
         record = {"step": step, "phase": "eval", "when": when, **result.as_metrics(),
                   "eval/temperature": temperature,
                   **phase_metrics(result.usage), **self.clients.seconds_since(before),
@@ -144,17 +129,6 @@ class Run:
                   file=sys.stderr)
         state.evals.append(record)
         self.write(record)
-
-    def evaluate_envs(self, sampler: SamplingClient, temperature: float, state: LoopState,
-                      when: str) -> EvalResult:
-        with Progress(f"eval ({when})", self.config.eval_episodes, "episode",
-                      self.config.progress) as progress:
-            return evaluate(
-                sampler, self.tokenizer, self.eval_envs, self.config.eval_episodes,
-                self.rollout_config,
-                on_episodes=lambda n, done, wins: progress.update(n, success=f"{wins / done:.1%}"),
-                temperature=temperature, trace=self.trace, name=f"eval{len(state.evals)}",
-            )
 
     def start(self, base_usage: Usage, t_start: float) -> tuple[LoopState, SamplingClient | None]:
         """A fresh run: steps 1-2. A resumed one: its newest checkpoint (the warm start's if
@@ -268,8 +242,9 @@ class Run:
             stages = [(stage["steps"], [self.make_env(stage["env_kwargs"])
                                         for _ in range(c.sft_episodes_per_step)])
                       for stage in c.sft_stages]
+            assert isinstance(self.source, EnvSource)  # TrainConfig: no warm start for agents
             try:
-                warm_start(self.training, self.envs, self.tokenizer, c.sft_steps,
+                warm_start(self.training, self.source.envs, self.tokenizer, c.sft_steps,
                            c.sft_episodes_per_step, c.sft_lr, on_step=on_step,
                            schedule=c.sft_lr_schedule, warmup=c.sft_warmup, stages=stages,
                            start=first)
@@ -299,9 +274,7 @@ class Run:
         try:
             return self._run()
         finally:
-            close_all([*self.envs, *self.eval_envs])
-            if self.agent is not None:
-                self.agent.close()
+            self.source.close()
             if stream is not None:
                 stream.close()
 
@@ -310,14 +283,6 @@ class Run:
         path = Path(self.config.trace)
         rank = self.ranks.rank
         return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
-
-    def collect(self, sampler: SamplingClient, step: int) -> Collected:
-        """GRPO's step 1: the env's episodes, or the agent program's rollouts."""
-        c, rank, world = self.config, self.ranks.rank, self.ranks.world
-        if self.agent is not None:
-            return collect_agent(self.agent, sampler, c, step, rank, world)
-        return collect(sampler, self.tokenizer, self.envs, c, step, self.rollout_config,
-                       rank, world, self.trace)
 
     def _run(self) -> RunResult:
         c = self.config
@@ -328,7 +293,9 @@ class Run:
         base_usage, t_start = self.clients.usage(), time.perf_counter()
         self._prior = (state.usage, state.wall_s)
         sampler = self.training.save_weights_and_get_sampling_client()
-        pipeline = StepPipeline(self.collect, c.async_mode,
+        pipeline = StepPipeline(
+            lambda s, step: self.source.collect(s, step, self.ranks.rank, self.ranks.world,
+                                                self.trace), c.async_mode,
                                 sync_before=lambda step: samples_after_sync(c, step))
         progress = Progress("GRPO", c.steps, "step", c.progress and self.main,
                             initial=state.next_step)

@@ -178,7 +178,8 @@ def test_a_faulty_program_fails_its_rollout_in_one_line(tokenizer, gateway, kind
     fmt = ChatMLFormat(tokenizer)
     sampler = ScriptedSampler(tokenizer, lambda i: "ok", fmt.im_end)
     start = time.monotonic()
-    group = run_one(rollouts_for(tokenizer, gateway, faulty(kind), timeout=0.5), sampler, {})
+    timeout = 0.5 if kind == "hangs" else 60.0  # only the hung program waits for it
+    group = run_one(rollouts_for(tokenizer, gateway, faulty(kind), timeout=timeout), sampler, {})
     [traj] = group.trajectories
     assert traj.failed and traj.error == error
     assert time.monotonic() - start < 20  # a hung program is left behind, not waited for
