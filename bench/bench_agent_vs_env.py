@@ -8,8 +8,10 @@ program over the `openai` client (examples/agents/arithmetic.py) through the gat
      tasks the env's seeds pose (training: the seeds GRPO's steps would reset with;
      evaluation: the env's held-out seeds), from it.
 Prints, for each: success before and after GRPO with standard errors, the gain in
-standard errors, the share of GRPO's prompt tokens served from the prefix cache, and
-the wall time; and the two's ratio.
+standard errors, the share of GRPO's prompt tokens served from the prefix cache (per
+request: a request for G samples counts its prompt once), the share of every turn's
+prompt that was not computed (per turn: `tokens/turn_prompts`, the same measure for
+both, however the requests were grouped), prefill computed, and the wall time.
 
     .venv/bin/python bench/bench_agent_vs_env.py [--seed 0] [--steps 40] [--out runs/agent-vs-env]
 """
@@ -65,12 +67,16 @@ def summary(name: str, lines: list[dict], wall: float) -> dict:
     grpo = [r for r in lines if r["phase"] == "grpo"]
     cached = sum(r["tokens/prefill_cached"] for r in grpo)
     prompt = cached + sum(r["tokens/prefill_computed"] for r in grpo)
+    turn_prompts = sum(r["tokens/turn_prompts"] for r in grpo)
+    computed = prompt - cached
     gain = last["eval/success"] - first["eval/success"]
     se = math.hypot(first["eval/success_stderr"], last["eval/success_stderr"])
     return {"run": name, "before": first["eval/success"], "before_se": first["eval/success_stderr"],
             "after": last["eval/success"], "after_se": last["eval/success_stderr"],
             "gain_se": gain / se if se else float("inf"), "cache_hit": cached / prompt,
-            "prompt_tokens": prompt, "wall_s": wall}
+            "prompt_tokens": prompt, "computed": computed,
+            "not_computed": 1 - computed / turn_prompts if turn_prompts else 0.0,
+            "wall_s": wall}
 
 
 def main() -> int:
@@ -113,13 +119,16 @@ def main() -> int:
         model=str(start_dir), sft_steps=0, **common, out=str(out / "agent")))
     rows = [summary("env", env_lines, env_wall), summary("agent", agent_lines, agent_wall)]
     print(f"{'run':6} {'before':>14} {'after':>14} {'gain':>8} {'cache hit':>10} "
-          f"{'prompt tok':>11} {'wall':>7}")
+          f"{'not computed':>13} {'computed':>9} {'wall':>7}")
     for s in rows:
         print(f"{s['run']:6} {s['before']:7.1%} ± {s['before_se']:4.1%} "
               f"{s['after']:7.1%} ± {s['after_se']:4.1%} {s['gain_se']:6.1f} SE "
-              f"{s['cache_hit']:9.1%} {s['prompt_tokens']:11,.0f} {s['wall_s']:6.0f}s")
+              f"{s['cache_hit']:9.1%} {s['not_computed']:12.1%} {s['computed']:9,.0f} "
+              f"{s['wall_s']:6.0f}s")
     env, agent = rows
-    print(f"agent / env: cache hit {100 * (agent['cache_hit'] - env['cache_hit']):+.1f} points, "
+    print(f"agent - env: cache hit {100 * (agent['cache_hit'] - env['cache_hit']):+.1f} points, "
+          f"turn prompts not computed {100 * (agent['not_computed'] - env['not_computed']):+.1f} "
+          f"points; agent / env: prefill computed {agent['computed'] / env['computed']:.2f}x, "
           f"wall {agent['wall_s'] / env['wall_s']:.2f}x")
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     return 0

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import json
 
-from openai import OpenAI
+from openai import DefaultHttpxClient, OpenAI
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator",
     "description": "Evaluate an arithmetic expression with + - * and parentheses.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                    "required": ["expression"]}}}
+
+HTTP = DefaultHttpxClient()
+"""One HTTP client for every rollout (a new one builds an SSL context: ~10 ms of CPU)."""
 
 
 def calculate(expression: str) -> str:
@@ -32,7 +35,7 @@ def calculate(expression: str) -> str:
 
 
 def agent(base_url: str, api_key: str, model: str, task: dict, max_turns: int = 3) -> float:
-    client = OpenAI(base_url=base_url, api_key=api_key)
+    client = OpenAI(base_url=base_url, api_key=api_key, http_client=HTTP)
     messages = [{"role": "system", "content": "Compute the value. You may call the calculator. "
                                               "Then reply with the final integer only."},
                 {"role": "user", "content": task["question"]}]

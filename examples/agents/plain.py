@@ -9,11 +9,14 @@ model answers there is sampled by the model being trained and recorded token for
 
 from __future__ import annotations
 
-from openai import OpenAI
+from openai import DefaultHttpxClient, OpenAI
+
+HTTP = DefaultHttpxClient()
+"""One HTTP client for every rollout (a new one builds an SSL context: ~10 ms of CPU)."""
 
 
 def agent(base_url: str, api_key: str, model: str, task: dict) -> float:
-    client = OpenAI(base_url=base_url, api_key=api_key)
+    client = OpenAI(base_url=base_url, api_key=api_key, http_client=HTTP)
     reply = client.chat.completions.create(
         model=model,
         messages=[{"role": "system", "content": "Reply with the final integer only."},

@@ -171,8 +171,6 @@ class CallTree:
                     branch = self._explain(call, keys, prompt)
                     self.branches.append(branch)
                 self._roots.append(call)
-            else:
-                parent.extended = True
         return Pending(call, conv, prompt, keys, list(replies), parent, branch)
 
     def add_reply(self, pending: Pending, tokens: Sequence[int], logprobs: Sequence[float],
@@ -193,6 +191,8 @@ class CallTree:
         with self._lock:
             self._nodes.append(node)
             self._index[node.key] = node
+            if pending.parent is not None:  # (a call that failed continues nothing)
+                pending.parent.extended = True
         return message
 
     def sequences(self) -> list[TrainedSequence]:

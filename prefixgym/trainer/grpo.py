@@ -145,6 +145,10 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> tuple[dict[str, float]
         "success/mean": sum(t.is_success for t in trajs) / n,
         "turns/mean": sum(len(t.turns) for t in trajs) / n,
         "invalid_actions/mean": sum(t.num_invalid_actions for t in trajs) / n,
+        # what the prompts would cost if no turn shared anything with another (a group's
+        # shared first turn, the prefix cache): prefill's ceiling, to read its counts by
+        "tokens/turn_prompts": float(sum(turn.prompt_length for t in trajs
+                                         for seq in [t, *t.branches] for turn in seq.turns)),
     }
     if any(t.branches for t in trajs):  # an agent program rewrote its history
         metrics["agent/branches"] = float(sum(len(t.branches) for t in trajs))

@@ -15,7 +15,9 @@ pytest.importorskip("uvicorn")
 from agent_programs import CALC, ScriptedSampler, rollouts_for, run_one, sampled_ids  # noqa: E402
 from chat_templates import QWEN3_LIKE  # noqa: E402
 
+from prefixgym.prompting.call_tree import CallMessage, CallTree, call_messages  # noqa: E402
 from prefixgym.prompting.chat_format import ChatMLFormat, HFTemplateFormat  # noqa: E402
+from prefixgym.prompting.tool_syntax import syntax_for_template  # noqa: E402
 from prefixgym.prompting.tokenizer import ASSETS_DIR, load_tokenizer  # noqa: E402
 from prefixgym.rollouts.agent import (  # noqa: E402
     AgentProgram,
@@ -227,3 +229,19 @@ def test_a_program_must_take_the_documented_arguments():
         AgentProgram(lambda client, task: 0)
     assert AgentProgram(lambda task, **kw: 0).args == ("base_url", "api_key", "model", "task")
     assert AgentProgram(lambda model=None: 0).args == ("model",)
+
+
+def test_a_call_that_fails_keeps_the_sequence_it_would_have_continued(tokenizer):
+    """A call the sampler refuses (here: past its limits) records nothing, and the
+    conversation it extended is still trained."""
+    fmt = ChatMLFormat(tokenizer)
+    tree = CallTree(tokenizer, fmt, syntax_for_template(None, builtin=True))
+    first = tree.begin(call_messages([{"role": "user", "content": "hi"}]))
+    ids = list(tokenizer.encode("hello", add_special_tokens=False)) + [fmt.im_end]
+    tree.add_reply(first, ids, [-0.5] * len(ids), "stop",
+                   lambda text: CallMessage("assistant", text))
+    tree.begin(call_messages([{"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": "hello"},
+                              {"role": "user", "content": "again"}]))  # then sampling fails
+    [seq] = tree.sequences()
+    assert [t for t, m in zip(seq.tokens, seq.sampled_mask) if m] == ids
