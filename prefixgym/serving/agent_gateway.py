@@ -7,8 +7,9 @@ weights it samples from, hands its program `base_url`, and `close`s the key when
 program returns: a call that arrives after that (or for a key never opened) is a 404, so
 nothing passes from one rollout to the next.
 
-A call goes to its rollout's `RolloutSession` (agent_session.py). With an API key every
-route wants `Authorization: Bearer KEY`, as `prefixgym serve`'s do; bodies are bounded.
+A call goes to its rollout's `RolloutSession` (agent_session.py), which keeps a line for
+each call refused, malformed ones included. With an API key every route wants
+`Authorization: Bearer KEY`, as `prefixgym serve`'s do; bodies are bounded.
 
 In auto-open mode (`AutoOpen`: `prefixgym proxy`) the gateway opens its sessions itself:
 a key's first call opens it with a fresh tree, plain `/v1/...` is the key "default", and
@@ -38,8 +39,8 @@ from prefixgym.prompting.call_tree import (
 )
 from prefixgym.protocols import SamplingClient
 from prefixgym.serving.agent_session import RolloutSession, SamplingDefaults
-from prefixgym.serving.bodies import read_body
-from prefixgym.serving.chat import chat_stream, parse_chat_request
+from prefixgym.serving.bodies import BodyError, read_body
+from prefixgym.serving.chat import ChatRequest, chat_stream, parse_chat_request
 from prefixgym.serving.errors import install_error_handlers
 from prefixgym.serving.protocol import APIError
 from prefixgym.serving.responses import ResponseStore, add_responses_route
@@ -173,13 +174,27 @@ class AgentGateway:
         def key_of(request: Request) -> str:
             return str(request.path_params.get("key", DEFAULT_SESSION))
 
+        def parsed(session: RolloutSession, body: bytes | JSONObject) -> ChatRequest:
+            try:
+                return parse_chat_request(body)
+            except (APIError, BodyError) as e:
+                raise session.refuse(e) from None
+
+        def refused(request: Request, error: APIError | BodyError) -> None:
+            self.session(key_of(request)).refuse(error)
+
         async def chat(request: Request, body: JSONObject) -> JSONObject:
-            return await self.session(key_of(request)).complete(parse_chat_request(body))
+            session = self.session(key_of(request))
+            return await session.complete(parsed(session, body))
 
         async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
             self._authorize(request)
             session = self.session(key_of(request))
-            req = parse_chat_request(await read_body(request, MAX_BODY_BYTES))
+            try:
+                body = await read_body(request, MAX_BODY_BYTES)
+            except BodyError as e:
+                raise session.refuse(e) from None
+            req = parsed(session, body)
             answer = await session.complete(req)
             if req.stream:
                 return StreamingResponse(chat_stream(answer, req), media_type="text/event-stream")
@@ -206,7 +221,7 @@ class AgentGateway:
                               response_model=None)
             app.add_api_route(f"{base}/models", models, methods=["GET"])
             add_responses_route(app, f"{base}/responses", chat, self._authorize,
-                                MAX_BODY_BYTES, store)
+                                MAX_BODY_BYTES, store, refused)
         if auto is not None:
             app.add_api_route("/rollouts/{key}/close", close, methods=["POST"])
             app.add_api_route("/v1/close", close, methods=["POST"])

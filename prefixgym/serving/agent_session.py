@@ -26,6 +26,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -38,12 +39,14 @@ from prefixgym.prompting.call_tree import (
     reply_message,
 )
 from prefixgym.protocols import SamplingClient
+from prefixgym.serving.bodies import BodyError
 from prefixgym.serving.chat import ChatRequest
 from prefixgym.serving.protocol import APIError, decode_ids, describe_validation_error
 from prefixgym.types import JSONObject, ModelInput, SampleResponse, SamplingParams
 
 MAX_N = 64
 log = logging.getLogger("prefixgym.serve")
+RefusalT = TypeVar("RefusalT", bound=APIError | BodyError)
 
 
 @dataclass
@@ -65,7 +68,8 @@ class RolloutSession:
     seed: int
     defaults: SamplingDefaults
     errors: list[str] = field(default_factory=list)
-    """One line per call this endpoint refused (a wrong model, a bad request)."""
+    """One line per call this endpoint refused (a wrong model, a malformed request, one
+    asking for what it cannot do)."""
 
     async def complete(self, req: ChatRequest) -> JSONObject:
         """Steps 1-4 for one chat request; APIError for one it refuses."""
@@ -98,7 +102,8 @@ class RolloutSession:
             raise APIError(502, message, None, "upstream_error") from None
         return await run_in_threadpool(self.answer, req, pending, response)
 
-    def refuse(self, error: APIError) -> APIError:
+    def refuse(self, error: RefusalT) -> RefusalT:
+        """`error`, noted in `errors`."""
         self.errors.append(f"{error.status}: {error.message}")
         return error
 
@@ -129,7 +134,7 @@ class RolloutSession:
 
             def message_of(text: str) -> CallMessage:
                 cut = req.cut_at_stop(text, seq.stop_reason)
-                msg, reasoning[0] = reply_message(cut, self.tree.syntax, bool(req.tools))
+                msg, reasoning[0] = reply_message(cut, self.tree.syntax, req.reads_tool_calls)
                 return msg
 
             info = {"weights_version": response.weights_version,

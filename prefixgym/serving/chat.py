@@ -3,7 +3,11 @@
 
 A request goes as a completion does (app.py), with two more steps:
   1) the body, bounded and labelled JSON, parsed into a `ChatRequest` (strict types,
-     text that is valid Unicode, OpenAI's roles);
+     text that is valid Unicode, OpenAI's roles; null is "not sent"). Taken and not
+     acted on: `response_format` (no output format is enforced), `parallel_tool_calls`,
+     and a `tool_choice` of "required" or a function (the model is not forced to call);
+     "none" is kept (its replies are not read for calls). Refused by name: content parts
+     other than text, `top_logprobs` above 0, the legacy `functions`/`function_call`;
   2) the messages rendered by the tokenizer's own chat template, `tools` passed to it
      (and `chat_template_kwargs`, vLLM's name, e.g. `{"enable_thinking": false}`),
      with the generation prompt; a template that refuses the messages is a 400 with
@@ -15,8 +19,8 @@ A request goes as a completion does (app.py), with two more steps:
      template renders the history as it rendered it before);
   4) each choice's text, cut at a stop string, with `<tool_call>{...}</tool_call>`
      blocks (the tool-call syntax of the built-in template, Qwen's and Hermes') turned
-     into OpenAI `tool_calls` when the request has tools; logprobs of the sampled
-     tokens (no top alternatives); the sampled `token_ids` (and with
+     into OpenAI `tool_calls` when the request has tools (`reads_tool_calls`); logprobs
+     of the sampled tokens (no top alternatives); the sampled `token_ids` (and with
      `return_token_ids`, the prompt's), and usage with `cached_tokens`.
 With `stream`, the same answer goes as server-sent chunks once it is sampled (the
 engine returns whole sequences): a role chunk, a content chunk and a finish chunk per
@@ -69,6 +73,16 @@ class ChatMessage(BaseModel):
     tool_calls: list[JSONObject] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: object) -> object:
+        for part in value if isinstance(value, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"holds a part of type {kind!r}; this server takes text "
+                                 "parts only ({'type': 'text', 'text': ...})")
+        return value
+
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -98,10 +112,32 @@ class ChatRequest(SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    top_logprobs: int | None = None
     stream: bool = False
     stream_options: JSONObject | None = None
     chat_template_kwargs: JSONObject | None = None
+    functions: Any = None
+    function_call: Any = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_alternatives(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError("this server gives each sampled token's logprob, not the most "
+                             "likely alternatives; send 0 or leave it out")
+        return value
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, value: Any) -> Any:
+        raise ValueError("OpenAI's legacy function calling is not served; send `tools` "
+                         "(and `tool_choice`) instead")
+
+    @property
+    def reads_tool_calls(self) -> bool:
+        """Whether replies are read for tool calls: with tools, unless `tool_choice` is
+        "none" (the tools are still in the prompt, and a call the model writes stays text)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("messages")
     @classmethod
@@ -228,7 +264,7 @@ def _answer(req: ChatRequest, prompt: list[int], response: SampleResponse,
     choices = []
     for i, seq in enumerate(response.sequences):
         text = req.reply_text(tokenizer, seq.tokens, seq.stop_reason)
-        content, calls = _tool_calls(text) if req.tools else (text, [])
+        content, calls = _tool_calls(text) if req.reads_tool_calls else (text, [])
         message: JSONObject = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls

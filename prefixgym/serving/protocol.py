@@ -12,7 +12,10 @@ engine's, and limits of this server (`max_n`, `max_request_tokens`) are the app'
 Fields beyond OpenAI's are vLLM's names for the same things: `stop_token_ids`,
 `include_stop_str_in_output`, `skip_special_tokens`, `top_k`, `return_token_ids`,
 `ignore_eos` (do not stop at the end-of-turn tokens).
-Unknown fields are ignored, as vLLM does. This module knows nothing of HTTP.
+Unknown fields are ignored, as vLLM does; a field sent as null is a field not sent (OpenAI
+takes null for every optional field, and its SDK sends an argument given as None). What
+the engine cannot do is refused by name, never ignored: a frequency or presence penalty
+other than 0, a `logit_bias` that biases something. This module knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import re
 from typing import TYPE_CHECKING
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prefixgym.types import JSONObject, SamplingParams
 
@@ -58,6 +61,13 @@ def valid_text(value: str, where: str) -> str:
     return value
 
 
+def without_nulls(data: object) -> object:
+    """A request body without its null fields, so that each takes its default."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if v is not None}
+    return data
+
+
 class SamplingFields(BaseModel):
     """The fields completions and chat share: the model, how many samples, and how."""
 
@@ -74,6 +84,29 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: object) -> object:
+        return without_nulls(data)
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("this server samples without penalties; send 0 or leave it out")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value and any(value.values()):
+            raise ValueError("this server samples without logit biases; send {} or leave it "
+                             "out")
+        return value
 
     @field_validator("stop")
     @classmethod

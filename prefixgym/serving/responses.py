@@ -30,9 +30,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from prefixgym.serving.bodies import read_body
+from prefixgym.serving.bodies import BodyError, read_body
 from prefixgym.serving.protocol import APIError
 from prefixgym.serving.responses_protocol import (
+    ResponsesRequest,
     StoredResponse,
     from_chat_answer,
     parse_responses_request,
@@ -125,22 +126,33 @@ def _part_events(event: Callable[..., str], where: JSONObject, part: JSONObject
 
 def add_responses_route(app: FastAPI, path: str, chat: ChatHandler,
                         authorize: Callable[[Request], None], max_body_bytes: int,
-                        store: ResponseStore) -> None:
-    """`POST path` (steps 1-6) and `GET path/{response_id}` (a stored response) on `app`;
-    `path` may hold path parameters (`/rollouts/{key}/v1/responses`)."""
+                        store: ResponseStore,
+                        refused: Callable[[Request, APIError | BodyError], None] | None = None
+                        ) -> None:
+    """`POST path` (steps 1-5) and `GET path/{response_id}` (a stored response) on `app`;
+    `path` may hold path parameters (`/rollouts/{key}/v1/responses`). `refused` hears of
+    each request refused before it reaches `chat` (which hears of its own)."""
 
-    @app.post(path, response_model=None)
-    async def create_response(request: Request) -> JSONResponse | StreamingResponse:
-        authorize(request)
-        req = await run_in_threadpool(parse_responses_request,
-                                      await read_body(request, max_body_bytes))
+    def chat_body(request: Request, req: ResponsesRequest) -> JSONObject:
         previous = None
         if req.previous_response_id is not None:
             previous = store.get(_key(request, req.previous_response_id))
             if previous is None:
                 raise APIError(400, f"Previous response with id '{req.previous_response_id}' "
                                     "not found.", "previous_response_id")
-        body = to_chat_body(req, previous)
+        return to_chat_body(req, previous)
+
+    @app.post(path, response_model=None)
+    async def create_response(request: Request) -> JSONResponse | StreamingResponse:
+        authorize(request)
+        try:
+            raw = await read_body(request, max_body_bytes)
+            req = await run_in_threadpool(parse_responses_request, raw)
+            body = chat_body(request, req)
+        except (APIError, BodyError) as e:
+            if refused is not None:
+                refused(request, e)
+            raise
         try:
             answer = await chat(request, body)
         except APIError as e:

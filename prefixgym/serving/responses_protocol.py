@@ -23,7 +23,8 @@ per tool call; usage with `cached_tokens`; "incomplete" when the reply hit
 `{"type": "raw_message_tokens", "message", "tokens"}`; the input's `message` is "" (a
 chat answer does not carry the rendered prompt), the output's is the reply's text.
 Accepted and ignored: `text` (no output format is enforced), `reasoning`, and `include`
-but for the logprobs.
+but for the logprobs. A field sent as null is a field not sent. Refused by name: what
+lives on OpenAI's servers, a `conversation` or a stored `prompt`.
 
 Knows OpenAI's two wire shapes; nothing of HTTP, tokenizers, templates or the engine.
 """
@@ -35,16 +36,29 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from prefixgym.serving.bodies import parse_json_object
-from prefixgym.serving.protocol import APIError, describe_validation_error
+from prefixgym.serving.protocol import APIError, describe_validation_error, without_nulls
 from prefixgym.types import JSONObject
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
 _ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
 _TEXT_PARTS = ("input_text", "output_text")
 _LOGPROBS = "message.output_text.logprobs"
+_SERVER_STATE = {
+    "conversation": "this server keeps no conversations; send the history in input, or "
+                    "previous_response_id",
+    "prompt": "this server keeps no stored prompts; send instructions and input"}
 _PASSED = ("model", "temperature", "top_p", "top_k", "seed", "stop", "top_logprobs",
            "parallel_tool_calls", "chat_template_kwargs")
 """Fields that go to the chat body under the same name, when given."""
@@ -139,6 +153,19 @@ class ResponsesRequest(BaseModel):
     chat_template_kwargs: JSONObject | None = None
     return_token_ids: bool = False
     enable_response_messages: bool = False
+    # OpenAI's server-side state, refused
+    conversation: Any = None
+    prompt: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: object) -> object:
+        return without_nulls(data)
+
+    @field_validator("conversation", "prompt")
+    @classmethod
+    def _no_server_state(cls, value: Any, info: ValidationInfo) -> Any:
+        raise ValueError(_SERVER_STATE[str(info.field_name)])
 
     @field_validator("input", mode="before")
     @classmethod
@@ -193,7 +220,6 @@ class StoredResponse:
     conversation: list[JSONObject]
     """Its chat messages without its instructions, then its reply."""
     response: JSONObject
-
 
 
 def parse_responses_request(body: bytes | JSONObject) -> ResponsesRequest:
@@ -322,5 +348,3 @@ def _output_items(choice: JSONObject) -> list[JSONObject]:
                "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                "status": "completed"} for call in calls]
     return items
-
-

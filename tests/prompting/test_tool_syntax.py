@@ -1,8 +1,11 @@
 """Tool-call syntax per template family: detection, parsing, formatting, round trips.
 
 The templates below are small, written here, and carry the lines that real templates
-(Qwen2.5, Llama 3.1, Mistral v0.3, Mistral Small 3.2, gpt-oss) use to write an
-assistant's tool calls, so that `format` is checked against what the template renders."""
+(Qwen2.5, Llama 3.1, Mistral v0.3, Mistral Small 3.2, gpt-oss, Granite 3.x and 4, OLMo 3.1
+Instruct) use to write an assistant's tool calls, so that `format` is checked against
+what the template renders, and the markers by which `syntax_for_template` tells them
+apart from the families without a tool syntax (Gemma, OLMo 2, Phi-3/3.5/4, Phi-4-mini's
+official template)."""
 
 from __future__ import annotations
 
@@ -14,10 +17,13 @@ from prefixgym.prompting.templates.jinja_render import CLOCK_A, render_in_proces
 from prefixgym.prompting.tokenizer import builtin_chat_template
 from prefixgym.prompting.tool_syntax import (
     GptOssSyntax,
+    GraniteSyntax,
     HermesSyntax,
     Llama3JsonSyntax,
     MistralSyntax,
+    Olmo3Syntax,
     ParsedCall,
+    Phi4MiniSyntax,
     ToolCallSyntax,
     syntax_for_template,
 )
@@ -74,13 +80,61 @@ GPT_OSS_LIKE = """{%- for message in messages %}{%- if message.tool_calls %}
 {%- else %}{{- "<|start|>" + message.role + "<|message|>" + message.content + "<|end|>" }}
 {%- endif %}{%- endfor %}"""
 
+# Granite 3.1 to 3.3: the system prompt names the token; an assistant renders its content.
+GRANITE_LIKE = """{%- set system_message = "You are Granite." %}
+{%- if tools %}{%- set system_message = system_message + " When a tool is \
+required to answer the user's query, respond only with <|tool_call|> followed by a JSON list \
+of tools used." %}{%- endif %}
+{{- '<|start_of_role|>system<|end_of_role|>' + system_message + '<|end_of_text|>\\n' }}
+{%- if tools %}{{- '<|start_of_role|>available_tools<|end_of_role|>' + tools | tojson }}
+{{- '<|end_of_text|>\\n' }}{%- endif %}
+{%- for message in messages %}
+{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] }}
+{{- '<|end_of_text|>\\n' }}{%- endfor %}"""
+
+GRANITE30_LIKE = """{%- for message in messages %}{%- if message['role'] == 'assistant_tool_call' %}
+{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + message['content'] }}
+{{- '<|end_of_text|>\\n' }}{%- endif %}{%- endfor %}"""
+
+# Granite 4 writes hermes blocks inside its Granite roles.
+GRANITE4_LIKE = """{%- for message in messages %}{%- if message.role == 'assistant' %}
+{{- '<|start_of_role|>' + message.role + '<|end_of_role|>' + message.content }}
+{%- for tool_call in message.tool_calls %}
+{%- if (loop.first and message.content) or (not loop.first) %}{{- '\\n' }}{%- endif %}
+{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
+{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}
+{{- '<|end_of_text|>\\n' }}{%- endif %}{%- endfor %}"""
+
+# A Phi-4-mini template that writes calls with its two tokens (the official one does not).
+PHI4_MINI_CALLS_LIKE = """{%- for message in messages %}
+{{- '<|' + message['role'] + '|>' + message['content'] }}
+{%- if message.tool_calls %}{{- '<|tool_call|>' + message.tool_calls | map(attribute='function')
+| list | tojson + '<|/tool_call|>' }}{%- endif %}{{- '<|end|>' }}{%- endfor %}"""
+
+OLMO3_LIKE = """{%- for message in messages -%}{%- if message['role'] == 'system' -%}
+{{- '<|im_start|>system\\n' + message['content'] -}}{%- if tools is not none -%}
+{{- '<functions>' -}}{{- tools | tojson -}}{{- '</functions>' -}}{%- endif -%}
+{{- '<|im_end|>\\n' -}}{%- elif message['role'] == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}
+{%- if message.get('content', none) is not none -%}{{- message['content'] -}}{%- endif -%}
+{%- if message.get('tool_calls', none) is not none -%}{{- '<function_calls>' -}}
+{%- for tool_call in message['tool_calls'] -%}{%- set args = tool_call['function']['arguments'] -%}
+{%- set ns = namespace(arguments_list=[]) -%}{%- for key, value in args.items() -%}
+{%- set ns.arguments_list = ns.arguments_list + [key ~ '=' ~ (value | tojson)] -%}{%- endfor -%}
+{%- set arguments = ns.arguments_list | join(', ') -%}
+{{- tool_call['function']['name'] + '(' + arguments + ')' -}}
+{%- if not loop.last -%}{{ '\\n' }}{%- endif -%}{%- endfor -%}
+{{- '</function_calls>' -}}{%- endif -%}
+{{- '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"""
+
 WEATHER = ParsedCall("get_weather", {"city": "Paris", "units": "celsius"})
 SEARCH = ParsedCall("search", {"query": "café ünï", "filters": {"year": [2023, 2024]}})
 NO_ARGS = ParsedCall("now", {})
 
 ALL_SYNTAXES: list[ToolCallSyntax] = [
     HermesSyntax(), HermesSyntax(compact=True), Llama3JsonSyntax(), MistralSyntax(),
-    MistralSyntax(args_form=True), GptOssSyntax(),
+    MistralSyntax(args_form=True), GptOssSyntax(), GraniteSyntax(), Phi4MiniSyntax(),
+    Olmo3Syntax(),
 ]
 
 
@@ -101,6 +155,11 @@ def _assistant(content: str, calls: list[ParsedCall]) -> dict[str, Any]:
     (MISTRAL_ARGS_LIKE, MistralSyntax(args_form=True)),
     (GPT_OSS_LIKE, GptOssSyntax()),
     (builtin_chat_template(), HermesSyntax(compact=True)),
+    (GRANITE_LIKE, GraniteSyntax()),
+    (GRANITE30_LIKE, GraniteSyntax()),
+    (GRANITE4_LIKE, HermesSyntax()),
+    (PHI4_MINI_CALLS_LIKE, Phi4MiniSyntax()),
+    (OLMO3_LIKE, Olmo3Syntax()),
 ])
 def test_detects_each_family_from_its_markers(template: str, expected: ToolCallSyntax) -> None:
     assert syntax_for_template(template) == expected
@@ -108,7 +167,8 @@ def test_detects_each_family_from_its_markers(template: str, expected: ToolCallS
 
 def test_detection_names() -> None:
     names = [type(s).name for s in ALL_SYNTAXES]
-    assert names == ["hermes", "hermes", "llama3_json", "mistral", "mistral", "gpt_oss"]
+    assert names == ["hermes", "hermes", "llama3_json", "mistral", "mistral", "gpt_oss",
+                     "granite", "phi4_mini_json", "olmo3"]
 
 
 def test_builtin_format_is_hermes_in_format_tool_calls_form() -> None:
@@ -122,7 +182,14 @@ def test_builtin_format_is_hermes_in_format_tool_calls_form() -> None:
     None, "",
     "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content }}{% endfor %}",
     "{{ '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' }}",  # Llama 3.0
-    "{{ '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + calls|tojson }}",  # Granite
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>' }}",  # Gemma
+    "{{ '<|user|>\\n' + message['content'] + '\\n' }}{{ '<|assistant|>\\n' }}",  # OLMo 2
+    "{{ '<|user|>\\n' + message['content'] + '<|end|>\\n<|assistant|>\\n' }}",  # Phi-3, 3.5
+    "{{ '<|im_start|>user<|im_sep|>' + message['content'] + '<|im_end|>' }}",  # Phi-4 (14B)
+    # Phi-4-mini's official template: tools as a system message's string, no calls.
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools']"
+    " + '<|/tool|>' + '<|end|>' }}",
+    "{{ '<|assistant|>' + message['content'] + '<|tool_call|>' }}",  # neither Granite nor Phi
     "{{ '<|im_start|>assistant\\n<tool_call>\\n<function=' + name + '>' }}",  # Qwen3-Coder XML
     "{{ '<tool_call>' + name + '<arg_key>' + key + '</arg_key>' }}",  # GLM-4.5 XML
 ])
@@ -214,6 +281,76 @@ def test_gpt_oss_parses_both_header_orders_and_keeps_other_messages() -> None:
     assert syntax.parse(final) == (final, [])
 
 
+@pytest.mark.parametrize("syntax", [GraniteSyntax(), Phi4MiniSyntax()], ids=repr)
+def test_granite_and_phi4_mini_parse_call_arrays(syntax: GraniteSyntax) -> None:
+    array = ('[{"name": "get_weather", "arguments": {"city": "Paris", "units": "celsius"}}, '
+             '{"name": "now", "parameters": {}}]')
+    assert syntax.parse("<|tool_call|>" + array) == ("", [WEATHER, NO_ARGS])
+    assert syntax.parse(f"<|tool_call|>\n{array}\nsent") == ("sent", [WEATHER, NO_ARGS])
+    assert syntax.parse('Sure.<|tool_call|>{"name": "now"}') == ("Sure.", [NO_ARGS])
+    # Phi-4-mini's end token is its own (and need not be there: sampling may stop first).
+    closed = f"<|tool_call|> {array} <|/tool_call|>"
+    end = "" if isinstance(syntax, Phi4MiniSyntax) else "<|/tool_call|>"
+    assert syntax.parse(closed) == (end, [WEATHER, NO_ARGS])
+
+
+@pytest.mark.parametrize("syntax", [GraniteSyntax(), Phi4MiniSyntax()], ids=repr)
+def test_granite_and_phi4_mini_leave_malformed_calls_in_the_content(syntax: GraniteSyntax) -> None:
+    for bad in ['<|tool_call|>[{"name": "f", "arguments": {}}, {"arguments": {}}]',
+                '<|tool_call|>[{"name": "f", "arguments": {',
+                "<|tool_call|>[]<|/tool_call|>",
+                '<|tool_call|>[{"name": "f", "arguments": "{}"}]',
+                '<|tool_call|>"get_weather"',
+                '[{"name": "f", "arguments": {}}]']:  # the token is what marks a call
+        assert syntax.parse(bad) == (bad, [])
+
+
+@pytest.mark.filterwarnings("ignore:invalid escape sequence")  # Python's, on the JSON `\\/`
+def test_olmo3_parses_pythonic_lines_in_json_and_python_spellings() -> None:
+    syntax = Olmo3Syntax()
+    template_form = ('<function_calls>get_weather(city="Paris", units="celsius")\n'
+                     'search(query="café ünï", filters={"year": [2023, 2024]})</function_calls>')
+    assert syntax.parse("Let me look." + template_form) == ("Let me look.", [WEATHER, SEARCH])
+    spaced = ("<function_calls>\n  get_weather(city='Paris', units='celsius')\n  now()\n"
+              "</function_calls>\nsent")
+    assert syntax.parse(spaced) == ("sent", [WEATHER, NO_ARGS])
+    literals = ("<function_calls>f(a=true, b=null, c=False, d=None, e=-2, f=+1.5, "
+                "g=[1, 'x'], h={'k': (1, 2)}, i='it\\'s', j=\"\\/\\u00e9\")</function_calls>")
+    assert syntax.parse(literals) == ("", [ParsedCall("f", {
+        "a": True, "b": None, "c": False, "d": None, "e": -2, "f": 1.5, "g": [1, "x"],
+        "h": {"k": [1, 2]}, "i": "it's", "j": "/é"})])  # a JSON string reads as JSON
+    two_blocks = "<function_calls>now()</function_calls> and <function_calls>now()</function_calls>"
+    assert syntax.parse(two_blocks) == ("and", [NO_ARGS, NO_ARGS])
+    assert syntax.parse("<function_calls>spotify.play(x=1)</function_calls>") == (
+        "", [ParsedCall("spotify.play", {"x": 1})])
+
+
+def test_olmo3_leaves_anything_but_keyword_calls_of_literals_in_the_content() -> None:
+    syntax = Olmo3Syntax()
+    for bad in ["<function_calls>f(1)</function_calls>",  # positional
+                "<function_calls>f(**{'a': 1})</function_calls>",
+                "<function_calls>f(a=g())</function_calls>",  # never evaluated
+                "<function_calls>f(a=x)</function_calls>",
+                "<function_calls>f(a=~1)</function_calls>",
+                "<function_calls>f(a={1: 2})</function_calls>",
+                "<function_calls>import os</function_calls>",
+                "<function_calls>now()\nx = 1</function_calls>",
+                "<function_calls>get-weather(city='Paris')</function_calls>",
+                "<function_calls>f(from='Paris')</function_calls>",  # a Python keyword
+                "<function_calls>f(a=1</function_calls>",
+                "<function_calls></function_calls>",
+                "<function_calls>now()"]:  # unclosed
+        assert syntax.parse(bad) == (bad, [])
+    good = "<function_calls>now()</function_calls>"
+    assert syntax.parse(f"<function_calls>f(1)</function_calls> {good}") == (
+        "<function_calls>f(1)</function_calls>", [NO_ARGS])
+
+
+def test_olmo3_close_tag_inside_a_string_does_not_end_the_block() -> None:
+    call = ParsedCall("echo", {"text": "</function_calls> is a tag"})
+    assert Olmo3Syntax().parse(Olmo3Syntax().format("", [call])) == ("", [call])
+
+
 @pytest.mark.parametrize("syntax", ALL_SYNTAXES, ids=repr)
 @pytest.mark.parametrize("content", ["", "  Let me check that.\n", "Two lines.\nSecond one."])
 @pytest.mark.parametrize("calls", [[], [WEATHER], [SEARCH, NO_ARGS, WEATHER]], ids=len)
@@ -242,6 +379,37 @@ def test_mistral_args_format_is_what_its_template_renders(content: str) -> None:
     assert rendered == MistralSyntax(args_form=True).format(content, [WEATHER, SEARCH]) + "</s>"
 
 
+@pytest.mark.parametrize("content", ["", "Let me check."])
+def test_olmo3_format_is_what_an_olmo3_template_renders(content: str) -> None:
+    rendered = _render(OLMO3_LIKE, [_assistant(content, [WEATHER, SEARCH, NO_ARGS])])
+    expected = Olmo3Syntax().format(content, [WEATHER, SEARCH, NO_ARGS])
+    assert rendered == f"<|im_start|>assistant\n{expected}<|im_end|>\n"
+
+
+@pytest.mark.parametrize("content", ["", "Let me check."])
+def test_hermes_format_is_what_a_granite4_template_renders(content: str) -> None:
+    rendered = _render(GRANITE4_LIKE, [_assistant(content, [WEATHER, SEARCH])])
+    expected = HermesSyntax().format(content, [WEATHER, SEARCH])
+    assert rendered == f"<|start_of_role|>assistant<|end_of_role|>{expected}<|end_of_text|>\n"
+
+
+def test_phi4_mini_format_is_what_a_template_with_its_tokens_renders() -> None:
+    rendered = _render(PHI4_MINI_CALLS_LIKE, [_assistant("", [WEATHER, SEARCH])])
+    assert rendered == f"<|assistant|>{Phi4MiniSyntax().format('', [WEATHER, SEARCH])}<|end|>"
+
+
+def test_granite_reads_what_granite_templates_render() -> None:
+    # 3.1 to 3.3 render the call as the reply's text; 3.0 adds the token to the role.
+    message = {"role": "assistant", "content": GraniteSyntax().format("", [WEATHER, SEARCH])}
+    rendered = _render(GRANITE_LIKE, [message])
+    reply = rendered.split("<|start_of_role|>assistant<|end_of_role|>")[1]
+    assert GraniteSyntax().parse(reply.removesuffix("<|end_of_text|>\n")) == ("", [WEATHER, SEARCH])
+    body = '[{"name": "now", "arguments": {}}]'
+    rendered = _render(GRANITE30_LIKE, [{"role": "assistant_tool_call", "content": body}])
+    assert GraniteSyntax().parse(rendered) == (
+        "<|start_of_role|>assistant<|end_of_role|><|end_of_text|>", [NO_ARGS])
+
+
 def test_mistral_v03_and_gpt_oss_template_renders_parse_back() -> None:
     mistral = _render(MISTRAL_V03_LIKE, [_assistant("", [WEATHER, SEARCH])])
     assert MistralSyntax().parse(mistral.removesuffix("</s>")) == ("", [WEATHER, SEARCH])
@@ -255,6 +423,12 @@ def test_parse_never_raises(syntax: ToolCallSyntax) -> None:
     deep = "[" * 5000 + "]" * 5000
     for text in ["", "<tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[TOOL_CALLS][" + deep,
                  "<tool_call>" + deep + "</tool_call>", "{" * 5000, "<|python_tag|>;;",
-                 "<|channel|>commentary to=functions.<|message|>", "\x00\ud800"]:
+                 "<|channel|>commentary to=functions.<|message|>", "\x00\ud800",
+                 "<|tool_call|>" + deep, "<|tool_call|>{" * 2000, "<|/tool_call|>",
+                 "<function_calls>" + deep + "</function_calls>",
+                 "<function_calls>f(a='\ud800')</function_calls>",
+                 "<function_calls>\x00</function_calls>",
+                 "<function_calls>f(a=" + "-" * 100_000 + "1)</function_calls>",
+                 "<function_calls>x</function_calls>" * 500]:
         content, calls = syntax.parse(text)
         assert (content, calls) == (text, [])

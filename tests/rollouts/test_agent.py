@@ -17,8 +17,8 @@ from chat_templates import QWEN3_LIKE  # noqa: E402
 
 from prefixgym.prompting.call_tree import CallMessage, CallTree, call_messages  # noqa: E402
 from prefixgym.prompting.chat_format import ChatMLFormat, HFTemplateFormat  # noqa: E402
-from prefixgym.prompting.tool_syntax import syntax_for_template  # noqa: E402
 from prefixgym.prompting.tokenizer import ASSETS_DIR, load_tokenizer  # noqa: E402
+from prefixgym.prompting.tool_syntax import syntax_for_template  # noqa: E402
 from prefixgym.rollouts.agent import (  # noqa: E402
     AgentProgram,
     reward_of,

@@ -117,6 +117,8 @@ def test_tool_call_blocks_become_openai_tool_calls():
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": 3}, 400,
      "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400,
+     "presence_penalty"),
     ({"messages": [{"role": "user", "content": "x" * 70_000}]}, 413, None),  # body too large
     ([{"role": "user", "content": "hi"}], 400, None),                     # not an object
 ])
@@ -126,6 +128,13 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, payload, stat
     error = reply.json()["error"]
     assert error["message"] and "\n" not in error["message"] and error["param"] == param
     assert chat(server, {"messages": MESSAGES, "max_tokens": 1}).status_code == 200
+
+
+def test_a_field_sent_as_null_is_a_field_not_sent(server):
+    reply = chat(server, {"messages": MESSAGES, "max_tokens": 1, "temperature": None,
+                          "top_p": None, "n": None, "stream": None, "logprobs": None})
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["choices"]) == 1 and reply.json()["object"] == "chat.completion"
 
 
 def test_hostile_bodies_are_one_line_errors(server):

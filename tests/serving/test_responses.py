@@ -266,6 +266,8 @@ def test_the_store_forgets_the_least_recently_used():
     ({"input": []}, "input", "no messages"),
     ({}, "input", "Field required"),
     ({"input": "hi", "max_output_tokens": "3"}, "max_output_tokens", "integer"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation", "keeps no conversations"),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt", "keeps no stored prompts"),
 ])
 def test_bad_requests_are_400s_in_one_line_before_any_chat(fake, http, payload, param, words):
     reply = http.post("/v1/responses", json=payload)
@@ -273,6 +275,17 @@ def test_bad_requests_are_400s_in_one_line_before_any_chat(fake, http, payload, 
     error = reply.json()["error"]
     assert words in error["message"] and "\n" not in error["message"]
     assert error["param"] == param and fake.bodies == []
+
+
+def test_a_field_sent_as_null_is_a_field_not_sent(fake, http):
+    fake.answers.append(chat_answer("Hello!"))
+    reply = http.post("/v1/responses", json={
+        "model": "tiny", "input": "hi", "stream": None, "store": None, "instructions": None,
+        "temperature": None, "tools": None, "tool_choice": None, "include": None})
+    assert reply.status_code == 200, reply.text
+    assert fake.bodies == [{"messages": [{"role": "user", "content": "hi"}], "n": 1,
+                            "stream": False, "model": "tiny"}]
+    assert http.get(f"/v1/responses/{reply.json()['id']}").status_code == 200  # stored
 
 
 def test_refusals_of_the_chat_handler_and_of_the_http_layer(fake, http, client):
