@@ -47,7 +47,6 @@ from prefixgym.serving.responses import ResponseStore, add_responses_route
 from prefixgym.types import JSONObject
 
 _KEY = re.compile(r"[A-Za-z0-9._\-]{1,200}")
-MAX_N = 64
 MAX_BODY_BYTES = 64 << 20
 DEFAULT_SESSION = "default"
 """The session key of the plain `/v1/...` routes (auto-open mode)."""

@@ -76,6 +76,7 @@ def loaded_models(url: str) -> list[str] | None:
 def worker(out: Path, kill_pid: int, argv: list[str]) -> None:
     import prefixgym.cli.train as train_cli
     import prefixgym.serving.openai_client as openai_client
+    import prefixgym.trainer.env_source as env_source
     import prefixgym.trainer.run as run_module
     from prefixgym.cli import main as cli_main
     from prefixgym.serving.pool import SamplerPool
@@ -89,8 +90,8 @@ def worker(out: Path, kill_pid: int, argv: list[str]) -> None:
     kept: dict = {"step": -1, "killed": False}
     lock, local = threading.Lock(), threading.local()
 
-    def build_run(config, service=None):
-        run, service = original_build(config, service)
+    def build_run(config, service=None, **more):
+        run, service = original_build(config, service, **more)
         kept["training"] = train_cli.unwrap(run.training)
         training = run.training
         forward_backward, optim_step = training.forward_backward, training.optim_step
@@ -136,11 +137,11 @@ def worker(out: Path, kill_pid: int, argv: list[str]) -> None:
         pushes.append({"label": label, "models": [loaded_models(c.root_url)
                                                   for c in self.pool.clients]})
 
-    original_build, original_collect = train_cli.build_run, run_module.collect
+    original_build, original_collect = train_cli.build_run, env_source.collect
     original_send, original_push = SamplerPool._send, RemoteWeightSync._push
     original_weights_version = openai_client._weights_version
     original_sample_now = openai_client.OpenAISamplingClient.sample_now
-    train_cli.build_run, run_module.collect = build_run, collect
+    train_cli.build_run, env_source.collect = build_run, collect
     openai_client._weights_version = weights_version
     SamplerPool._send = send  # type: ignore[method-assign]
     RemoteWeightSync._push = push  # type: ignore[method-assign]
