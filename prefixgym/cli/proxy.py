@@ -10,7 +10,6 @@ loopback without one prints a warning.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import sys
@@ -23,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import parse_config
-from prefixgym.serving.config import API_KEY_VARIABLE, ServeConfig
+from prefixgym.serving.config import API_KEY_VARIABLE, is_loopback, with_api_key
 
 if TYPE_CHECKING:
     from prefixgym.serving.proxy import RecordingProxy
@@ -78,7 +77,7 @@ class ProxyConfig:
     @property
     def is_loopback(self) -> bool:
         """Whether `host` answers this machine only (`prefixgym serve`'s rule)."""
-        return ServeConfig(host=self.host).is_loopback
+        return is_loopback(self.host)
 
 
 def main(argv: list[str]) -> int:
@@ -89,12 +88,7 @@ def main(argv: list[str]) -> int:
         "/rollouts/KEY/v1/... (a session per KEY, opened by its first call, ended by POST "
         "/rollouts/KEY/close) and /v1/... (the session 'default', ended by POST /v1/close).",
     )
-    if not config.api_key and os.environ.get(API_KEY_VARIABLE):
-        config = dataclasses.replace(config, api_key=os.environ[API_KEY_VARIABLE])
-    if not config.api_key and not config.is_loopback:
-        print(f"prefixgym proxy: warning: {config.host} is reachable from other machines and "
-              f"no API key is set: anyone who reaches port {config.port} can sample from the "
-              f"upstream (set {API_KEY_VARIABLE} or --api-key)", file=sys.stderr)
+    config = with_api_key(config, "prefixgym proxy", "sample from the upstream")
     try:
         import fastapi  # noqa: F401 - the gateway's app and server
         import uvicorn  # noqa: F401

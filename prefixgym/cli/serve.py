@@ -12,14 +12,13 @@ docs/scaling.md. With `--engine vllm` it writes the model as a Hugging Face dire
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import parse_config
-from prefixgym.serving.config import API_KEY_VARIABLE, ServeConfig
+from prefixgym.serving.config import ServeConfig, with_api_key
 
 
 def main(argv: list[str]) -> int:
@@ -29,12 +28,7 @@ def main(argv: list[str]) -> int:
         "/v1/completions (token ids in and out) and /v1/chat/completions (messages through "
         "the chat template) endpoints, cached tokens in usage.",
     )
-    if not config.api_key and os.environ.get(API_KEY_VARIABLE):
-        config = dataclasses.replace(config, api_key=os.environ[API_KEY_VARIABLE])
-    if not config.api_key and not config.is_loopback:
-        print(f"prefixgym serve: warning: {config.host} is reachable from other machines and "
-              f"no API key is set: anyone who reaches port {config.port} can use the engine "
-              f"(set {API_KEY_VARIABLE} or --api-key)", file=sys.stderr)
+    config = with_api_key(config, "prefixgym serve", "use the engine")
     if config.engine == "vllm":
         return serve_vllm(config)
     try:

@@ -29,7 +29,8 @@ import threading
 from dataclasses import dataclass
 
 from prefixgym.futures import APIFuture
-from prefixgym.protocols import RoundSamplingClient, SamplingClient
+from prefixgym.protocols import SamplingClient
+from prefixgym.rollouts.rounds import submit_round
 from prefixgym.types import ModelInput, SampleRequest, SampleResponse, SamplingParams, Usage
 
 
@@ -93,11 +94,7 @@ class AgentRounds:
         batches = list(merged.values())
         requests = [_joined(batch) for batch in batches]
         try:
-            if isinstance(self._sampler, RoundSamplingClient):
-                futures = self._sampler.sample_many(requests)
-            else:
-                futures = [self._sampler.sample(r.prompt, r.num_samples, r.sampling_params)
-                           for r in requests]
+            futures = submit_round(self._sampler, requests)
         except Exception as error:  # noqa: BLE001 - every call of the round gets it
             for h in ready:
                 h.future.set_exception(error)

@@ -20,6 +20,7 @@ import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
+from prefixgym.futures import APIFuture
 from prefixgym.protocols import RoundSamplingClient, SamplingClient
 from prefixgym.types import SampleRequest, SampleResponse
 
@@ -64,16 +65,20 @@ class Rounds:
         pending = sorted(self._pending, key=lambda p: p.key)
         self._pending, self._waiting = [], 0
         self.rounds += 1
-        requests = [p.request for p in pending]
         try:
-            if isinstance(self._sampler, RoundSamplingClient):
-                futures = self._sampler.sample_many(requests)
-            else:
-                futures = [self._sampler.sample(r.prompt, r.num_samples, r.sampling_params)
-                           for r in requests]
+            futures = submit_round(self._sampler, [p.request for p in pending])
         except Exception as error:  # noqa: BLE001 - every waiter of the round gets it
             for p in pending:
                 p.future.set_exception(error)
             return
         for p, f in zip(pending, futures):
             p.future.set_result(f)
+
+
+def submit_round(sampler: SamplingClient, requests: list[SampleRequest]
+                 ) -> list[APIFuture[SampleResponse]]:
+    """`requests` as one round: through `sample_many` where the sampler has it (a
+    deterministic engine runs the round alone), else one `sample` each, in order."""
+    if isinstance(sampler, RoundSamplingClient):
+        return list(sampler.sample_many(requests))
+    return [sampler.sample(r.prompt, r.num_samples, r.sampling_params) for r in requests]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import os
+import sys
 from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, TypeVar
 
 API_KEY_VARIABLE = "PREFIXGYM_API_KEY"
 
@@ -87,9 +91,46 @@ class ServeConfig:
     @property
     def is_loopback(self) -> bool:
         """Whether `host` answers this machine only."""
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:  # a host name: assume it reaches beyond this machine
-            return False
+        return is_loopback(self.host)
+
+
+class _Bound(Protocol):
+    """A command's config that binds an address (ServeConfig, the proxy's)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+    api_key: str
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def is_loopback(self) -> bool: ...
+
+
+_Guarded = TypeVar("_Guarded", bound=_Bound)
+
+
+def with_api_key(config: _Guarded, command: str, exposes: str) -> _Guarded:
+    """`config` with its API key from `API_KEY_VARIABLE` when the flag gave none, after
+    warning on stderr when it binds beyond this machine without one (`exposes`: what an
+    outsider could then use)."""
+    if not config.api_key and os.environ.get(API_KEY_VARIABLE):
+        config = dataclasses.replace(config, api_key=os.environ[API_KEY_VARIABLE])
+    if not config.api_key and not config.is_loopback:
+        print(f"{command}: warning: {config.host} is reachable from other machines and no API "
+              f"key is set: anyone who reaches port {config.port} can {exposes} (set "
+              f"{API_KEY_VARIABLE} or --api-key)", file=sys.stderr)
+    return config
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` answers this machine only (a host name: assume it reaches beyond)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
