@@ -23,19 +23,6 @@ from prefixgym.rollouts.agent import (  # noqa: E402
     AgentProgram,
     reward_of,
 )
-from prefixgym.serving.agent_gateway import AgentGateway  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def gateway():
-    gw = AgentGateway("policy", api_key="secret")
-    yield gw
-    gw.stop()
 
 
 def tool_reply(i: int) -> str:

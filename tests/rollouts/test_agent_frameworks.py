@@ -14,20 +14,6 @@ pytest.importorskip("uvicorn")
 from agent_programs import CALC, ScriptedSampler, rollouts_for, run_one, sampled_ids  # noqa: E402
 
 from prefixgym.prompting.chat_format import ChatMLFormat  # noqa: E402
-from prefixgym.prompting.tokenizer import load_tokenizer  # noqa: E402
-from prefixgym.serving.agent_gateway import AgentGateway  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def gateway():
-    gw = AgentGateway("policy", api_key="secret")
-    yield gw
-    gw.stop()
 
 
 def calc_then_answer(i: int) -> str:
