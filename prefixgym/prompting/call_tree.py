@@ -134,7 +134,7 @@ class CallTree:
     """The calls of one rollout (see the module docstring)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_format: ChatFormat,
-                 syntax: ToolCallSyntax | None) -> None:
+                 syntax: ToolCallSyntax | None, max_nodes: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.format = chat_format
         self.syntax = syntax
@@ -144,6 +144,8 @@ class CallTree:
         self._index: dict[tuple[str, ...], Node] = {}
         self._roots: list[int] = []  # the call each branch began at
         self._lock = threading.Lock()
+        self.max_nodes = max_nodes
+        """Replies kept at most (a server's tree: the oldest go first); None: all."""
 
     def begin(self, messages: Sequence[CallMessage], tools: Sequence[JSONObject] = ()) -> Pending:
         """2) The call's conversation up to its generation prompt (ValueError: messages a
@@ -193,7 +195,20 @@ class CallTree:
             self._index[node.key] = node
             if pending.parent is not None:  # (a call that failed continues nothing)
                 pending.parent.extended = True
+            if self.max_nodes is not None and len(self._nodes) > self.max_nodes:
+                self._forget(len(self._nodes) - self.max_nodes)
         return message
+
+    def _forget(self, count: int) -> None:
+        """Drop the `count` oldest replies (a later call that extended one renders its
+        history anew: a branch, counted as such)."""
+        for node in self._nodes[:count]:
+            if self._index.get(node.key) is node:
+                del self._index[node.key]
+        del self._nodes[:count]
+        keep = self.max_nodes or 0  # (a server's tree reports no branches: keep it bounded)
+        del self.branches[:max(0, len(self.branches) - keep)]
+        del self._roots[:max(0, len(self._roots) - keep)]
 
     def sequences(self) -> list[TrainedSequence]:
         """4) Each node no call continued, in the order sampled, as a trained sequence;
@@ -335,13 +350,14 @@ def _parsed_call(call: Any, where: str, names: dict[str, str]) -> ParsedCall:
     return ParsedCall(function["name"], arguments)
 
 
-def reply_message(text: str, syntax: ToolCallSyntax | None, with_tools: bool
-                  ) -> tuple[CallMessage, str | None]:
+def reply_message(text: str, syntax: ToolCallSyntax | None, with_tools: bool,
+                  split_reasoning: bool = True) -> tuple[CallMessage, str | None]:
     """The assistant message a client gets for a sampled reply's text, and its reasoning:
-    a leading `<think>...</think>` block goes apart (vLLM's `reasoning_content`), and
-    with tools the calls written in the model's syntax become `tool_calls`."""
+    a leading `<think>...</think>` block goes apart (vLLM's `reasoning_content`) unless
+    not `split_reasoning`, and with tools the calls written in the model's syntax
+    become `tool_calls`."""
     reasoning = None
-    if "</think>" in text:
+    if split_reasoning and "</think>" in text:
         head, _, text = text.partition("</think>")
         reasoning, text = head.replace("<think>", "", 1).strip(), text.lstrip("\n")
     calls: list[ParsedCall] = []

@@ -8,9 +8,13 @@ A request goes as a completion does (app.py), with two more steps:
      and a `tool_choice` of "required" or a function (the model is not forced to call);
      "none" is kept (its replies are not read for calls). Refused by name: content parts
      other than text, `top_logprobs` above 0, the legacy `functions`/`function_call`;
-  2) the messages rendered by the tokenizer's own chat template, `tools` passed to it
-     (and `chat_template_kwargs`, vLLM's name, e.g. `{"enable_thinking": false}`),
-     with the generation prompt; a template that refuses the messages is a 400 with
+  2) the messages made a prompt: a call whose messages extend an earlier call's plus the
+     reply this server gave continues that call's sampled ids and renders only the new
+     messages (`chat_history.py`, the seed's rule: history is never re-tokenized); any
+     other call is rendered turn by turn by the tokenizer's chat template, `tools` passed
+     to it (and `chat_template_kwargs`, vLLM's name, e.g. `{"enable_thinking": false}`),
+     with the generation prompt; a template the conversation builder cannot use turn by
+     turn renders the messages whole. A template that refuses the messages is a 400 with
      its reason. Then this server's limits, as for completions (`max_n`, the request's
      tokens; `max_tokens` defaults to what the limit leaves);
   3) one engine request: the prompt is prefilled once for the `n` choices, and
@@ -45,7 +49,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.concurrency import run_in_threadpool
 from transformers import PreTrainedTokenizerBase
 
+from prefixgym.prompting.call_tree import Pending
 from prefixgym.serving.bodies import parse_json_object, read_body
+from prefixgym.serving.chat_history import ChatHistory
 from prefixgym.serving.protocol import (
     APIError,
     SamplingFields,
@@ -146,6 +152,10 @@ class ChatRequest(SamplingFields):
             valid_text(m.text, f"messages[{i}].content")
         return messages
 
+    def template_messages(self) -> list[JSONObject]:
+        """The messages as sent (tool calls' arguments as strings), for a call tree."""
+        return [m.for_template(raw_calls=True) for m in self.messages]
+
     def render(self, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
         """The prompt's ids: the messages through the tokenizer's chat template, with the
         generation prompt (ValueError: no template, or it refused them)."""
@@ -170,6 +180,7 @@ def add_chat_route(
 ) -> Callable[[ChatRequest], Awaitable[JSONObject]]:
     """`POST /v1/chat/completions` on `app`, under the same key and limits as completions.
     Returns the handler (a parsed request -> its answer), which /v1/responses calls too."""
+    history = ChatHistory(tokenizer) if tokenizer is not None else None
 
     async def complete(req: ChatRequest) -> JSONObject:
         model = req.model or weights.model_name
@@ -183,9 +194,11 @@ def add_chat_route(
             raise APIError(400, f"messages of {chars:,} characters cannot fit in this server's "
                                 f"limit of {max_request_tokens} tokens per request", "messages")
         try:
-            prompt = await run_in_threadpool(req.render, tokenizer)
+            pending = await run_in_threadpool(history.begin, req) if history else None
+            prompt = (pending.prompt if pending is not None
+                      else await run_in_threadpool(req.render, tokenizer))
         except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
+            raise APIError(400, str(e).splitlines()[0], "messages") from None
         asked = req.max_completion_tokens or req.max_tokens
         room = max_request_tokens - len(prompt)
         if room < 1 or (asked is not None and asked > room):
@@ -201,7 +214,8 @@ def add_chat_route(
             raise APIError(400, *describe_validation_error(e)) from None
         except ValueError as e:
             raise APIError(400, str(e).splitlines()[0]) from None
-        answer = await run_in_threadpool(_answer, req, prompt, response, tokenizer, model)
+        answer = await run_in_threadpool(_answer, req, prompt, response, tokenizer, model,
+                                         history, pending)
         answer["metadata"] = {"weight_version": weight_version}
         return answer
 
@@ -260,11 +274,21 @@ def _tool_calls(text: str) -> tuple[str, list[JSONObject]]:
 
 
 def _answer(req: ChatRequest, prompt: list[int], response: SampleResponse,
-            tokenizer: PreTrainedTokenizerBase | None, model: str) -> JSONObject:
+            tokenizer: PreTrainedTokenizerBase | None, model: str,
+            history: ChatHistory | None = None, pending: Pending | None = None) -> JSONObject:
+    texts = [req.reply_text(tokenizer, s.tokens, s.stop_reason) for s in response.sequences]
+    replies = (history.record(req, pending, response, texts)
+               if history is not None and pending is not None else None)
     choices = []
     for i, seq in enumerate(response.sequences):
-        text = req.reply_text(tokenizer, seq.tokens, seq.stop_reason)
-        content, calls = _tool_calls(text) if req.reads_tool_calls else (text, [])
+        if replies is not None:  # the calls in the model's own syntax (the history's)
+            reply = replies[i][0]
+            content = reply.content
+            calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                     for c in reply.tool_calls]
+        else:
+            content, calls = _tool_calls(texts[i]) if req.reads_tool_calls else (texts[i], [])
         message: JSONObject = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls

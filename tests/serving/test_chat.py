@@ -163,3 +163,29 @@ def test_responses_create_goes_through_the_chat_handler(server, client):
     assert second.usage.input_tokens_details.cached_tokens > 0
     with pytest.raises(openai.BadRequestError, match="Previous response with id 'resp_nope'"):
         client.responses.create(model="tiny", input="x", previous_response_id="resp_nope")
+
+
+def test_history_sent_back_as_text_is_continued_as_the_sampled_ids(server, client):
+    """A client resends its conversation as text; the server continues the tokens it
+    sampled instead of re-tokenizing that text (serving/chat_history.py): shown on a
+    reply whose text re-encodes to other ids."""
+    tok = server.service.tokenizer
+    for seed in range(40):
+        first = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=12, seed=seed,
+            extra_body={"return_token_ids": True})
+        choice = first.choices[0]
+        sampled, text = choice.model_extra["token_ids"], choice.message.content
+        ended = sampled[-1:] == [tok.convert_tokens_to_ids("<|im_end|>")]
+        if list(tok.encode(text, add_special_tokens=False)) != sampled[:len(sampled) - ended]:
+            break
+    else:
+        pytest.fail("no reply in 40 seeds re-encodes to other ids")
+    history = [*MESSAGES, {"role": "assistant", "content": text},
+               {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model="tiny", messages=history, max_tokens=2,
+                                            extra_body={"return_token_ids": True})
+    prompt = second.choices[0].model_extra["prompt_token_ids"]
+    first_prompt = choice.model_extra["prompt_token_ids"]
+    assert prompt[:len(first_prompt) + len(sampled)] == first_prompt + sampled
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(first_prompt) - 16
