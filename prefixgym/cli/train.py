@@ -72,7 +72,7 @@ def check_env(config: TrainConfig, make: Callable[[JSONObject | None], AgentGymE
     one that ignores its reset seed, fails before the model loads."""
     env = make(None)
     try:
-        if config.sft_steps and not has_expert(env):
+        if config.sft_steps and not config.sft_data and not has_expert(env):
             raise ValueError(
                 f"--env {config.env} has no scripted expert (expert_action), "
                 f"whose episodes the warm start (--sft-steps {config.sft_steps}) trains on; "

@@ -54,7 +54,8 @@ after the change would not compare)."""
 ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine",
                             "sft_warmup": 0.1, "sft_stages": [], "chat_template_kwargs": None,
                             "router_aux_loss_coef": 0.0, "agent": "", "tasks": "",
-                            "eval_tasks": "", "agent_timeout": 300.0}
+                            "eval_tasks": "", "agent_timeout": 300.0,
+                            "sft_data": ""}
 """Fields added after runs were saved, with the value that gives what a run saved
 without them did (it evaluated greedily, its warm start warmed up over 10% of its
 steps, decayed on the cosine and imitated one expert throughout):
@@ -99,6 +100,10 @@ class TrainConfig:
     as `task`; a GRPO group runs one task G times."""
     eval_tasks: str = ""
     """With --agent: held-out tasks (JSONL) to evaluate on; unset: the first of --tasks."""
+    sft_data: str = ""
+    """A warm start on recorded runs instead of the env's expert: a JSONL file of sequences
+    as `prefixgym proxy --record` writes them (an expert model's runs of the agent program,
+    in this model's tokenizer); --sft-steps steps of --sft-episodes-per-step of them."""
     agent_timeout: float = 300.0
     """With --agent: seconds one rollout of the program may take; a slower one fails."""
     model: str = "tiny"
@@ -324,9 +329,14 @@ class TrainConfig:
                              f"{self.router_aux_loss_coef}")
         if (self.tasks or self.eval_tasks) and not self.agent:
             raise ValueError("--tasks and --eval-tasks go with --agent")
-        if self.agent and self.sft_steps:
-            raise ValueError("--agent runs train with GRPO alone: pass --sft-steps 0 (a warm "
-                             "start on an agent's recorded expert runs is not built yet)")
+        if self.agent and self.sft_steps and not self.sft_data:
+            raise ValueError("an --agent run's warm start imitates recorded runs: pass "
+                             "--sft-data FILE.jsonl (prefixgym proxy --record), or --sft-steps 0")
+        if self.sft_data and not self.sft_steps:
+            raise ValueError("--sft-data needs --sft-steps N: the warm-start steps on it")
+        if self.sft_data and self.sft_stages:
+            raise ValueError("--sft-stages change the env's expert stage by stage; they do not "
+                             "go with --sft-data")
         if not self.agent_timeout > 0:
             raise ValueError(f"--agent-timeout must be positive, got {self.agent_timeout}")
         if self.group_size < 2:

@@ -57,6 +57,7 @@ from prefixgym.trainer.env_source import EnvSource
 from prefixgym.trainer.grpo import StepPipeline, first_lines, grpo_step, samples_after_sync
 from prefixgym.trainer.plots import write_plots
 from prefixgym.trainer.progress import Progress
+from prefixgym.trainer.recorded import read_records, record_batches
 from prefixgym.trainer.report import MetricsLog, phase_metrics, write_report
 from prefixgym.trainer.schedule import warmup_cosine_lr
 from prefixgym.trainer.sft import warm_start
@@ -90,6 +91,9 @@ class Run:
             config, self.tokenizer, self.make_env, self.rollout_config)
         """Where episodes come from: the env's (`env_source.py`), or an agent program's
         rollouts (`--agent`, `agent_steps.py`)."""
+        self.records = read_records(config.sft_data, len(self.tokenizer)) if config.sft_data \
+            else []
+        """`--sft-data`'s recorded runs, read (and checked) before anything runs."""
         self.log = MetricsLog(self.out / "metrics.jsonl", open_tracker(config.tracker, self.out))
         self._prior = (Usage(), 0.0)
         """What the checkpoint resumed from had counted: usage and wall time."""
@@ -242,12 +246,14 @@ class Run:
             stages = [(stage["steps"], [self.make_env(stage["env_kwargs"])
                                         for _ in range(c.sft_episodes_per_step)])
                       for stage in c.sft_stages]
-            assert isinstance(self.source, EnvSource)  # TrainConfig: no warm start for agents
+            batches = (record_batches(self.records, c.sft_episodes_per_step, c.seed)
+                       if self.records else None)
+            envs = self.source.envs if isinstance(self.source, EnvSource) else []
             try:
-                warm_start(self.training, self.source.envs, self.tokenizer, c.sft_steps,
+                warm_start(self.training, envs, self.tokenizer, c.sft_steps,
                            c.sft_episodes_per_step, c.sft_lr, on_step=on_step,
                            schedule=c.sft_lr_schedule, warmup=c.sft_warmup, stages=stages,
-                           start=first)
+                           start=first, batches=batches)
             finally:
                 close_all(env for _, envs in stages for env in envs)
         state.next_sft_step = None

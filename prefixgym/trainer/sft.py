@@ -42,6 +42,7 @@ def warm_start(
     warmup: float = 0.1,
     stages: Sequence[tuple[int, Sequence[AgentGymEnv]]] = (),
     start: int = 0,
+    batches: Callable[[int], list[Datum]] | None = None,
 ) -> Usage:
     """`steps` AdamW steps of cross-entropy, each on fresh expert episodes.
 
@@ -56,7 +57,8 @@ def warm_start(
     (`sft_stage`, from 1). `start` skips the steps before it (a resumed warm start: each
     step's episodes and learning rate depend on its number alone); `on_step` runs
     when nothing is in flight, so it may save the training client's state.
-    Returns the usage of the steps it ran.
+    `batches` (step -> datums), when given, replaces the expert's episodes (recorded
+    runs: `recorded.py`). Returns the usage of the steps it ran.
     """
     floor = 1.0 if schedule == "constant" else 0.1
     total = Usage()
@@ -68,6 +70,8 @@ def warm_start(
                      for _ in range(n)]  # (stage number, its envs) of each step
 
     def batch(step: int) -> list[Datum]:
+        if batches is not None:
+            return batches(step)
         return expert_datums(stage_of_step[step][1], tokenizer,
                              [SFT_SEED_BASE + step * episodes_per_step + i
                               for i in range(episodes_per_step)])

@@ -50,9 +50,9 @@ def write_agent(tmp_path: Path) -> tuple[str, str]:
 
 def config(tmp_path: Path, out: str, **more) -> TrainConfig:
     agent, tasks = write_agent(tmp_path)
-    return TrainConfig(agent=agent, tasks=tasks, sft_steps=0, groups_per_step=2, group_size=4,
-                       eval_episodes=3, eval_every=2, max_tokens=8, progress=False,
-                       out=str(tmp_path / out), **more)
+    return TrainConfig(**{"agent": agent, "tasks": tasks, "sft_steps": 0, "groups_per_step": 2,
+                          "group_size": 4, "eval_episodes": 3, "eval_every": 2, "max_tokens": 8,
+                          "progress": False, "out": str(tmp_path / out), **more})
 
 
 def lines(out: Path) -> list[dict]:
@@ -110,7 +110,7 @@ def flaky(base_url, api_key, model, task):
 
 @pytest.mark.parametrize("argv, message", [
     (["--agent", "{agent}"], "--agent needs --tasks FILE.jsonl"),
-    (["--agent", "{agent}", "--tasks", "{tasks}", "--sft-steps", "3"], "pass --sft-steps 0"),
+    (["--agent", "{agent}", "--tasks", "{tasks}", "--sft-steps", "3"], "or --sft-steps 0"),
     (["--agent", "{dir}/agent.py:nope", "--tasks", "{tasks}"], "agent.py has no 'nope'"),
     (["--agent", "{agent}", "--tasks", "{dir}/missing.jsonl"], "missing.jsonl: No such file"),
     (["--tasks", "{tasks}"], "--tasks and --eval-tasks go with --agent"),
@@ -148,3 +148,56 @@ def test_the_python_api_takes_the_program_and_tasks_as_objects(tmp_path, monkeyp
     assert [e["eval/episodes"] for e in result.evals] == [1.0]
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["agent"].endswith("program")
+
+
+def write_records(path: Path, tokenizer, count: int = 3) -> list[int]:
+    """Records as `prefixgym proxy --record` writes them: an expert's answer to each task;
+    returns each record's sampled-token count."""
+    from prefixgym.prompting import Conversation
+
+    sampled = []
+    with path.open("w") as f:
+        for i in range(count):
+            conv = Conversation(tokenizer, system="Answer briefly.")
+            conv.add_user(f"What is {i} + {i}?")
+            conv.generation_prompt()
+            reply = conv.encode_reply(str(2 * i))
+            conv.add_sampled(reply)
+            seg = next(s for s in conv.segments if s.kind == "reply")
+            mask = [seg.start <= k < seg.end for k in range(len(conv.tokens))]
+            f.write(json.dumps({"session": f"s{i}", "sequence": 0, "branch": 0,
+                                "tokens": conv.tokens, "sampled_mask": mask,
+                                "logprobs": [0.0] * len(mask), "branch_notes": [],
+                                "turns": [{"reply_start": seg.start, "reply_end": seg.end,
+                                           "stop_reason": "stop"}]}) + "\n")
+            sampled.append(seg.end - seg.start)
+    return sampled
+
+
+def test_an_agent_run_warms_up_on_recorded_expert_runs(tmp_path, monkeypatch):
+    from prefixgym.prompting.tokenizer import load_tokenizer
+
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+    sampled = write_records(tmp_path / "expert.jsonl", load_tokenizer())
+    train(config(tmp_path, "run", steps=1, sft_data=str(tmp_path / "expert.jsonl"),
+                 sft_steps=3, sft_episodes_per_step=2, sft_lr_schedule="constant"))
+    sft = [r for r in lines(tmp_path / "run") if r["phase"] == "sft"]
+    assert [r["sft_step"] for r in sft] == [0, 1, 2]
+    # each step imitates two records' replies: their sampled tokens are the loss
+    assert all(r["tokens/train_loss"] in {a + b for a in sampled for b in sampled} for r in sft)
+    assert sft[-1]["sft/loss"] < sft[0]["sft/loss"]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"tokens": [1, 2, 99999], "sampled_mask": [false, true, true], "turns": '
+     '[{"reply_start": 1, "reply_end": 3}]}', "token id 99999 is outside this model's vocabulary"),
+    ('{"tokens": [1, 2]}', "not a recorded sequence"),
+])
+def test_a_bad_record_file_is_one_line_before_training(tmp_path, capsys, line, message):
+    agent, tasks = write_agent(tmp_path)
+    (tmp_path / "bad.jsonl").write_text(line + "\n")
+    code = main(["train", "--agent", agent, "--tasks", tasks, "--sft-data",
+                 str(tmp_path / "bad.jsonl"), "--sft-steps", "2", "--out", str(tmp_path / "run"),
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "bad.jsonl:1" in err and "Traceback" not in err
