@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
+from prefixgym.engine import malloc_tuning
 from prefixgym.engine.model import ModelConfig, Transformer
+from prefixgym.engine.model.packed import packed_layers
 from prefixgym.engine.trainer.training import TrainingClient
 from prefixgym.local_service import LocalService
 from prefixgym.types import AdamParams, Datum, ModelInput, SamplingParams
@@ -126,3 +131,30 @@ def test_the_engine_alone_knows_ids_only() -> None:
             max_tokens=6, temperature=0.0)).result().sequences[0]
         assert cut.tokens == free.tokens[: free.tokens.index(stop_at) + 1]
         assert cut.stop_reason == "stop"
+
+
+def test_a_publish_lets_the_previous_version_go_and_trims_malloc(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publish frees every older version that no client holds (its packed weights with
+    it; the publish collects cycles too, so none waits for the collector), hands malloc's
+    free bytes back
+    (`malloc_tuning.release_free_memory`): the memory of a long run stays flat."""
+    trims: list[int] = []
+    monkeypatch.setattr(malloc_tuning, "release_free_memory", lambda: trims.append(1) or True)
+    gc.disable()  # only the publish collects
+    try:
+        with LocalService(SMALL, seed=0) as svc:
+            trainer = svc.create_training_client()
+            first = trainer.save_weights_and_get_sampling_client()
+            gone = weakref.ref(first._model)
+            layers = [weakref.ref(layer) for layer in packed_layers(first._model)]
+            second = trainer.save_weights_and_get_sampling_client()
+            assert gone() is not None  # a client still holds version 1
+            del first
+            trainer.save_weights_and_get_sampling_client()
+            assert gone() is None and all(layer() is None for layer in layers)
+            assert second.weights_version == 2 and trims == [1, 1, 1]
+            svc.create_lora_training_client(rank=4).save_weights_and_get_sampling_client()
+            assert trims == [1, 1, 1, 1]
+    finally:
+        gc.enable()

@@ -1,0 +1,135 @@
+"""Peak resident memory per GRPO step of `prefixgym train` on a checkpoint directory,
+full fine-tuning and LoRA, and of publishes with no training between them.
+
+Usage: `python bench/bench_memory.py --model DIR --env ENV [--steps 24] [--lora-rank 16]
+[--publishes 8] [--modes publish,full,lora] [--groups-per-step 16] [--keep-free-memory]`, e.g. `--model /tmp/real/smollm2 --env
+/tmp/real/addition.py:Addition` (docs/benchmarks.md, "Memory per GRPO step").
+
+Each mode runs in a child process of its own (a process's peak never goes down):
+  1) full / lora: `build_run` of the run `prefixgym train --model DIR --env ENV --steps
+     N` would make (the checkpoint directory's defaults applied, as `train_args.py`
+     does), with evaluation and checkpoints left out (they sample or write, not train);
+     after each publish (a GRPO step's last act) the process's peak RSS so far
+     (VmHWM) and its RSS now (VmRSS) are printed;
+  2) publish: the service loaded and a full training client made, then `--publishes`
+     publishes with no step between them, RSS after each.
+Last line per mode: peak after step 4 and after the last step, and their ratio (the
+bar of issue 61: within 1.10). Knows the run's builder and the service's clients; no
+engine internals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine_facts, setup_threads
+
+
+def memory_mib() -> tuple[float, float]:
+    """(peak RSS so far, RSS now) of this process, MiB, from /proc/self/status."""
+    fields: dict[str, float] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("VmHWM", "VmRSS"):
+                fields[name] = int(value.split()[0]) / 1024  # kB
+    return fields["VmHWM"], fields["VmRSS"]
+
+
+def report(label: str, peaks: list[float]) -> None:
+    if len(peaks) > 4:
+        print(f"{label}: peak after step 4 {peaks[3]:.0f} MiB, after step {len(peaks)} "
+              f"{peaks[-1]:.0f} MiB, ratio {peaks[-1] / peaks[3]:.3f}", flush=True)
+
+
+def run_steps(args: argparse.Namespace, lora: bool) -> None:
+    from prefixgym.cli.train import build_run
+    from prefixgym.trainer.config import TrainConfig
+    from prefixgym.trainer.model_defaults import pretrained_defaults
+
+    settings = {"model": args.model, "env": args.env, "steps": args.steps,
+                "lora_rank": args.lora_rank if lora else 0, "num_threads": args.threads,
+                "seed": args.seed, "groups_per_step": args.groups_per_step,
+                "group_size": args.group_size}
+    config = TrainConfig(**{**settings, **pretrained_defaults(settings),
+                            "eval_on_start": False, "eval_every": 10**6,
+                            "checkpoint_every": 10**6, "progress": False,
+                            "out": tempfile.mkdtemp(prefix="bench_memory_")})
+    # (the last step still evaluates and checkpoints: after its publish, not measured)
+    run, _ = build_run(config)
+    label = f"lora rank {args.lora_rank}" if lora else "full"
+    print(f"{label}: loaded, peak {memory_mib()[0]:.0f} MiB, now {memory_mib()[1]:.0f} MiB",
+          flush=True)
+    publish = run.training.save_weights_and_get_sampling_client
+    peaks: list[float] = []
+
+    def measured_publish(name: str | None = None) -> Any:
+        sampler = publish(name)
+        peak, now = memory_mib()
+        peaks.append(peak)
+        print(f"{label} step {len(peaks) - 1}: peak {peak:.0f} MiB, now {now:.0f} MiB",
+              flush=True)
+        return sampler
+
+    run.training.save_weights_and_get_sampling_client = measured_publish  # type: ignore[method-assign]
+    run.run()
+    # the first publish (before step 0) is the starting weights': drop it from the steps
+    report(label, peaks[1:])
+
+
+def run_publishes(args: argparse.Namespace) -> None:
+    from prefixgym.local_service import LocalService
+
+    service = LocalService(model=args.model, num_threads=args.threads)
+    training = service.create_training_client()
+    peak, now = memory_mib()
+    print(f"publish: loaded, peak {peak:.0f} MiB, now {now:.0f} MiB", flush=True)
+    peaks = []
+    for i in range(args.publishes):
+        training.save_weights_and_get_sampling_client()
+        peak, now = memory_mib()
+        peaks.append(peak)
+        print(f"publish {i + 1}: peak {peak:.0f} MiB, now {now:.0f} MiB", flush=True)
+    report("publish", peaks)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a checkpoint directory")
+    p.add_argument("--env", default="prefixgym/Arithmetic-v0")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--publishes", type=int, default=8)
+    p.add_argument("--groups-per-step", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--keep-free-memory", action="store_true",
+                   help="publishes leave malloc's free bytes resident (the state before "
+                        "they were trimmed), for comparison")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="publish,full,lora")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    setup_threads(args.threads)
+    if args.keep_free_memory:
+        from prefixgym.engine import malloc_tuning
+
+        malloc_tuning.release_free_memory = lambda: False
+    if args.child == "publish":
+        return run_publishes(args)
+    if args.child:
+        return run_steps(args, lora=args.child == "lora")
+    print(machine_facts(), json.dumps(vars(args)), flush=True)
+    for mode in args.modes.split(","):
+        subprocess.run([sys.executable, *sys.argv, "--child", mode], check=True)
+
+
+if __name__ == "__main__":
+    main()
