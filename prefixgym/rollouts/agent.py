@@ -215,17 +215,21 @@ class AgentRollouts:
         error, reward, components = None, 0.0, dict[str, float]()
         start = time.perf_counter()
         # 2) the program
+        limit = asyncio.timeout(self.config.timeout_s)
         try:
-            result = await asyncio.wait_for(
-                self.program(base_url=base_url, api_key=self.gateway.api_key or "none",
-                             model=self.model, task=task), self.config.timeout_s)
-            reward, components = reward_of(result, self.config.reward_weights)
-        except asyncio.TimeoutError:
-            error = f"the program did not return within {self.config.timeout_s:g} s"
-        except ValueError as e:
-            error = str(e)
+            async with limit:
+                result = await self.program(base_url=base_url,
+                                            api_key=self.gateway.api_key or "none",
+                                            model=self.model, task=task)
         except Exception as e:  # noqa: BLE001 - a program's failure fails its rollout
-            error = f"the program raised {type(e).__name__}: {_first_line(e)}"
+            error = (f"the program did not return within {self.config.timeout_s:g} s"
+                     if limit.expired() else
+                     f"the program raised {type(e).__name__}: {_first_line(e)}")
+        else:
+            try:
+                reward, components = reward_of(result, self.config.reward_weights)
+            except ValueError as e:  # no number
+                error = str(e)
         finally:
             refused = self.gateway.close(key)
             if rounds is not None:

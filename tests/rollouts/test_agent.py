@@ -144,6 +144,10 @@ def faulty(kind: str):
         client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
         if kind == "raises":
             raise RuntimeError("the tool server is down")
+        if kind == "raises ValueError":
+            raise ValueError("a bad task")
+        if kind == "raises TimeoutError":
+            raise TimeoutError("the tool timed out")
         if kind == "hangs":
             time.sleep(30)
         if kind == "wrong model":
@@ -158,6 +162,8 @@ def faulty(kind: str):
 
 @pytest.mark.parametrize("kind, error", [
     ("raises", "the program raised RuntimeError: the tool server is down"),
+    ("raises ValueError", "the program raised ValueError: a bad task"),
+    ("raises TimeoutError", "the program raised TimeoutError: the tool timed out"),
     ("hangs", "the program did not return within 0.5 s"),
     ("no number", "the program's reward component 'text' is 'not a number', not a number"),
     ("none", "the program returned None, not a reward (a number, or a dict of named numbers)"),
