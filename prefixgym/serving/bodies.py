@@ -16,10 +16,17 @@ own error shape. Parsing is synchronous, for a worker thread when bodies are lar
 from __future__ import annotations
 
 import json
+from typing import TypeVar
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from prefixgym.serving.protocol import MAX_JSON_DEPTH, json_depth
+from prefixgym.serving.protocol import (
+    MAX_JSON_DEPTH,
+    APIError,
+    describe_validation_error,
+    json_depth,
+)
 from prefixgym.types import JSONObject
 
 __all__ = ["BodyError", "check_content_type", "parse_json_object", "read_body"]
@@ -88,3 +95,15 @@ def parse_json_object(body: bytes) -> JSONObject:
         raise BodyError(400, f"request body must be a JSON object, got "
                              f"{type(payload).__name__}")
     return payload
+
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+def parse_request(model: type[RequestT], body: bytes | JSONObject) -> RequestT:
+    """A request of `model` from its JSON body (bytes as read, or parsed); APIError 400
+    naming the first bad field."""
+    try:
+        return model.model_validate(parse_json_object(body) if isinstance(body, bytes) else body)
+    except ValidationError as e:
+        raise APIError(400, *describe_validation_error(e)) from None

@@ -50,7 +50,7 @@ from starlette.concurrency import run_in_threadpool
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.prompting.call_tree import Pending
-from prefixgym.serving.bodies import parse_json_object, read_body
+from prefixgym.serving.bodies import parse_request, read_body
 from prefixgym.serving.chat_history import ChatHistory
 from prefixgym.serving.protocol import (
     APIError,
@@ -234,11 +234,7 @@ def add_chat_route(
 
 def parse_chat_request(body: bytes | JSONObject) -> ChatRequest:
     """A chat request from its JSON body (bytes as read, or parsed); APIError 400."""
-    try:
-        return ChatRequest.model_validate(
-            parse_json_object(body) if isinstance(body, bytes) else body)
-    except ValidationError as e:
-        raise APIError(400, *describe_validation_error(e)) from None
+    return parse_request(ChatRequest, body)
 
 
 def _arguments_as_object(call: JSONObject) -> JSONObject:

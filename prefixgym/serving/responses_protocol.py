@@ -41,14 +41,13 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Tag,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from prefixgym.serving.bodies import parse_json_object
-from prefixgym.serving.protocol import APIError, describe_validation_error, without_nulls
+from prefixgym.serving.bodies import parse_request
+from prefixgym.serving.protocol import APIError, without_nulls
 from prefixgym.types import JSONObject
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
@@ -224,11 +223,7 @@ class StoredResponse:
 
 def parse_responses_request(body: bytes | JSONObject) -> ResponsesRequest:
     """A Responses request from its JSON body (bytes as read, or parsed); APIError 400."""
-    try:
-        return ResponsesRequest.model_validate(
-            parse_json_object(body) if isinstance(body, bytes) else body)
-    except ValidationError as e:
-        raise APIError(400, *describe_validation_error(e)) from None
+    return parse_request(ResponsesRequest, body)
 
 
 def to_chat_body(req: ResponsesRequest, previous: StoredResponse | None) -> JSONObject:
