@@ -18,7 +18,7 @@ from typing import Any
 USAGE = """usage: prefixgym COMMAND [ARGS]
 
 commands:
-  train     SFT warm start + GRPO on an env (the main job)
+  train     SFT warm start + GRPO on an env or an agent program (the main job)
   estimate  what a train run will cost (tokens, seconds, money per part), from a short pilot
   rollout   sample episodes of an env, print transcripts and cache hits
   demo      a short multi-turn sampling demo that prints the usage ledger
