@@ -26,12 +26,16 @@ from prefixgym.rollouts.agent import (
     AgentProgram,
     AgentRollouts,
     AgentTask,
+    EnvTasks,
     load_agent,
 )
 from prefixgym.serving.agent_gateway import AgentGateway
 from prefixgym.serving.agent_session import SamplingDefaults
 from prefixgym.trainer.agent_steps import AgentSource, read_tasks
 from prefixgym.trainer.config import TrainConfig
+
+ENV_TASKS = "env"
+"""`--tasks env`: the tasks --env's reset poses, one per group seed."""
 
 
 @dataclass
@@ -56,22 +60,27 @@ class AgentInputs:
                    else load_agent(config.agent))
         if self.tasks is not None:
             tasks = list(self.tasks)
+        elif config.tasks == ENV_TASKS:
+            tasks = []
         elif config.tasks:
             tasks = read_tasks(config.tasks)
         else:
-            raise ValueError("--agent needs --tasks FILE.jsonl: the tasks its program is run on")
+            raise ValueError("--agent needs --tasks FILE.jsonl (or --tasks env: the tasks "
+                             "--env's reset poses)")
         if self.eval_tasks is not None:
             eval_tasks = list(self.eval_tasks)
         else:
             eval_tasks = read_tasks(config.eval_tasks, "--eval-tasks") if config.eval_tasks else []
-        if not tasks:
+        if not tasks and config.tasks != ENV_TASKS:
             raise ValueError("an agent run needs at least one task")
         return program, tasks, eval_tasks
 
 
 def check_agent(config: TrainConfig, inputs: AgentInputs) -> None:
-    """A bad --agent or task file fails before the model loads."""
+    """A bad --agent, task file or (with `--tasks env`) env fails before the model loads."""
     inputs.resolve(config)
+    if config.tasks == ENV_TASKS and inputs.tasks is None:
+        EnvTasks(config.env, config.env_kwargs or {}).close()
 
 
 def agent_source(config: TrainConfig, tokenizer: PreTrainedTokenizerBase,
@@ -88,4 +97,12 @@ def agent_source(config: TrainConfig, tokenizer: PreTrainedTokenizerBase,
                            api_key=secrets.token_urlsafe(16))
     rollouts = AgentRollouts(program, gateway, lambda: CallTree(tokenizer, fmt, syntax), model,
                              AgentConfig(timeout_s=config.agent_timeout))
-    return AgentSource(config, rollouts, tasks, eval_tasks, gateway.stop), gateway
+    env_tasks = (EnvTasks(config.env, config.env_kwargs or {})
+                 if config.tasks == ENV_TASKS and not tasks else None)
+
+    def close() -> None:
+        gateway.stop()
+        if env_tasks is not None:
+            env_tasks.close()
+
+    return AgentSource(config, rollouts, tasks, eval_tasks, close, env_tasks), gateway

@@ -36,7 +36,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixgym.envs.registration import import_source, located
+from prefixgym.envs.base import agent_of
+from prefixgym.envs.registration import import_source, located, make_agent_env
 from prefixgym.prompting.call_tree import Branch, CallTree, TrainedSequence
 from prefixgym.protocols import AgentGateway, SamplingClient
 from prefixgym.rollouts.agent_rounds import AgentRounds
@@ -147,6 +148,29 @@ def load_agent(spec: str) -> AgentProgram:
     if fn is None:
         raise ValueError(f"--agent {spec!r}: {source} has no {name!r}")
     return AgentProgram(fn, spec)
+
+
+class EnvTasks:
+    """Tasks posed by an env's `reset(seed)` (`--tasks env`): the task of a seed is
+    {"env", "env_kwargs", "seed", "system", "tools", "messages"}: what the env says first,
+    its system prompt and tool schemas, and how to make it again, so that a program can
+    grade its answer with the env itself (`prefixgym.envs.make_env(task["env"],
+    task["env_kwargs"])`, `reset(seed=task["seed"])`, `step(reply)`)."""
+
+    def __init__(self, spec: str, kwargs: JSONObject) -> None:
+        self.spec, self.kwargs = spec, dict(kwargs)
+        self._env = make_agent_env(spec, self.kwargs)
+        self._lock = threading.Lock()
+
+    def __call__(self, seed: int) -> JSONObject:
+        with self._lock:
+            obs, _ = self._env.reset(seed=seed)
+            system, tools = agent_of(self._env).prompt()
+        return {"env": self.spec, "env_kwargs": self.kwargs, "seed": seed, "system": system,
+                "tools": [t.schema() for t in tools], "messages": [dict(m) for m in obs]}
+
+    def close(self) -> None:
+        self._env.close()
 
 
 def reward_of(result: Any, weights: Mapping[str, float]) -> tuple[float, dict[str, float]]:

@@ -39,9 +39,12 @@ class AgentSource:
     eval_tasks: Sequence[AgentTask]
     on_close: Callable[[], None] = lambda: None
     """Called when the run ends (stops the gateway the rollouts go through)."""
+    task_of_seed: Callable[[int], AgentTask] | None = None
+    """Tasks by seed (an env's reset, `--tasks env`) in place of the lists: a group's task
+    is its seed's, an evaluation's the held-out seeds'."""
 
     def __post_init__(self) -> None:
-        if not self.tasks:
+        if not self.tasks and self.task_of_seed is None:
             raise ValueError("an agent run needs at least one task")
         self.eval_tasks = self.eval_tasks or self.tasks
 
@@ -57,9 +60,10 @@ class AgentSource:
         """Step 1: B groups of G rollouts (this rank's share), and the seconds it took."""
         start = time.perf_counter()
         seeds = step_seeds(self.config, step)
+        tasks = ([self.task_of_seed(s) for s in seeds] if self.task_of_seed is not None
+                 else self.step_tasks(step))
         groups = [(task, seed, f"step{step}.g{i}")
-                  for i, (task, seed) in enumerate(zip(self.step_tasks(step), seeds))
-                  if i % world == rank]
+                  for i, (task, seed) in enumerate(zip(tasks, seeds)) if i % world == rank]
         collected = asyncio.run(self.rollouts.run_groups(sampler, groups,
                                                          self.config.group_size))
         return collected, time.perf_counter() - start
@@ -67,7 +71,10 @@ class AgentSource:
     def evaluate(self, sampler: SamplingClient, temperature: float, when: str, name: str,
                  trace: object = None) -> EvalResult:
         """The first `eval_episodes` held-out tasks, once each, at `temperature`."""
-        tasks = list(self.eval_tasks)[:self.config.eval_episodes]
+        n = self.config.eval_episodes
+        tasks = ([self.task_of_seed(EVAL_SEED_BASE + i) for i in range(n)]
+                 if self.task_of_seed is not None and not self.eval_tasks
+                 else list(self.eval_tasks)[:n])
         groups = [(task, EVAL_SEED_BASE + i, f"{name}.{i}") for i, task in enumerate(tasks)]
         with Progress(f"eval ({when})", len(tasks), "task", self.config.progress) as progress:
             def done(_: Trajectory) -> None:

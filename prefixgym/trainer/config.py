@@ -97,7 +97,8 @@ class TrainConfig:
     base_url, and returns its reward; every call's tokens are recorded as sampled."""
     tasks: str = ""
     """With --agent: a JSONL file, one task (any JSON value) a line, passed to the program
-    as `task`; a GRPO group runs one task G times."""
+    as `task`; a GRPO group runs one task G times. `env`: the tasks --env's reset poses,
+    one per group seed ({"env", "env_kwargs", "seed", "system", "tools", "messages"})."""
     eval_tasks: str = ""
     """With --agent: held-out tasks (JSONL) to evaluate on; unset: the first of --tasks."""
     sft_data: str = ""

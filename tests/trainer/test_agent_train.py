@@ -201,3 +201,36 @@ def test_a_bad_record_file_is_one_line_before_training(tmp_path, capsys, line, m
                  "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "bad.jsonl:1" in err and "Traceback" not in err
+
+
+ENV_PROGRAM = '''
+from openai import OpenAI
+from prefixgym.envs.registration import make_agent_env
+
+def agent(base_url, api_key, model, task):
+    """Plays the env's task through the API and lets the env grade the reply."""
+    assert set(task) == {"env", "env_kwargs", "seed", "system", "tools", "messages"}
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = client.chat.completions.create(model=model, messages=[
+        {"role": "system", "content": task["system"]}, *task["messages"]])
+    env = make_agent_env(task["env"], task["env_kwargs"])
+    env.reset(seed=task["seed"])
+    _, reward, _, _, info = env.step(reply.choices[0].message.content)
+    env.close()
+    return {"env": float(reward), "success": float(info["is_success"])}
+'''
+
+
+def test_tasks_can_come_from_an_envs_reset(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+    (tmp_path / "env_agent.py").write_text(ENV_PROGRAM)
+    assert main(["train", "--agent", f"{tmp_path / 'env_agent.py'}:agent", "--tasks", "env",
+                 "--env", "prefixgym/Arithmetic-v0", "--env-kwargs",
+                 '{"num_operands": 2, "tool_schemas": false}', "--steps", "1",
+                 "--groups-per-step", "2", "--group-size", "2", "--eval-episodes", "3",
+                 "--max-tokens", "4", "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    records = lines(tmp_path / "run")
+    [step] = [r for r in records if r["phase"] == "grpo"]
+    assert step["episodes/failed"] == 0, step.get("episodes/first_error")
+    [evaluation] = [r for r in records if r["phase"] == "eval"]
+    assert evaluation["eval/episodes"] == 3 and evaluation["eval/env_errors"] == 0
