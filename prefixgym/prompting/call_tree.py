@@ -19,7 +19,9 @@ trained is what was sampled (the seed's first rule: never re-tokenize history):
   4) `sequences()` gives what to train: each node no later call continued is the end
      of one sequence (tokens, which were sampled, their logprobs); a choice passed over
      (a sibling of a choice the program went on with) is left out.
-The tree is safe to share between threads (a program may send calls in parallel).
+The tree is safe to share between threads (a program may send calls in parallel). A
+server's tree (`prefixgym serve`'s chat history) is bounded by `max_nodes`: it forgets
+its oldest replies first.
 
 Knows messages, tools, tokens and chat formats; nothing of HTTP, samplers or rewards.
 """
