@@ -9,15 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from chat_templates import QWEN3_LIKE
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_checkpoints import save_tiny_qwen2
 
 from prefixgym.cli import main
 from prefixgym.cli.train import build_run
 from prefixgym.local_service import LocalService
 from prefixgym.prompting import Conversation
-from prefixgym.prompting.tokenizer import ASSETS_DIR, load_tokenizer
 from prefixgym.trainer.config import TrainConfig
 
 SMALL = ["--env", "tests/Lengthy-v0", "--sft-steps", "1", "--sft-episodes-per-step", "2",
@@ -28,21 +26,8 @@ LAST_MESSAGE_ONLY = ("{% for m in messages %}{% if loop.last %}<|im_start|>{{ m.
                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def save_checkpoint(directory: Path, chat_template: str | None = None) -> None:
-    """A tiny random Qwen2 model with the built-in tokenizer, as a local HF directory."""
-    torch.manual_seed(0)
-    tokenizer = load_tokenizer(ASSETS_DIR)  # a copy: the shared built-in one stays as is
-    config = Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=len(tokenizer), tie_word_embeddings=True)
-    Qwen2ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    tokenizer.save_pretrained(directory)
-
-
 def test_lora_run_on_a_local_checkpoint_writes_a_loadable_adapter(tmp_path: Path, capsys) -> None:
-    save_checkpoint(tmp_path / "ckpt")
+    save_tiny_qwen2(tmp_path / "ckpt")
     out = tmp_path / "run"
     argv = ["train", "--model", str(tmp_path / "ckpt"), "--lora-rank", "4",
             "--lora-targets", "attn,unembed", "--recompute-activations", "--out", str(out),
@@ -61,7 +46,7 @@ def test_lora_run_on_a_local_checkpoint_writes_a_loadable_adapter(tmp_path: Path
 
 
 def test_a_template_that_is_not_append_only_stops_the_run(tmp_path: Path, capsys) -> None:
-    save_checkpoint(tmp_path / "ckpt", LAST_MESSAGE_ONLY)
+    save_tiny_qwen2(tmp_path / "ckpt", LAST_MESSAGE_ONLY)
     argv = ["train", "--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "run"), *SMALL]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -71,7 +56,7 @@ def test_a_template_that_is_not_append_only_stops_the_run(tmp_path: Path, capsys
 @pytest.mark.parametrize("switches", [None, '{"enable_thinking": false}'])
 def test_a_reasoning_template_runs_turn_by_turn_and_says_so(tmp_path: Path, capsys,
                                                            switches: str | None) -> None:
-    save_checkpoint(tmp_path / "ckpt", QWEN3_LIKE)
+    save_tiny_qwen2(tmp_path / "ckpt", QWEN3_LIKE)
     out = tmp_path / "run"
     argv = ["train", "--model", str(tmp_path / "ckpt"), "--out", str(out), *SMALL]
     if switches:

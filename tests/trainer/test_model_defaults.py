@@ -9,13 +9,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_checkpoints import save_tiny_qwen2
 
 from prefixgym.cli import main
 from prefixgym.cli.flags import field_docs
 from prefixgym.cli.train_args import parse_train_args, parse_train_config
-from prefixgym.prompting.tokenizer import ASSETS_DIR, load_tokenizer
 from prefixgym.trainer.config import RUN_CONFIG, TrainConfig
 from prefixgym.trainer.model_defaults import (
     PRETRAINED_LORA_LR,
@@ -32,13 +30,7 @@ TINY = {"lr": 6e-4, "sft_lr": 2e-3, "sft_steps": 400, "max_tokens": 8, "eval_epi
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random Qwen2 model with the built-in tokenizer, as a local HF directory."""
     directory = tmp_path_factory.mktemp("ckpt")
-    torch.manual_seed(0)
-    tokenizer = load_tokenizer(ASSETS_DIR)  # a copy: the shared built-in one stays as is
-    config = Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=len(tokenizer), tie_word_embeddings=True)
-    Qwen2ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
+    save_tiny_qwen2(directory)
     return str(directory)
 
 
