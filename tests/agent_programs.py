@@ -9,7 +9,6 @@ from collections.abc import Callable
 from prefixgym.futures import APIFuture
 from prefixgym.prompting.call_tree import CallTree
 from prefixgym.prompting.chat_format import ChatMLFormat
-from prefixgym.prompting.tool_syntax import syntax_for_template
 from prefixgym.rollouts.agent import AgentConfig, AgentProgram, AgentRollouts
 from prefixgym.types import SampledSequence, SampleResponse, Usage
 
@@ -49,8 +48,7 @@ class ScriptedSampler:
 
 def rollouts_for(tokenizer, gateway, program, chat_format=None, timeout=60.0, weights=None):
     fmt = chat_format or ChatMLFormat(tokenizer)
-    syntax = syntax_for_template(tokenizer.chat_template, builtin=isinstance(fmt, ChatMLFormat))
-    return AgentRollouts(AgentProgram(program), gateway, lambda: CallTree(tokenizer, fmt, syntax),
+    return AgentRollouts(AgentProgram(program), gateway, lambda: CallTree(tokenizer, fmt),
                          "policy", AgentConfig(timeout_s=timeout, reward_weights=weights or {}))
 
 

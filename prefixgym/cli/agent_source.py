@@ -18,9 +18,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.prompting.call_tree import CallTree
-from prefixgym.prompting.chat_format import ChatMLFormat
 from prefixgym.prompting.conversation import chat_format_for
-from prefixgym.prompting.tool_syntax import syntax_for_template
 from prefixgym.rollouts.agent import (
     AgentConfig,
     AgentProgram,
@@ -89,13 +87,11 @@ def agent_source(config: TrainConfig, tokenizer: PreTrainedTokenizerBase,
     the caller stops it)."""
     program, tasks, eval_tasks = (inputs or AgentInputs()).resolve(config)
     fmt = chat_format_for(tokenizer)
-    syntax = syntax_for_template(tokenizer.chat_template,
-                                 builtin=isinstance(fmt, ChatMLFormat))
     model = Path(config.model).name or config.model
     gateway = AgentGateway(model, SamplingDefaults(max_tokens=config.max_tokens,
                                                    temperature=config.temperature),
                            api_key=secrets.token_urlsafe(16))
-    rollouts = AgentRollouts(program, gateway, lambda: CallTree(tokenizer, fmt, syntax), model,
+    rollouts = AgentRollouts(program, gateway, lambda: CallTree(tokenizer, fmt), model,
                              AgentConfig(timeout_s=config.agent_timeout))
     env_tasks = (EnvTasks(config.env, config.env_kwargs or {})
                  if config.tasks == ENV_TASKS and not tasks else None)

@@ -121,9 +121,7 @@ def build_proxy(config: ProxyConfig) -> RecordingProxy:
     """The proxy `config` describes, not yet serving; ValueError for what it cannot build
     (an upstream that cannot say its model, a tokenizer that cannot be found)."""
     from prefixgym.prompting.call_tree import CallTree
-    from prefixgym.prompting.chat_format import ChatMLFormat
     from prefixgym.prompting.conversation import chat_format_for
-    from prefixgym.prompting.tool_syntax import syntax_for_template
     from prefixgym.serving.agent_session import SamplingDefaults
     from prefixgym.serving.openai_client import OpenAISamplingClient
     from prefixgym.serving.proxy import RecordingProxy
@@ -139,9 +137,8 @@ def build_proxy(config: ProxyConfig) -> RecordingProxy:
                          f"(or give --upstream-model): {error_line(e)}") from None
     tokenizer = tokenizer_for(config.model or model, given=bool(config.model))
     fmt = chat_format_for(tokenizer)
-    syntax = syntax_for_template(tokenizer.chat_template, builtin=isinstance(fmt, ChatMLFormat))
     defaults = SamplingDefaults(max_tokens=config.max_tokens, temperature=config.temperature)
-    return RecordingProxy(sampler, model, lambda: CallTree(tokenizer, fmt, syntax), config.record,
+    return RecordingProxy(sampler, model, lambda: CallTree(tokenizer, fmt), config.record,
                           defaults, config.api_key or None, config.host)
 
 

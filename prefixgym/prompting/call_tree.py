@@ -36,10 +36,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from prefixgym.prompting.chat_format import ChatFormat
+from prefixgym.prompting.chat_format import ChatFormat, ChatMLFormat
 from prefixgym.prompting.conversation import Conversation
 from prefixgym.prompting.divergence import common_prefix_len, first_divergence, volatile_kind
-from prefixgym.prompting.tool_syntax import ParsedCall, ToolCallSyntax
+from prefixgym.prompting.tool_syntax import ParsedCall, ToolCallSyntax, syntax_for_template
 from prefixgym.prompting.tools import Tool
 from prefixgym.types import JSONObject
 
@@ -136,10 +136,11 @@ class CallTree:
     """The calls of one rollout (see the module docstring)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_format: ChatFormat,
-                 syntax: ToolCallSyntax | None, max_nodes: int | None = None) -> None:
+                 max_nodes: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.format = chat_format
-        self.syntax = syntax
+        self.syntax = tool_syntax_of(chat_format)
+        """How the format's replies write tool calls (None: unknown)."""
         self.branches: list[Branch] = []
         self.calls = 0
         self._nodes: list[Node] = []
@@ -305,6 +306,15 @@ def _edit_reason(earlier: tuple[str, ...], later: tuple[str, ...], at: int) -> t
     if old[0] == new[0]:
         return "PG204", f"message {message} ({old[0]}) was edited"
     return "PG204", f"the history was rewritten from message {message}"
+
+
+def tool_syntax_of(chat_format: ChatFormat) -> ToolCallSyntax | None:
+    """The tool-call syntax of a chat format: the built-in format's, or the one its own
+    template's text implies (the template it renders with, which may not be the
+    tokenizer's); None when it is unknown."""
+    if isinstance(chat_format, ChatMLFormat):
+        return syntax_for_template(None, builtin=True)
+    return syntax_for_template(getattr(chat_format, "chat_template", None))
 
 
 def call_messages(messages: Iterable[JSONObject]) -> list[CallMessage]:

@@ -30,9 +30,7 @@ from prefixgym.prompting.call_tree import (
     call_messages,
     reply_message,
 )
-from prefixgym.prompting.chat_format import ChatMLFormat
 from prefixgym.prompting.conversation import make_chat_format
-from prefixgym.prompting.tool_syntax import syntax_for_template
 from prefixgym.types import JSONObject, SampleResponse
 
 
@@ -76,9 +74,7 @@ class ChatHistory:
             if req.chat_template_kwargs and "switches" in str(e):
                 raise
             return None
-        syntax = syntax_for_template(self.tokenizer.chat_template,
-                                     builtin=isinstance(fmt, ChatMLFormat))
-        return CallTree(self.tokenizer, fmt, syntax, max_nodes=self.max_replies)
+        return CallTree(self.tokenizer, fmt, max_nodes=self.max_replies)
 
     def begin(self, req: ChatCall) -> Pending | None:
         """The call's prompt through its tree (None: render it whole); ValueError for

@@ -18,7 +18,6 @@ from chat_templates import QWEN3_LIKE  # noqa: E402
 from prefixgym.prompting.call_tree import CallMessage, CallTree, call_messages  # noqa: E402
 from prefixgym.prompting.chat_format import ChatMLFormat, HFTemplateFormat  # noqa: E402
 from prefixgym.prompting.tokenizer import ASSETS_DIR, load_tokenizer  # noqa: E402
-from prefixgym.prompting.tool_syntax import syntax_for_template  # noqa: E402
 from prefixgym.rollouts.agent import (  # noqa: E402
     AgentProgram,
     reward_of,
@@ -228,7 +227,7 @@ def test_a_call_that_fails_keeps_the_sequence_it_would_have_continued(tokenizer)
     """A call the sampler refuses (here: past its limits) records nothing, and the
     conversation it extended is still trained."""
     fmt = ChatMLFormat(tokenizer)
-    tree = CallTree(tokenizer, fmt, syntax_for_template(None, builtin=True))
+    tree = CallTree(tokenizer, fmt)
     first = tree.begin(call_messages([{"role": "user", "content": "hi"}]))
     ids = list(tokenizer.encode("hello", add_special_tokens=False)) + [fmt.im_end]
     tree.add_reply(first, ids, [-0.5] * len(ids), "stop",

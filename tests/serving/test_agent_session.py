@@ -21,7 +21,6 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 from prefixgym.prompting.call_tree import CallTree  # noqa: E402
 from prefixgym.prompting.chat_format import ChatMLFormat  # noqa: E402
 from prefixgym.prompting.tokenizer import load_tokenizer  # noqa: E402
-from prefixgym.prompting.tool_syntax import syntax_for_template  # noqa: E402
 from prefixgym.serving.agent_gateway import AgentGateway  # noqa: E402
 
 MODEL = "policy"
@@ -100,8 +99,7 @@ class Rollout:
 
     def __init__(self, tokenizer, gateway, replies=(CALL, ANSWER)) -> None:
         fmt = ChatMLFormat(tokenizer)
-        self.tree = CallTree(tokenizer, fmt, syntax_for_template(tokenizer.chat_template,
-                                                                 builtin=True))
+        self.tree = CallTree(tokenizer, fmt)
         self.sampler = ScriptedSampler(tokenizer, lambda i: replies[min(i, len(replies) - 1)],
                                        fmt.im_end)
         self.params: list = []

@@ -15,7 +15,6 @@ from prefixgym.cli.proxy import ProxyConfig, build_proxy, main  # noqa: E402
 from prefixgym.prompting.call_tree import CallTree  # noqa: E402
 from prefixgym.prompting.chat_format import ChatMLFormat  # noqa: E402
 from prefixgym.prompting.tokenizer import load_tokenizer  # noqa: E402
-from prefixgym.prompting.tool_syntax import syntax_for_template  # noqa: E402
 from prefixgym.serving.agent_session import SamplingDefaults  # noqa: E402
 from prefixgym.serving.openai_client import OpenAISamplingClient  # noqa: E402
 from prefixgym.serving.proxy import RecordingProxy  # noqa: E402
@@ -160,8 +159,7 @@ def test_the_chat_formats_stop_ids_go_upstream_and_an_upstream_5xx_is_a_502(reco
 
     sampler = OpenAISamplingClient("http://upstream.test", model="m",
                                    transport=httpx.MockTransport(upstream))
-    syntax = syntax_for_template(tokenizer.chat_template, builtin=True)
-    running = RecordingProxy(sampler, "m", lambda: CallTree(tokenizer, fmt, syntax), record,
+    running = RecordingProxy(sampler, "m", lambda: CallTree(tokenizer, fmt), record,
                              SamplingDefaults(max_tokens=5, temperature=0.5))
     running.start()
     try:
