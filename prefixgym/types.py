@@ -103,6 +103,12 @@ class SamplingParams(_Wire):
         return value
 
 
+def derived_seed(seed: int, k: int) -> int:
+    """A distinct, reproducible sampling seed for the k-th use of `seed` (a group's
+    episodes and turns, an agent rollout's calls)."""
+    return (seed * 1_000_003 + k * 7919) % (2**31 - 1)
+
+
 class AdamParams(_Wire):
     """One AdamW update. `grad_clip_norm=0` turns clipping off."""
 

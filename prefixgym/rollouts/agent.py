@@ -42,7 +42,7 @@ from prefixgym.prompting.call_tree import Branch, CallTree, TrainedSequence
 from prefixgym.protocols import AgentGateway, SamplingClient
 from prefixgym.rollouts.agent_rounds import AgentRounds
 from prefixgym.rollouts.types import Trajectory, TrajectoryGroup, Turn
-from prefixgym.types import JSONObject, Usage
+from prefixgym.types import JSONObject, Usage, derived_seed
 
 PROGRAM_ARGS = ("base_url", "api_key", "model", "task")
 AGENT_ENTRY_POINTS = "prefixgym.agents"
@@ -216,7 +216,7 @@ class AgentRollouts:
         out = [TrajectoryGroup(gid, seed, [
             Trajectory(episode_id=f"{gid}/{i}", group_id=gid, seed=seed)
             for i in range(group_size)]) for _, seed, gid in groups]
-        runs = [(task, _mix(seed, i), traj) for (task, seed, _), group in zip(groups, out)
+        runs = [(task, derived_seed(seed, i), traj) for (task, seed, _), group in zip(groups, out)
                 for i, traj in enumerate(group.trajectories)]
         width = self.config.max_concurrent
         for start in range(0, len(runs), width):
@@ -309,10 +309,6 @@ def _fill(traj: Trajectory, seq: TrainedSequence, seen: set[int]) -> None:
             mask[reply.start:reply.end] = [False] * (reply.end - reply.start)
     traj.tokens, traj.sampled_mask, traj.logprobs = seq.tokens, mask, seq.logprobs
     traj.extension_ok = seq.extension_ok
-
-
-def _mix(seed: int, k: int) -> int:
-    return (seed * 1_000_003 + k * 7919) % (2**31 - 1)
 
 
 def _first_line(e: BaseException) -> str:

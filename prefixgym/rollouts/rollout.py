@@ -37,6 +37,7 @@ from prefixgym.types import (
     SampleResponse,
     SamplingParams,
     Usage,
+    derived_seed,
 )
 
 GroupSpec = tuple[Sequence[AgentGymEnv], int, str]
@@ -153,11 +154,11 @@ class _Run:
             firsts = await self.sample(episodes, prompts[0], 0, seed)
         else:
             firsts = [s for [s] in await asyncio.gather(*(
-                self.sample([ep], p, 0, _mix(seed, i))
+                self.sample([ep], p, 0, derived_seed(seed, i))
                 for i, (ep, p) in enumerate(zip(episodes, prompts))
             ))]
         # 3) each episode goes on by itself; the engine batches them
-        await asyncio.gather(*(self.play(ep, firsts[i], _mix(seed, i))
+        await asyncio.gather(*(self.play(ep, firsts[i], derived_seed(seed, i))
                                for i, ep in enumerate(episodes)))
         return TrajectoryGroup(group_id, seed, trajectories)
 
@@ -194,7 +195,7 @@ class _Run:
                 return ep.end("max_turns")
             if prompt.length + self.config.max_tokens > self.config.max_episode_tokens:
                 return ep.end("max_episode_tokens")
-            [sample] = await self.sample([ep], prompt, n, _mix(seed, 1000 + n))
+            [sample] = await self.sample([ep], prompt, n, derived_seed(seed, 1000 + n))
 
 
 @dataclass
@@ -205,8 +206,3 @@ class _Sample:
     usage: Usage
     shared_by: int
     weights_version: str | None = None
-
-
-def _mix(seed: int, k: int) -> int:
-    """A distinct, reproducible seed per (group seed, sample index)."""
-    return (seed * 1_000_003 + k * 7919) % (2**31 - 1)

@@ -42,7 +42,7 @@ from prefixgym.protocols import SamplingClient
 from prefixgym.serving.bodies import BodyError
 from prefixgym.serving.chat import ChatRequest
 from prefixgym.serving.protocol import APIError, decode_ids, describe_validation_error
-from prefixgym.types import JSONObject, ModelInput, SampleResponse, SamplingParams
+from prefixgym.types import JSONObject, ModelInput, SampleResponse, SamplingParams, derived_seed
 
 MAX_N = 64
 log = logging.getLogger("prefixgym.serve")
@@ -115,7 +115,7 @@ class RolloutSession:
             temperature=req.temperature if "temperature" in given else d.temperature,
             top_p=req.top_p if "top_p" in given else d.top_p, top_k=req.top_k,
             stop=req.stop_strings, stop_token_ids=self.stop_token_ids(req),
-            seed=req.seed if req.seed is not None else _mix(self.seed, call))
+            seed=req.seed if req.seed is not None else derived_seed(self.seed, call))
 
     def stop_token_ids(self, req: ChatRequest) -> list[int]:
         """The call's own, and the chat format's end-of-turn ids unless it names stop
@@ -169,10 +169,6 @@ class RolloutSession:
                       "prompt_tokens_details": {
                           "cached_tokens": response.usage.prefill_cached_tokens}},
             "metadata": {"weight_version": response.weights_version}}
-
-
-def _mix(seed: int, k: int) -> int:
-    return (seed * 1_000_003 + k * 7919) % (2**31 - 1)
 
 
 def _first_line(e: BaseException) -> str:
