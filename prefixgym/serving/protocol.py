@@ -61,17 +61,22 @@ def valid_text(value: str, where: str) -> str:
     return value
 
 
-def without_nulls(data: object) -> object:
-    """A request body without its null fields, so that each takes its default."""
-    if isinstance(data, dict):
-        return {k: v for k, v in data.items() if v is not None}
-    return data
-
-
-class SamplingFields(BaseModel):
-    """The fields completions and chat share: the model, how many samples, and how."""
+class RequestBody(BaseModel):
+    """A request body's fields: strict types, unknown fields ignored (as vLLM does), and
+    a field sent as null taken as not sent (OpenAI's SDK sends `None` arguments so)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: object) -> object:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class SamplingFields(RequestBody):
+    """The fields completions and chat share: the model, how many samples, and how."""
 
     model: str | None = None
     n: int = Field(default=1, ge=1)
@@ -87,11 +92,6 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: object) -> object:
-        return without_nulls(data)
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod

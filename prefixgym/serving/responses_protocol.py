@@ -43,11 +43,10 @@ from pydantic import (
     Tag,
     ValidationInfo,
     field_validator,
-    model_validator,
 )
 
 from prefixgym.serving.bodies import parse_request
-from prefixgym.serving.protocol import APIError, without_nulls
+from prefixgym.serving.protocol import APIError, RequestBody
 from prefixgym.types import JSONObject
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
@@ -122,11 +121,10 @@ class ToolChoiceFunction(BaseModel):
     name: str
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestBody):
     """A `POST /v1/responses` body; unknown fields are ignored. Sampling values are
     checked by the chat handler they pass to."""
 
-    model_config = _STRICT
     model: str | None = None
     input: list[InputItem]
     """A string is one user message."""
@@ -155,11 +153,6 @@ class ResponsesRequest(BaseModel):
     # OpenAI's server-side state, refused
     conversation: Any = None
     prompt: Any = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: object) -> object:
-        return without_nulls(data)
 
     @field_validator("conversation", "prompt")
     @classmethod
