@@ -11,17 +11,20 @@ it always does for one or two flipped bits and misses with odds 2^-32 otherwise;
 checksum kept beside the files could stop a deliberate edit, and CRC-32 runs about
 6x faster than SHA-256 here (a tiny-model checkpoint is 63 MB, hashed on every save
 and load). Checkpoints (the engine's training state, the trainer's run state) and
-the metrics log are written this way. Knows files only.
+the metrics log are written this way. `read_jsonl` reads a file of one JSON value a
+line, for inputs a user hands a command (tasks, recorded runs). Knows files only.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 TEMPORARY_SUFFIX = ".tmp"
 CHECKSUM_ALGORITHM = "crc32"
@@ -122,3 +125,22 @@ def ensure_writable_dir(path: Path) -> None:
         os.remove(probe)
     except OSError as e:
         raise ValueError(f"{path} is not a writable directory: {e.strerror or e}") from None
+
+
+def read_jsonl(path: str | Path, flag: str) -> list[tuple[int, Any]]:
+    """(line number, value) for each non-blank line of a JSONL file; ValueError in one
+    line, starting with `flag` and the path, for a file that cannot be read or a line
+    that is not JSON."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+    values = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            values.append((number, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} {path}:{number}: not JSON ({e.msg})") from None
+    return values

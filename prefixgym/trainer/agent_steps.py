@@ -13,13 +13,12 @@ Knows rollouts, tasks and the sampling protocol; not how programs reach the mode
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
+from prefixgym.files import read_jsonl
 from prefixgym.protocols import SamplingClient
 from prefixgym.rollouts.agent import AgentRollouts, AgentTask
 from prefixgym.rollouts.types import Trajectory
@@ -47,13 +46,13 @@ class AgentSource:
         if not self.tasks and self.task_of_seed is None:
             raise ValueError("an agent run needs at least one task")
         self.eval_tasks = self.eval_tasks or self.tasks
+        self._order = list(range(len(self.tasks)))  # the tasks' one seeded order
+        random.Random(self.config.seed).shuffle(self._order)
 
     def step_tasks(self, step: int) -> list[AgentTask]:
         """The B tasks of GRPO step `step`: passes over the tasks in one seeded order."""
-        order = list(range(len(self.tasks)))
-        random.Random(self.config.seed).shuffle(order)
         b = self.config.groups_per_step
-        return [self.tasks[order[(step * b + i) % len(order)]] for i in range(b)]
+        return [self.tasks[self._order[(step * b + i) % len(self._order)]] for i in range(b)]
 
     def collect(self, sampler: SamplingClient, step: int, rank: int = 0, world: int = 1,
                 trace: object = None) -> Collected:
@@ -91,18 +90,7 @@ class AgentSource:
 def read_tasks(path: str, flag: str = "--tasks") -> list[AgentTask]:
     """One JSON value a line of a JSONL file (blank lines skipped); ValueError naming
     the line that is not JSON, or a file with no task."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
-    tasks = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            tasks.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{flag} {path}:{number}: not JSON ({e.msg})") from None
+    tasks = [value for _, value in read_jsonl(path, flag)]
     if not tasks:
         raise ValueError(f"{flag} {path}: no task in the file")
     return tasks

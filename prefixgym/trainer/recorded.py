@@ -12,11 +12,10 @@ sampled tokens. Knows trajectories, datums and files; not how the records were m
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
+from prefixgym.files import read_jsonl
 from prefixgym.rollouts.types import Trajectory, Turn
 from prefixgym.trainer.datum import num_loss_tokens, sft_datum, trainable
 from prefixgym.types import Datum
@@ -24,21 +23,14 @@ from prefixgym.types import Datum
 
 def read_records(path: str, vocab_size: int) -> list[Trajectory]:
     """The trainable sequences of a record file; ValueError naming the line at fault."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"--sft-data {path}: {e.strerror or e}") from None
     out = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for number, record in read_jsonl(path, "--sft-data"):
         where = f"--sft-data {path}:{number}"
         try:
-            record = json.loads(line)
             tokens, mask = list(record["tokens"]), list(record["sampled_mask"])
             turns = [Turn(int(t["reply_start"]), int(t["reply_end"]), str(t.get("stop_reason", "")))
                      for t in record["turns"]]
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a recorded sequence ({type(e).__name__}: {e}); "
                              "want tokens, sampled_mask and turns, as prefixgym proxy "
                              "--record writes") from None
