@@ -52,10 +52,11 @@ def parse_train_args(argv: list[str], prog: str = "prefixgym train",
     except ValueError as e:
         parser.error(str(e))
     merged = {**saved, **from_file, **given}
-    pretrained = pretrained_defaults(merged)  # under every layer: what none of them set
-    if merged.get("agent") and "sft_steps" not in merged:  # no expert: GRPO alone
-        given["sft_steps"] = 0
-    config = build_config(TrainConfig, parser, pretrained, saved, from_file, given)
+    # under every layer, what none of them set: a checkpoint directory's defaults, and an
+    # agent run's warm start (none: an agent program has no scripted expert)
+    pretrained = pretrained_defaults(merged)
+    agent = {"sft_steps": 0} if merged.get("agent") and "sft_steps" not in merged else {}
+    config = build_config(TrainConfig, parser, {**pretrained, **agent}, saved, from_file, given)
     config.env = absolute_spec(config.env)
     return config, pretrained
 
