@@ -21,7 +21,6 @@ servers (agent_gateway.py), envs, rewards or training.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -40,8 +39,8 @@ from prefixgym.prompting.call_tree import (
 )
 from prefixgym.protocols import SamplingClient
 from prefixgym.serving.bodies import BodyError
-from prefixgym.serving.chat import ChatRequest
-from prefixgym.serving.protocol import APIError, decode_ids, describe_validation_error
+from prefixgym.serving.chat import ChatRequest, logprobs_content, openai_tool_calls
+from prefixgym.serving.protocol import APIError, describe_validation_error
 from prefixgym.types import JSONObject, ModelInput, SampleResponse, SamplingParams, derived_seed
 
 MAX_N = 64
@@ -142,9 +141,8 @@ class RolloutSession:
                     "shared_by": len(response.sequences)}
             msg = self.tree.add_reply(pending, seq.tokens, seq.logprobs, seq.stop_reason,
                                       message_of, info)
-            calls = [{"id": f"call_{pending.call}_{i}_{k}", "type": "function",
-                      "function": {"name": c.name, "arguments": _json(c.arguments)}}
-                     for k, c in enumerate(msg.tool_calls)]
+            calls = openai_tool_calls(msg.tool_calls, [
+                f"call_{pending.call}_{i}_{k}" for k in range(len(msg.tool_calls))])
             message: JSONObject = {"role": "assistant",
                                    "content": msg.content or (None if calls else "")}
             if calls:
@@ -155,11 +153,7 @@ class RolloutSession:
                 "index": i, "message": message, "token_ids": list(seq.tokens),
                 "prompt_token_ids": pending.prompt if i == 0 else None,
                 "finish_reason": "tool_calls" if calls else seq.stop_reason,
-                "logprobs": {"content": [
-                    {"token": piece, "logprob": value, "bytes": list(piece.encode()),
-                     "top_logprobs": []}
-                    for piece, value in zip((decode_ids(tokenizer, [t], False)
-                                             for t in seq.tokens), seq.logprobs)]}})
+                "logprobs": logprobs_content(tokenizer, seq.tokens, seq.logprobs)})
         sampled = sum(len(s.tokens) for s in response.sequences)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
@@ -174,8 +168,3 @@ class RolloutSession:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-def _json(value: object) -> str:
-
-    return json.dumps(value, ensure_ascii=False)

@@ -37,10 +37,9 @@ sampling client it is handed.
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -50,6 +49,7 @@ from starlette.concurrency import run_in_threadpool
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.prompting.call_tree import Pending
+from prefixgym.prompting.tool_syntax import HermesSyntax, ParsedCall
 from prefixgym.serving.bodies import parse_request, read_body
 from prefixgym.serving.chat_history import ChatHistory
 from prefixgym.serving.protocol import (
@@ -61,8 +61,6 @@ from prefixgym.serving.protocol import (
 )
 from prefixgym.serving.weights import ServedWeights
 from prefixgym.types import JSONObject, SampleResponse
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 class TextPart(BaseModel):
@@ -251,22 +249,27 @@ def _arguments_as_object(call: JSONObject) -> JSONObject:
 def _tool_calls(text: str) -> tuple[str, list[JSONObject]]:
     """The text outside `<tool_call>` blocks, and the blocks that hold a call (a JSON
     object with a name) as OpenAI tool calls; a block that does not stays in the text."""
-    calls: list[JSONObject] = []
+    content, calls = HermesSyntax().parse(text)
+    return content, openai_tool_calls(calls)
 
-    def take(match: re.Match[str]) -> str:
-        try:
-            call = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            return match.group(0)
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return match.group(0)
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": json.dumps(call.get("arguments", {}))}})
-        return ""
 
-    rest = _TOOL_CALL.sub(take, text)
-    return (rest.strip() if calls else rest), calls
+def openai_tool_calls(calls: Sequence[ParsedCall], ids: Sequence[str] | None = None
+                      ) -> list[JSONObject]:
+    """Parsed calls in OpenAI's `tool_calls` shape, with `ids` (default: random ones)."""
+    ids = ids if ids is not None else [f"call_{uuid.uuid4().hex[:24]}" for _ in calls]
+    return [{"id": call_id, "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments,
+                                                                  ensure_ascii=False)}}
+            for call_id, c in zip(ids, calls)]
+
+
+def logprobs_content(tokenizer: PreTrainedTokenizerBase | None, tokens: Sequence[int],
+                     logprobs: Sequence[float]) -> JSONObject:
+    """A choice's `logprobs` in chat's shape: each sampled token's text and logprob."""
+    return {"content": [{"token": piece, "logprob": value, "bytes": list(piece.encode()),
+                         "top_logprobs": []}
+                        for piece, value in zip((decode_ids(tokenizer, [t], False)
+                                                 for t in tokens), logprobs)]}
 
 
 def _answer(req: ChatRequest, prompt: list[int], response: SampleResponse,
@@ -279,10 +282,7 @@ def _answer(req: ChatRequest, prompt: list[int], response: SampleResponse,
     for i, seq in enumerate(response.sequences):
         if replies is not None:  # the calls in the model's own syntax (the history's)
             reply = replies[i][0]
-            content = reply.content
-            calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                     for c in reply.tool_calls]
+            content, calls = reply.content, openai_tool_calls(reply.tool_calls)
         else:
             content, calls = _tool_calls(texts[i]) if req.reads_tool_calls else (texts[i], [])
         message: JSONObject = {"role": "assistant", "content": content or (None if calls else "")}
@@ -294,11 +294,7 @@ def _answer(req: ChatRequest, prompt: list[int], response: SampleResponse,
         if req.return_token_ids:
             choice["prompt_token_ids"] = list(prompt)
         if req.logprobs:
-            choice["logprobs"] = {"content": [
-                {"token": piece, "logprob": value, "bytes": list(piece.encode()),
-                 "top_logprobs": []}
-                for piece, value in zip((decode_ids(tokenizer, [t], False) for t in seq.tokens),
-                                        seq.logprobs)]}
+            choice["logprobs"] = logprobs_content(tokenizer, seq.tokens, seq.logprobs)
         choices.append(choice)
     completion_tokens = sum(len(s.tokens) for s in response.sequences)
     return {
