@@ -81,7 +81,7 @@ def main() -> None:
     trace = out / "trace.jsonl"
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
     code = lint_main(["trace", str(trace), "--block-size", "4"])
-    print(f"\nprefixgym lint trace exited with {code} (1 = findings)")
+    print(f"\nprefixgym lint trace exited with {code} (1 = an error found)")
 
 
 if __name__ == "__main__":

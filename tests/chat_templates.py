@@ -21,3 +21,49 @@ QWEN3_LIKE = (
     "{%- endif -%}"
     "{%- endif -%}"
 )
+
+# Granite-3.1-like: append-only as it stands, but its `controls` switch, passed, is printed
+# into the generation prompt (`<|start_of_role|>assistant {...}<|end_of_role|>`) and never
+# into the history; with no system message it prints today's date in its own.
+GRANITE_LIKE = (
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set system_message = messages[0]['content'] -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set system_message = 'Knowledge cutoff: April 2024. Today is ' + strftime_now('%B %d, %Y')"
+    " + '. You are Granite.' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{{- '<|start_of_role|>system<|end_of_role|>' + system_message + '<|end_of_text|>\\n' -}}"
+    "{%- if tools -%}"
+    "{{- '<|start_of_role|>tools<|end_of_role|>' + tools | tojson + '<|end_of_text|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in loop_messages -%}"
+    "{{- '<|start_of_role|>' + m['role'] + '<|end_of_role|>' + m['content'] -}}"
+    "{%- if m.tool_calls -%}"
+    "{{- '<|tool_call|>' + m.tool_calls | map(attribute='function') | list | tojson -}}"
+    "{%- endif -%}"
+    "{{- '<|end_of_text|>\\n' -}}"
+    "{%- if loop.last and add_generation_prompt -%}"
+    "{{- '<|start_of_role|>assistant' -}}"
+    "{%- if controls -%}{{- ' ' + controls | tojson -}}{%- endif -%}"
+    "{{- '<|end_of_role|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+# A vision-language model's template: every message's content is a list of typed parts
+# ({"type": "text", "text": ...}, images); a plain string prints nothing.
+LIST_CONTENT = (
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' -}}"
+    "{%- for part in m['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- elif part['type'] == 'image' -%}{{- '<image>' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if m.tool_calls -%}{%- for tc in m.tool_calls -%}"
+    "{{- '<tool_call>' + (tc.function | tojson) + '</tool_call>' -}}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)

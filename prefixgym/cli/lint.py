@@ -1,8 +1,11 @@
 """`prefixgym lint template|trace|env ...`: parse arguments, run one check, print, exit.
 
-Exit codes: 0 nothing found, 1 findings, 2 bad input (one clear line on stderr, no
-traceback). Defaults come from `[tool.prefixgym.lint]` in the nearest
-pyproject.toml; command-line options win. `lint env` plays the env's expert here
+Exit codes: 0 no error (findings, if any, are warnings), 1 an error (for a template:
+the verdict at the settings given is append_only=no, or another error such as PG106),
+2 bad input (one clear line on stderr, no traceback). A template's switch values that
+would break the prefix are reported beside its verdict and do not change the exit
+code. Defaults come from `[tool.prefixgym.lint]` in the nearest pyproject.toml;
+command-line options win. `lint env` plays the env's expert here
 (`rollouts.expert`) and hands the conversations to `prompting.lint.env`.
 """
 
@@ -51,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     template.add_argument("--strict", action="store_true",
                           help="PG112 (the template trims whitespace at a reply's edges) stays an "
                                "error and makes append_only no, even when only such replies break")
+    template.add_argument("--template-kwargs", "--chat-template-kwargs", type=json_object,
+                          default={}, metavar="JSON", dest="template_kwargs",
+                          help="the template's switches as the run passes them (train's "
+                               "--chat-template-kwargs), e.g. '{\"enable_thinking\": false}': "
+                               "append_only is the verdict at these settings (default: the "
+                               "template's defaults); every other switch value that breaks the "
+                               "prefix is a line of its own beside it")
 
     trace = sub.add_parser("trace", parents=[common], help="replay a rollout trace (JSONL)")
     trace.add_argument("path", help="trace file, one sampling request per line")
@@ -111,7 +121,8 @@ def _run(args: argparse.Namespace, config: LintConfig) -> Report:
         source = load_template(args.path, args.bos_token, args.eos_token)
         tokenizer = load_tokenizer_dir(args.tokenizer) if args.tokenizer else None
         return probe_template(source.template, source.bos_token, source.eos_token, tokenizer,
-                              source.origin, strict=args.strict)
+                              source.origin, strict=args.strict,
+                              template_kwargs=args.template_kwargs)
     if args.what == "trace":
         from prefixgym.prompting.lint.trace import analyze_trace
         from prefixgym.prompting.lint.trace_file import load_trace
@@ -164,6 +175,15 @@ def price_findings(findings: list[Finding], prices: Prices) -> None:
             finding.extra["reprefill_money"] = f"{cost} per million turns beyond cache hits {rates}"
 
 
+def exit_code(report: Report) -> int:
+    """1 when an error is left after --select/--ignore, or when a template's verdict is no
+    though no error says why (no probe could be checked); else 0, warnings or not."""
+    if any(f.severity == "error" for f in report.findings):
+        return 1
+    unchecked = getattr(report, "num_checked_by_default", 1) == 0
+    return 1 if unchecked and not report.append_only else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -188,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefixgym lint: error: {error_line(exc)}", file=sys.stderr)
         return 2
     report.findings = filter_findings(report.findings, config.select, config.ignore)
+    switches: list[Finding] = getattr(report, "switches", [])
+    switches[:] = filter_findings(switches, config.select, config.ignore)
     if prices is not None:
-        price_findings(report.findings, prices)
+        price_findings(report.findings + switches, prices)
     try:
         if args.format == "json":
             print(render_json(report))
@@ -198,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `prefixgym lint ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 1 if report.findings else 0
+    return exit_code(report)
 
 
 if __name__ == "__main__":

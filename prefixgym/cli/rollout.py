@@ -6,7 +6,9 @@ the env added to the prompt before the reply (as the model saw it), and the repl
 `prefixgym lint trace` reads. With `--run DIR` (a `prefixgym train
 --out`), the episodes come from that run's newest weights (the last GRPO checkpoint,
 else the warm start), and the run's env, env kwargs, model, max tokens and
-temperature are the defaults that flags given here override.
+temperature (and chat-template switches) are the defaults that flags given here
+override. With a checkpoint directory, the first lines say which chat format the
+episodes use and the template's verdict at its switches, as `train`'s do.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ class RolloutArgs:
     """Tokens per assistant turn at most."""
     temperature: float = 1.0
     """Sampling temperature; 0 is greedy."""
+    chat_template_kwargs: JSONObject | None = None
+    """A checkpoint directory's chat-template switches, as a JSON object (train's flag;
+    with --run, the run's): conversations render with them, and the first lines give
+    the template's verdict at them."""
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.group_size < 1:
@@ -95,6 +101,8 @@ def main(argv: list[str]) -> int:
         parser.error(str(e))
     if "env" in given:  # another env than the run's: not the run's env kwargs either
         from_run.pop("env_kwargs", None)
+    if "model" in given:  # another model: not the run's template switches either
+        from_run.pop("chat_template_kwargs", None)
     args = build_config(RolloutArgs, parser, from_run, given)
     from prefixgym.engine.device import describe_device
     from prefixgym.envs.base import agent_of
@@ -113,6 +121,15 @@ def main(argv: list[str]) -> int:
         trace_file = open(args.trace, "w") if args.trace else None  # noqa: SIM115
         service = LocalService(model=args.model, seed=args.seed, device=args.device)
         print(f"model: {args.model} on {describe_device(service.device)}")
+        if Path(args.model).is_dir():
+            from prefixgym.cli.train import use_model_chat_format
+
+            for line in use_model_chat_format(args.model, service.tokenizer,
+                                              args.chat_template_kwargs):
+                print(line)
+        elif args.chat_template_kwargs:
+            raise ValueError("--chat-template-kwargs applies to a checkpoint directory's chat "
+                             f"template; --model {args.model} uses the built-in format")
         sampler: SamplingClient = service.create_sampling_client()
         if ckpt is not None:
             training = service.create_training_client()
@@ -148,7 +165,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-RUN_SETTINGS = ("env", "env_kwargs", "model", "max_tokens", "temperature")
+RUN_SETTINGS = ("env", "env_kwargs", "model", "max_tokens", "temperature", "chat_template_kwargs")
 
 
 def run_checkpoint(run: Path) -> Path:

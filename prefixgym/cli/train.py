@@ -20,7 +20,7 @@ import secrets
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -37,6 +37,7 @@ from prefixgym.local_service import LocalService
 from prefixgym.pricing import run_prices
 from prefixgym.prompting.chat_format import ChatMLFormat
 from prefixgym.prompting.conversation import make_chat_format, mismatch_lines, use_chat_format
+from prefixgym.prompting.lint.report import switch_line, verdict_line
 from prefixgym.protocols import TrainingClient
 from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.types import TrajectoryGroup
@@ -47,6 +48,9 @@ from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.model_defaults import pretrained_defaults_line
 from prefixgym.trainer.run import Run
 from prefixgym.types import JSONObject, Usage
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def compute_dtype(config: TrainConfig, device: torch.device | None = None) -> torch.dtype:
@@ -195,24 +199,39 @@ def tinker_clients(config: TrainConfig, service_client: Any = None) -> Clients:
 
 def check_chat_format(config: TrainConfig, service: LocalService) -> None:
     """Say which chat format a checkpoint's runs use, and make it the tokenizer's, with
-    `--chat-template-kwargs`; what a template rewriting earlier replies would have
-    rendered otherwise is said in the run's first lines. ValueError for a template that
-    cannot be used even turn by turn (docs/models.md, "Chat templates")."""
-    kwargs = config.chat_template_kwargs or {}
+    `--chat-template-kwargs`; ValueError for a template that cannot be used even turn
+    by turn (docs/models.md, "Chat templates")."""
+    for line in use_model_chat_format(config.model, service.tokenizer,
+                                      config.chat_template_kwargs):
+        print(line, file=sys.stderr)
+
+
+def use_model_chat_format(model: str, tokenizer: PreTrainedTokenizerBase,
+                          kwargs: JSONObject | None) -> list[str]:
+    """Make the checkpoint's chat format, with the template switches `kwargs`, what every
+    Conversation of `tokenizer` uses; the run's first lines about it: which format, the
+    template's verdict at those switches and each other switch value that would break
+    the prefix (the lines `lint template --template-kwargs` prints), and what a template
+    rewriting earlier replies would have rendered otherwise. ValueError for a template
+    that cannot be used even turn by turn. `train` and `rollout` both call this."""
+    kwargs = kwargs or {}
     try:
-        fmt = make_chat_format(service.tokenizer, template_kwargs=kwargs)
+        fmt = make_chat_format(tokenizer, template_kwargs=kwargs)
     except ValueError as e:  # TemplateNotAppendOnlyError, or no template at all
-        raise ValueError(f"--model {config.model}: its chat template cannot be used: {e}"
-                         ) from None
-    use_chat_format(service.tokenizer, fmt)
+        raise ValueError(f"--model {model}: its chat template cannot be used: {e}") from None
+    use_chat_format(tokenizer, fmt)
     mismatch = mismatch_lines(fmt)
     kind = ("the built-in ChatML format" if isinstance(fmt, ChatMLFormat)
             else "its tokenizer's chat template, token by token" if mismatch
-            else "its tokenizer's chat template (append-only)")
+            else "its tokenizer's chat template")
     switches = f" with {json.dumps(kwargs, sort_keys=True)}" if kwargs else ""
-    print(f"--model {config.model}: conversations use {kind}{switches}", file=sys.stderr)
-    for line in mismatch:
-        print(f"--model {config.model}: warning: {line}", file=sys.stderr)
+    lines = [f"--model {model}: conversations use {kind}{switches}"]
+    report = getattr(fmt, "template_report", None)
+    if report is not None:
+        lines.append(f"--model {model}: chat template: {verdict_line(report)}")
+        lines += [f"--model {model}: chat template: {switch_line(f)}" for f in report.switches]
+    lines += [f"--model {model}: warning: {line}" for line in mismatch]
+    return lines
 
 
 def save_lora_adapter(config: TrainConfig, run: Run, out: Path) -> str | None:

@@ -20,6 +20,11 @@ the caller to say. A template that breaks even so (it marks the last message, or
 renders a message by its position) raises `TemplateNotAppendOnlyError` with the rule
 and reason; so does any break with `strict=True`.
 
+`template_report` keeps the probes' verdict at the switches given (what `lint template
+--template-kwargs` says for them), for a command's first lines. A template that reads
+message content as lists of text parts (a vision-language model's) gets every
+message's content written that way, as the probes found it reads it.
+
 Every render, the probes' and each turn's, runs in the render worker under its limits
 (`templates.RenderLimits`: time, memory, output), so a template that runs away on some
 conversation fails that render with a ValueError instead of taking the process.
@@ -38,7 +43,8 @@ from transformers import PreTrainedTokenizerBase
 
 from prefixgym.prompting.findings import RULES, Finding
 from prefixgym.prompting.messages import Message, check_role, check_text
-from prefixgym.prompting.templates import TemplateRenderer, probe_template
+from prefixgym.prompting.templates import TemplateRenderer, TemplateReport, probe_template
+from prefixgym.prompting.templates.content import STRINGS, ContentShape, shaped
 from prefixgym.prompting.templates.jinja_render import RenderError, RenderLimitError
 from prefixgym.prompting.tools import ToolLike, as_tools, tool
 from prefixgym.types import JSONObject
@@ -119,6 +125,9 @@ class HFTemplateFormat:
         """What the template renders otherwise than the token-level conversation (empty
         for an append-only template)."""
         self._neutral_history = False
+        self._content: dict[str, ContentShape] = dict(STRINGS)
+        self.template_report: TemplateReport | None = None
+        """The probes' verdict at `template_kwargs`, set by the constructor."""
         specials: dict[str, Any] = dict(tokenizer.special_tokens_map)
         self._renderer = TemplateRenderer(  # raises LintInputError (a ValueError): syntax
             template, specials.get("bos_token"), specials.get("eos_token"),
@@ -144,8 +153,9 @@ class HFTemplateFormat:
         tokenize=False)` returns, empty conversations included); "" for an empty
         conversation the template cannot render."""
         try:
-            text = self._renderer.render([dict(m) for m in messages], add_generation_prompt,
-                                         hf_tools(tools), clock=datetime.now())
+            text = self._renderer.render(shaped([dict(m) for m in messages], self._content),
+                                         add_generation_prompt, hf_tools(tools),
+                                         clock=datetime.now())
         except RenderLimitError as e:
             raise ValueError(f"chat template: rendering exceeded a limit ({e}): the template "
                              f"loops or grows without bound on {len(messages)} messages") from None
@@ -237,8 +247,12 @@ class HFTemplateFormat:
         `template_mismatch`) when every turn then extends the last. ValueError when the
         template renders none of the probes or runs away."""
         renderer = self._renderer  # the probes render as every turn does
+        specials = {k: v for k, v in renderer.variables.items() if k not in self.template_kwargs}
         report = probe_template(self.chat_template, renderer.bos_token, renderer.eos_token,
-                                origin="chat template", variables=renderer.variables)
+                                origin="chat template", variables=specials,
+                                template_kwargs=self.template_kwargs)
+        self.template_report = report
+        self._content = report.content
         runaway = next((f.message for f in report.findings if f.rule == "PG113"), None)
         if runaway is not None:
             raise ValueError(f"chat template: {runaway}")

@@ -66,6 +66,14 @@ def test_a_reasoning_template_runs_turn_by_turn_and_says_so(tmp_path: Path, caps
     assert "conversations use its tokenizer's chat template, token by token" in err
     assert "warning: the chat template is not append-only" in err and "PG101" in err
     assert ('with {"enable_thinking": false}' in err) == bool(switches)
+    # the lint's verdict, at the run's switches
+    verdict = (f"--model {tmp_path / 'ckpt'}: chat template: append_only=no at "
+               + ('{"enable_thinking": false}' if switches else "the template's defaults"))
+    assert verdict in err
+    # a rollout of the run says the same, at the run's switches
+    assert main(["rollout", "--run", str(out), "--groups", "1", "--group-size", "1",
+                 "--max-tokens", "2"]) == 0
+    assert verdict in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["chat_template_kwargs"] == (
         json.loads(switches) if switches else None)
     # the run's conversations carry the switch: with thinking off, every generation

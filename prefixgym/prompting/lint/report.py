@@ -3,7 +3,10 @@
 The text form shows, for every finding, the text on both sides of the first
 divergence with a caret under it; control characters are escaped so the caret
 lines up, and ANSI colour is used only when asked (the command asks when stdout
-is a TTY). Knows nothing of how findings were made.
+is a TTY). A template's verdict is one headline (`verdict_line`: append_only at the
+settings it was probed for) and one line per switch value that would break the prefix
+(`switch_line`); `train` and `rollout` print the same lines. Knows nothing of how
+findings were made.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import json
 from typing import Protocol
 
 from prefixgym.prompting.findings import RULES, Finding
+from prefixgym.prompting.templates.append_only import TemplateReport
+from prefixgym.prompting.templates.content import describe
 from prefixgym.types import JSONObject
 
 _RED, _GREEN, _YELLOW, _BOLD, _DIM, _RESET = (
@@ -103,6 +108,22 @@ def cost_line(extra: JSONObject) -> str:
     return f"{text}; {money}" if money else text
 
 
+def verdict_line(report: TemplateReport) -> str:
+    """'append_only=yes at the template's defaults' or '... at {"enable_thinking": false}'."""
+    at = (f"at {json.dumps(report.settings, sort_keys=True)}" if report.settings
+          else "at the template's defaults")
+    return f"append_only={'yes' if report.append_only else 'no'} {at}"
+
+
+def switch_line(finding: Finding) -> str:
+    """One switch value that breaks the prefix: the switch, the value, the rule, the cost."""
+    setting = f"{finding.extra['switch']}={finding.extra['value']!r}"
+    line = (f"switch {setting} breaks the prefix: {finding.rule} {finding.severity} "
+            f"[{RULES[finding.rule].name}] {finding.message}")
+    cost = cost_line(finding.extra)
+    return f"{line}; cost: {cost}" if cost else line
+
+
 def _summary(report: Report) -> str:
     data = report.to_json()
     parts = [f"{report.target}: append_only={'yes' if report.append_only else 'no'}"]
@@ -117,8 +138,10 @@ def _summary(report: Report) -> str:
             parts.append(f"the sampler counted prefill {observed['prefill_computed_tokens']:,} "
                          f"computed + {observed['prefill_cached_tokens']:,} cached, "
                          f"{observed['sampled_tokens']:,} sampled")
-    if data.get("kind") == "template":
-        parts.append(f"{len(data['probes_checked'])} probes checked")
+    if isinstance(report, TemplateReport):
+        parts = [f"{report.target}: {verdict_line(report)}",
+                 f"{len(data['probes_checked'])} probes checked",
+                 f"content written as {describe(report.content)}"]
         if data["probes_skipped"]:
             parts.append(f"{len(data['probes_skipped'])} skipped (the template raised under a "
                          "switch setting the probes chose)")
@@ -130,6 +153,8 @@ def _summary(report: Report) -> str:
 
 def render_text(report: Report, use_colour: bool = False) -> str:
     lines = [_summary(report)]
+    if isinstance(report, TemplateReport):
+        lines += [switch_line(f) for f in report.switches]
     for finding in report.findings:
         lines.append("")
         lines += format_finding(finding, use_colour)
@@ -138,6 +163,9 @@ def render_text(report: Report, use_colour: bool = False) -> str:
     lines.append("")
     lines.append(f"{len(report.findings)} finding(s): {errors} error(s), {warnings} warning(s)"
                  if report.findings else "no findings")
+    if isinstance(report, TemplateReport) and report.switches:
+        lines[-1] += (f"; {len(report.switches)} switch value(s) that break the prefix, "
+                      "beside the verdict")
     by_rule = report.to_json().get("reprefilled_tokens_by_rule")
     if by_rule:
         lines.append("tokens prefilled again, by rule: " + ", ".join(

@@ -1,26 +1,34 @@
 """Probe a chat template: does every rendered prompt extend the previous prompt + the sampled reply?
 
-`probe_template` is the one writer of that verdict, for `prefixgym lint template` and
-for `HFTemplateFormat`, which refuses a template that breaks under its defaults.
+`probe_template` is the one writer of that verdict, for `prefixgym lint template`, for
+`HFTemplateFormat` (which refuses a template that breaks at the run's settings) and so
+for the first lines of `train` and `rollout`. The verdict is for the run's settings:
+the template's defaults, or the switches the run passes (`template_kwargs`). Each other
+value of a switch that breaks the prefix where the run's settings do not is reported
+beside it (`switches`), one finding per switch value and rule, and leaves the verdict
+alone: Granite 3.1 is append-only unless `controls=True` is passed.
 
 1) Read what the template knows (`switches.py`): its reasoning markers and the
-   switches it reads, each tried both ways (the defaults first).
+   switches it reads, each tried both ways (the run's settings first), and the shape
+   of message content it prints (`content.py`: strings, or lists of text parts).
 2) Run every probe (`probes.py`) through the `Prober` (`prober.py`), which renders
-   it at a fixed clock and records each break as a sighting.
+   it at a fixed clock, in that content shape, and records each break as a sighting.
 3) A probe the template raises on is PG106 (only the system message is refused) or
    PG109 under the defaults, and merely skipped under a switch setting. A render
    that exceeds its time, memory or output limit is PG113, whatever the setting, and
    ends the probing (every further render would wait out the limit too).
 4) Render at two clocks: a template that prints the date is PG108.
-5) One finding per rule, at its first sighting; when every sighting shares a
-   condition that not every probe had, the finding says so ("breaks only when the
-   reply contains a <think> block").
+5) One finding per rule, at its first sighting under the run's settings; when every
+   sighting shares a condition that not every probe had, the finding says so ("breaks
+   only when the reply contains a <think> block"). Then one finding per switch value
+   and rule that the run's settings did not break, costed by its first sighting of
+   (c) (a whole turn prefilled again), in `switches`.
 6) A PG112 break seen only for replies with whitespace at their edges (the template
    trims them, as Llama 3's, Gemma's and SmolLM3's do) is graded a warning that names
    the condition: replies written as the template expects extend the prompt.
-The verdict is append-only only when no rule broke (a graded PG112 aside, unless
-`strict`), no render hit a limit, and at least one probe was checked under the
-template's defaults (a template that raises on every probe has shown nothing).
+The verdict is append-only only when no rule broke under the run's settings (a graded
+PG112 aside, unless `strict`), no render hit a limit, and at least one probe was
+checked under them (a template that raises on every probe has shown nothing).
 Knows nothing of files or output formats.
 """
 
@@ -32,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefixgym.prompting.divergence import context_window, first_divergence
 from prefixgym.prompting.findings import Finding
+from prefixgym.prompting.templates.content import STRINGS, ContentShape, read_shapes, shaped
 from prefixgym.prompting.templates.prober import Prober, Sighting
 from prefixgym.prompting.templates.probes import Probe, Style, probe_conversations
 from prefixgym.prompting.templates.render import (
@@ -74,17 +83,28 @@ class TemplateReport:
     """What the template renders after a reply (its end of turn), under its defaults."""
     num_checked_by_default: int = 0
     """How many probes were checked with the template's switches at their defaults."""
+    settings: JSONObject = field(default_factory=dict)
+    """The switches the verdict is for (a run's template kwargs); {}: the defaults. The
+    "default" in the names above means these settings."""
+    switches: list[Finding] = field(default_factory=list)
+    """Breaks that a switch set to another value adds, one per switch value and rule;
+    `extra["switch"]` and `extra["value"]` name the setting. Not in the verdict."""
+    content: dict[str, ContentShape] = field(default_factory=lambda: dict(STRINGS))
+    """The content shape the probes wrote each role's messages in."""
 
     def to_json(self) -> JSONObject:
         return {
             "target": self.target,
             "kind": "template",
             "append_only": self.append_only,
+            "settings": self.settings,
+            "content_shape": dict(self.content),
             "reads_date": self.reads_date,
             "probes_checked": self.probes_checked,
             "probes_skipped": self.probes_skipped,
             "breaks_by_default": self.breaks_by_default,
             "findings": [f.to_json() for f in self.findings],
+            "switches": [f.to_json() for f in self.switches],
         }
 
     def first_default_break(self) -> Finding | None:
@@ -138,10 +158,39 @@ def _findings(sightings: list[Sighting], seen: Mapping[Setting, Mapping[str, set
     return findings
 
 
-def _date_finding(renderer: TemplateRenderer, origin: str) -> Finding | None:
+def _switch_findings(sightings: list[Sighting], seen: Mapping[Setting, Mapping[str, set[str]]],
+                     by_default: list[str], strict: bool) -> list[Finding]:
+    """Step 5's second half: per switch setting, its break rules that the run's settings
+    do not break, one finding each, named and costed."""
+    groups: dict[Setting, list[Sighting]] = {}
+    for sighting in sightings:
+        if (sighting.setting != DEFAULT and sighting.rule in BREAK_RULES
+                and sighting.rule not in by_default):
+            groups.setdefault(sighting.setting, []).append(sighting)
+    found: list[Finding] = []
+    for setting, group in groups.items():
+        findings = _findings(group, {setting: seen[setting]})
+        if not strict:
+            _grade_edge_whitespace(findings, group)
+        [(name, value)] = setting.variables
+        for finding in findings:
+            # what a turn costs: the first (c) sighting, where the whole next prompt is compared
+            turn = next((s for s in group if s.rule == finding.rule and s.check == "next"), None)
+            if turn is not None:
+                for key in ("reprefilled_chars_per_turn", "reprefilled_tokens_per_turn"):
+                    if key in turn.extra:
+                        finding.extra[key] = turn.extra[key]
+            finding.extra["switch"] = name
+            finding.extra["value"] = value
+        found += findings
+    return found
+
+
+def _date_finding(renderer: TemplateRenderer, origin: str,
+                  content: Mapping[str, ContentShape] = STRINGS) -> Finding | None:
     """PG108: two clocks render two texts, or the source reads a date."""
     probe = Probe(Style("plain"), has_system=True, with_tools=False)
-    messages = probe.prefix_messages() + probe.observations(0)
+    messages = shaped(probe.prefix_messages() + probe.observations(0), content)
     try:
         a = renderer.render(messages, True, None, clock=CLOCK_A)
         b = renderer.render(messages, True, None, clock=CLOCK_B)
@@ -164,24 +213,30 @@ def _date_finding(renderer: TemplateRenderer, origin: str) -> Finding | None:
 def probe_template(template_str: str, bos_token: str | None = None, eos_token: str | None = None,
                    tokenizer: PreTrainedTokenizerBase | None = None, origin: str = "<template>",
                    variables: Mapping[str, Any] | None = None,
-                   limits: RenderLimits | None = None, strict: bool = False) -> TemplateReport:
+                   limits: RenderLimits | None = None, strict: bool = False,
+                   template_kwargs: Mapping[str, Any] | None = None) -> TemplateReport:
     """Render `template_str` over the probe conversations and report every break.
 
-    `variables` go to every render (a tokenizer's other special tokens); `limits`
+    `variables` go to every render (a tokenizer's other special tokens), and so do
+    `template_kwargs`, the switches the run passes, which the verdict is for; `limits`
     bound each render; `strict` keeps every PG112 an error (step 6 off). Raises
     `LintInputError` when the template does not compile.
     """
-    renderer = TemplateRenderer(template_str, bos_token, eos_token, origin, variables, limits)
+    settings = dict(template_kwargs or {})
+    renderer = TemplateRenderer(template_str, bos_token, eos_token, origin,
+                                {**(variables or {}), **settings}, limits)
     # 1) what the template knows
     markers = reasoning_markers(template_str)
-    prober = Prober(renderer, origin, markers, tokenizer)
+    content = read_shapes(lambda messages: renderer.render(messages, False))
+    prober = Prober(renderer, origin, markers, tokenizer, content)
+    switches = [s for s in switch_settings(renderer.syntax_tree) if not _is_set(s, settings)]
     # 2) every probe
     checked: list[str] = []
     num_checked_by_default = 0
     failures: dict[str, str] = {}
     skipped: dict[str, str] = {}
     limited: list[str] = []  # the probe that hit a render limit, then those never tried
-    for probe in probe_conversations(markers, switch_settings(renderer.syntax_tree)):
+    for probe in probe_conversations(markers, switches):
         if renderer.limit_hit is not None:
             limited.append(probe.name)
             continue
@@ -194,7 +249,10 @@ def probe_template(template_str: str, bos_token: str | None = None, eos_token: s
         elif outcome == "failed":
             (failures if probe.setting == DEFAULT else skipped)[probe.name] = prober.failed
     # 3) probes the template raised on, or that hit a render limit
-    findings = _findings(prober.sightings, prober.seen)
+    by_default = sorted({s.rule for s in prober.sightings
+                         if s.setting == DEFAULT and s.rule in BREAK_RULES})
+    at_settings = [s for s in prober.sightings if s.setting == DEFAULT]
+    findings = _findings(at_settings, {DEFAULT: prober.seen[DEFAULT]})
     if limited:
         findings.append(Finding(
             "PG113", f"rendering exceeded a limit ({renderer.limit_hit}): the template loops or "
@@ -211,14 +269,12 @@ def probe_template(template_str: str, bos_token: str | None = None, eos_token: s
                                     f"{error}", f"{origin}: probe '{name}'"))
     findings = _first_per_rule(findings)
     # 4) the date
-    date = _date_finding(renderer, origin)
+    date = _date_finding(renderer, origin, content)
     if date is not None:
         findings.append(date)
     findings.sort(key=lambda f: f.rule)
     if not strict:  # 6)
-        _grade_edge_whitespace(findings, prober.sightings)
-    by_default = sorted({s.rule for s in prober.sightings
-                         if s.setting == DEFAULT and s.rule in BREAK_RULES})
+        _grade_edge_whitespace(findings, at_settings)
     shape = prober.shapes.get(DEFAULT)
     return TemplateReport(
         target=origin,
@@ -231,7 +287,17 @@ def probe_template(template_str: str, bos_token: str | None = None, eos_token: s
         breaks_by_default=by_default,
         closing=shape.closing if shape else None,
         num_checked_by_default=num_checked_by_default,
+        settings=settings,
+        switches=_switch_findings(prober.sightings, prober.seen, by_default, strict),
+        content=content,
     )
+
+
+def _is_set(setting: Setting, settings: Mapping[str, Any]) -> bool:
+    """Whether the run's settings already pass this switch value (a probe of it would
+    repeat the run's own)."""
+    return all(name in settings and settings[name] == value
+               and type(settings[name]) is type(value) for name, value in setting.variables)
 
 
 def _grade_edge_whitespace(findings: list[Finding], sightings: list[Sighting]) -> None:

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from prefixgym.prompting.divergence import context_window, first_divergence
 from prefixgym.prompting.templates.classify import Check, ProbeFacts, classify
+from prefixgym.prompting.templates.content import STRINGS, ContentShape, shaped
 from prefixgym.prompting.templates.probes import Probe, Reply, prompt_state
 from prefixgym.prompting.templates.render import RenderError, TemplateRenderer
 from prefixgym.prompting.templates.switches import Marker, Setting
@@ -52,6 +54,8 @@ class Sighting:
     actual: str | None = None
     caret: int | None = None
     extra: JSONObject = field(default_factory=dict)
+    check: str = ""
+    """The check's kind: "history" (a), "prompt" (b) or "next" (c)."""
 
 
 def end_of_turn_token(closing: str, eos: str) -> str | None:
@@ -130,8 +134,10 @@ class Prober:
     """Runs probes over one renderer; keeps every sighting and what the checks varied."""
 
     def __init__(self, renderer: TemplateRenderer, origin: str, markers: list[Marker],
-                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+                 tokenizer: PreTrainedTokenizerBase | None = None,
+                 content: Mapping[str, ContentShape] = STRINGS) -> None:
         self.r = renderer
+        self.content = content  # the shape each role's content is written in
         self.origin = origin
         self.markers = markers
         self.tokenizer = tokenizer
@@ -164,11 +170,12 @@ class Prober:
                 "first_divergence_token", len(left_ids))
         self.sightings.append(Sighting(
             rule, reason, check.what, f"{self.origin}: probe '{probe.name}', {check.where}",
-            check.conditions, probe.setting, at, expected, actual, caret, extra))
+            check.conditions, probe.setting, at, expected, actual, caret, extra, check.kind))
         return False
 
     def _render(self, probe: Probe, messages: list[JSONObject], generation: bool) -> str:
-        return self.r.render(messages, generation, probe.tools, variables=probe.setting.kwargs())
+        return self.r.render(shaped(messages, self.content), generation, probe.tools,
+                             variables=probe.setting.kwargs())
 
     def _turn(self, probe: Probe, prompt: str, history: str, reply: Reply) -> _Turn:
         """P_k and H_k with what the model sampled, framed by the setting's shape."""
@@ -266,4 +273,4 @@ class Prober:
                 "the next prompt extends prompt + reply as text, but tokenizing it whole gives "
                 "other ids at the boundary; append the sampled ids instead of re-tokenizing",
                 "", f"{self.origin}: probe '{probe.name}', turn {k} -> {k + 1}", conditions,
-                probe.setting, extra["first_divergence_token"], extra=extra))
+                probe.setting, extra["first_divergence_token"], extra=extra, check="next"))

@@ -83,8 +83,10 @@ def test_break_only_under_a_switch_the_adapter_never_passes_is_accepted(tok):
     template = T.thinking_switch_drops_opener("enable_thinking").replace(
         "('</think>' + c.split('</think>')[-1] if '</think>' in c else c)", "c")
     report = probe_template(template, tok.bos_token, tok.eos_token)
-    assert [f.rule for f in report.findings] == ["PG111"] and report.breaks_by_default == []
+    assert report.findings == [] and report.breaks_by_default == [] and report.append_only
+    assert [(f.rule, f.extra["switch"]) for f in report.switches] == [("PG111", "enable_thinking")]
     fmt = HFTemplateFormat(tok, template)
+    assert fmt.template_report is not None and fmt.template_report.append_only
     conv = Conversation(tok, system="S", chat_format=fmt)
     conv.add_user("hi")
     conv.add_sampled(tok.encode("<think>\nok\n</think>\n\nyes<|im_end|>", add_special_tokens=False),
@@ -100,6 +102,21 @@ def test_append_only_templates_are_accepted_and_closing_comes_from_the_probes(to
         fmt = HFTemplateFormat(tok, template)
         assert fmt.end_of_turn() == [2, *tok.encode("\n", add_special_tokens=False)]
         assert fmt.end_of_turn_token_id == 2
+
+
+def test_a_list_content_template_gets_text_parts_and_its_verdict_is_kept(tok):
+    from chat_templates import LIST_CONTENT
+
+    fmt = HFTemplateFormat(tok, LIST_CONTENT)
+    assert fmt.template_report is not None and fmt.template_report.append_only
+    conv = Conversation(tok, system="S", chat_format=fmt)
+    conv.add_user("hi")
+    conv.add_sampled(tok.encode("yes<|im_end|>", add_special_tokens=False), stop_reason="stop")
+    conv.add_user("more")
+    assert conv.extension_ok
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in conv.messages]
+    assert conv.tokens == list(tok.apply_chat_template(
+        parts, chat_template=LIST_CONTENT, tokenize=True, return_dict=False))
 
 
 def test_template_that_renders_no_probe_is_a_value_error(tok):

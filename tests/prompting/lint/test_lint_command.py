@@ -84,12 +84,13 @@ def test_select_and_ignore(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     code, out = run_json(base + ["--select", "PG2,PG3"], capsys)
     assert code == 0 and out["findings"] == []
     code, out = run_json(base + ["--select", "PG1"], capsys)
-    assert code == 1 and [f["rule"] for f in out["findings"]] == ["PG108"]
+    # a warning is reported, but a lint whose findings are warnings only exits 0
+    assert code == 0 and [f["rule"] for f in out["findings"]] == ["PG108"]
 
 
 def test_pyproject_defaults_apply_and_cli_wins(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    write(tmp_path / "pyproject.toml", '[tool.prefixgym.lint]\nignore = ["PG108"]\n')
-    path = write(tmp_path / "date.jinja", T.READS_DATE)
+    write(tmp_path / "pyproject.toml", '[tool.prefixgym.lint]\nignore = ["PG101"]\n')
+    path = write(tmp_path / "qwen.jinja", T.STRIPS_THINK)
     assert main(["template", str(path), "--eos-token", "<|im_end|>"]) == 0
     assert main(["template", str(path), "--eos-token", "<|im_end|>", "--ignore", "PG109"]) == 1
     capsys.readouterr()
@@ -210,8 +211,47 @@ def test_strict_keeps_an_edge_whitespace_pg112_an_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path / "trims.jinja", T.TRIMS_REPLY)
     code, out = run_json(["template", str(path), "--eos-token", "<|im_end|>"], capsys)
-    assert code == 1 and out["append_only"] is True  # a finding, graded a warning
+    assert code == 0 and out["append_only"] is True  # a finding, graded a warning
     assert [(f["rule"], f["severity"]) for f in out["findings"]] == [("PG112", "warning")]
     code, out = run_json(["template", str(path), "--eos-token", "<|im_end|>", "--strict"], capsys)
     assert code == 1 and out["append_only"] is False
     assert [(f["rule"], f["severity"]) for f in out["findings"]] == [("PG112", "error")]
+
+
+def test_verdict_at_the_settings_given_with_each_switch_beside_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from chat_templates import GRANITE_LIKE
+
+    path = write(tmp_path / "granite.jinja", GRANITE_LIKE)
+    base = ["template", str(path), "--eos-token", "<|end_of_text|>"]
+    # at its defaults: append-only; a date warning; `controls` set breaks it, beside the verdict
+    code, out = run_json(base, capsys)
+    assert code == 0 and out["append_only"] is True and out["settings"] == {}
+    assert [f["rule"] for f in out["findings"]] == ["PG108"]
+    (switch,) = out["switches"]
+    assert (switch["switch"], switch["value"], switch["rule"], switch["name"]) == (
+        "controls", True, "PG107", "history-rewritten")
+    assert switch["reprefilled_chars_per_turn"] > 0
+    assert out["content_shape"]["user"] == "strings"
+    assert main(base) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{path}: append_only=yes at the template's defaults, ")
+    assert "content written as plain strings" in lines[0]
+    assert lines[1].startswith("switch controls=True breaks the prefix: PG107 error")
+    assert "characters prefilled again per turn" in lines[1]
+    # at the run's settings, with the switch set: the verdict is no, and the exit code 1
+    code, out = run_json(base + ["--template-kwargs", '{"controls": {"length": "short"}}'], capsys)
+    assert code == 1 and out["append_only"] is False
+    assert out["settings"] == {"controls": {"length": "short"}} and out["switches"] == []
+    assert [f["rule"] for f in out["findings"]] == ["PG107", "PG108"]
+    # --select / --ignore apply to switch lines too
+    assert run_json(base + ["--ignore", "PG107"], capsys)[1]["switches"] == []
+    assert main(base + ["--template-kwargs", "[1]"]) == 2
+    assert "must be a JSON object" in capsys.readouterr().err
+
+
+def test_a_template_that_renders_no_probe_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "raises.jinja", "{{ raise_exception('nope') }}")
+    code, out = run_json(["template", str(path)], capsys)
+    assert code == 1 and out["append_only"] is False
+    assert {f["severity"] for f in out["findings"]} == {"warning"}  # PG109s: nothing checked

@@ -50,17 +50,19 @@ def test_reasoning_marker_named_in_the_template_is_probed() -> None:
 
 def test_switch_that_opens_think_where_history_closes_it_fires_pg111() -> None:
     report = report_of(T.SWITCH_DROPS_OPENER)
+    # without the switch the reasoning itself is dropped: PG101, at the defaults
     assert not report.append_only
-    assert [f.rule for f in report.findings] == ["PG101", "PG111"]
-    pg111 = finding(report, "PG111")
-    assert pg111.extra["only_when"] == ["enable_thinking=True is passed"]
+    assert [f.rule for f in report.findings] == ["PG101"]
+    assert "the reply contains a <think> block" in finding(report, "PG101").extra["only_when"]
+    assert report.breaks_by_default == ["PG101"]
+    # the switch adds PG111, reported beside the verdict, named and costed
+    (pg111,) = report.switches
+    assert pg111.rule == "PG111"
+    assert (pg111.extra["switch"], pg111.extra["value"]) == ("enable_thinking", True)
     assert "the generation prompt ends '<think>\\n'" in pg111.message
     assert "history renders that turn from there as '</think>" in pg111.message
     assert "[enable_thinking=True]" in pg111.location
-    # without the switch the reasoning itself is dropped: PG101, under the defaults too
-    pg101 = finding(report, "PG101")
-    assert "the reply contains a <think> block" in pg101.extra["only_when"]
-    assert report.breaks_by_default == ["PG101"]
+    assert pg111.extra["reprefilled_chars_per_turn"] > len("<think>\n")
 
 
 def test_switch_whose_history_keeps_the_opened_block_is_append_only() -> None:
@@ -74,9 +76,11 @@ def test_switch_whose_history_keeps_the_opened_block_is_append_only() -> None:
 
 def test_switch_names_and_values_are_read_from_the_template() -> None:
     report = report_of(T.thinking_switch_drops_opener("deep_mode"))
-    assert finding(report, "PG111").extra["only_when"] == ["deep_mode=True is passed"]
+    assert [(f.rule, f.extra["switch"], f.extra["value"]) for f in report.switches] == [
+        ("PG111", "deep_mode", True)]
     effort = report_of(T.thinking_switch_drops_opener("reasoning_effort == 'max'"))
-    assert finding(effort, "PG111").extra["only_when"] == ["reasoning_effort='max' is passed"]
+    assert [(f.rule, f.extra["switch"], f.extra["value"]) for f in effort.switches] == [
+        ("PG111", "reasoning_effort", "max")]
     assert "plain [reasoning_effort='high']" in effort.probes_checked
 
 
@@ -140,7 +144,8 @@ def test_text_summary_counts_checked_and_skipped_probes() -> None:
     template = "{%- if items is defined %}{%- for i in items %}{{- i }}{%- endfor %}{%- endif %}" + T.CHATML
     first_line = render_text(report_of(template)).splitlines()[0]
     # items=True and items=False both cannot be iterated: 2 x 18 probes skipped
-    assert first_line == ("<template>: append_only=yes, 18 probes checked, 36 skipped (the "
+    assert first_line == ("<template>: append_only=yes at the template's defaults, 18 probes "
+                          "checked, content written as plain strings, 36 skipped (the "
                           "template raised under a switch setting the probes chose)")
 
 
