@@ -90,6 +90,7 @@ class Request:
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
     sequences: list[Continuation] = field(default_factory=list)
+    joined: list[Request] = field(default_factory=list)  # requests riding on its prefill
 
 
 @dataclass(eq=False)
@@ -131,22 +132,31 @@ def blocks_per_sample(req: Request, block_size: int) -> tuple[int, int]:
     return first, 0 if req.params.max_tokens == 0 else first - len(req.prompt) // block_size
 
 
-def blocks_needed(req: Request, num_cached_blocks: int, block_size: int, groups: int = 1) -> int:
-    """Blocks the request may still take, `groups` per block of positions."""
+def blocks_needed(req: Request, num_cached_blocks: int, block_size: int, groups: int = 1,
+                  joined: bool = False) -> int:
+    """Blocks the request may still take, `groups` per block of positions; `joined`:
+    every sample shares another request's prompt blocks (`Scheduler`'s joining)."""
     first, other = blocks_per_sample(req, block_size)
+    if joined:
+        return req.num_samples * other * groups
     return (first - num_cached_blocks + (req.num_samples - 1) * other) * groups
 
 
 def new_sequences(req: Request, cached_blocks: list[int], block_size: int, groups: int = 1,
-                  window_blocks: list[tuple[int, ...]] | None = None) -> list[Continuation]:
+                  window_blocks: list[tuple[int, ...]] | None = None,
+                  joined: bool = False) -> list[Continuation]:
     """The request's `num_samples` sequences at the end of the prompt, the first holding
     `cached_blocks` (and, with `groups` > 1, their `window_blocks`: () where no window
     reaches), each promised the blocks it may still take (`blocks_per_sample`, in every
-    group); sample i draws from its own generator, derived from the request's seed."""
+    group); `joined`: none holds blocks yet, each will share another request's prompt
+    blocks as that request's own later samples do. Sample i draws from its own
+    generator, derived from the request's seed (joined or not)."""
     first, other = blocks_per_sample(req, block_size)
     seqs = [Continuation(req, random.Random(f"{req.seed}/{i}"), reserved=other * groups,
                          window_tables=[[] for _ in range(groups - 1)])
             for i in range(req.num_samples)]
+    if joined:
+        return seqs
     seqs[0].table = list(cached_blocks)
     seqs[0].reserved = (first - len(cached_blocks)) * groups
     for g, table in enumerate(seqs[0].window_tables):
@@ -158,6 +168,15 @@ def new_sequences(req: Request, cached_blocks: list[int], block_size: int, group
 def reads_cache(req: Request) -> bool:
     """Whether it takes a cached prefix at all: not when it scores its whole prompt."""
     return not req.include_prompt_logprobs or req.prompt_logprobs_last_n is not None
+
+
+def join_key(req: Request) -> tuple[int, tuple[int, ...]] | None:
+    """What a request must share with another to ride on its prefill: its weights
+    version and prompt. None for one that scores its prompt or samples nothing (its
+    prefill row is its own)."""
+    if req.include_prompt_logprobs or req.params.max_tokens == 0:
+        return None
+    return req.version, tuple(req.prompt)
 
 
 def cache_limit(req: Request) -> int:

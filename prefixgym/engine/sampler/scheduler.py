@@ -15,7 +15,14 @@ its longest cached prefix (at most len(prompt)-1 tokens, since the last prompt t
 must be computed for its logits; a request that scores its prompt reads none, or, with
 `prompt_logprobs_last_n`, only the prefix before the positions it scores). A request
 whose first uncached block an earlier request of the wave will compute waits one wave
-and hits the cache instead. The wave is prefilled in chunks of similar uncached length
+and hits the cache instead. A request whose prompt (and weights version) is that of
+one already in the wave computes nothing: it joins that request, whose prefill row its
+samples sample from, sharing its prompt blocks as the request's own samples do (an
+evaluation's or a round's identical first prompts are computed once, not once each).
+Its samples keep their own generators, seeded from its own seed, so what it draws
+depends on its seed and the shared logits only; its usage counts its whole prompt as
+cached. (An engine without its prefix cache joins none: it is the peer that computes
+every prompt.) The wave is prefilled in chunks of similar uncached length
 (prompt-logprob and zero-token requests alone). A request's G samples share its
 prompt's full blocks; each gets its own copy of a part-filled last block. With sliding
 windows (`release_window`: the widest, when some blocks can be freed), each decode
@@ -49,6 +56,7 @@ from prefixgym.engine.sampler.requests import (
     blocks_needed,
     build_response,
     cache_limit,
+    join_key,
     new_sequences,
     reads_cache,
 )
@@ -61,8 +69,8 @@ _CALL_COST_TOKENS = 64  # a forward call's fixed cost, in padded positions
 @dataclass(eq=False)
 class Batch:
     """One forward. Prefill: `requests`, row r computing `tokens[r]` (prompt[starts[r]:])
-    of request r into `tables[r]`; `seqs` are all their samples, sampled from row
-    `source_rows`. Decode: one row per running sequence of `seqs`. Before the forward the
+    of request r into `tables[r]`; `seqs` are all their samples and those of the
+    requests joined to them, sampled from row `source_rows`. Decode: one row per running sequence of `seqs`. Before the forward the
     runner zeroes `new_blocks` and makes `tail_copies`; after it, `fork_copies` ((src,
     dst, positions))."""
 
@@ -116,14 +124,14 @@ class Scheduler:
         self.counters = dict.fromkeys(
             ("prefill_calls", "prefill_positions", "decode_steps", "decoded_tokens",
              "max_batch_size", "requests_completed", "requests_failed",
-             "window_dropped_blocks"), 0)
+             "window_dropped_blocks", "joined_requests"), 0)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self._chunks or any(self.running.values()))
 
     def in_flight(self) -> list[Request]:
         """Every admitted, unfinished request."""
-        reqs = [r for chunk in self._chunks for r in chunk]
+        reqs = [r for chunk in self._chunks for req in chunk for r in (req, *req.joined)]
         reqs += [s.request for seqs in self.running.values() for s in seqs]
         return list(dict.fromkeys(reqs))
 
@@ -154,8 +162,9 @@ class Scheduler:
         if not self._chunks and self.waiting:
             self._admit_wave()
         if self._chunks:
-            self.handling = self._chunks.popleft()
-            return self._prefill_batch(self.handling)
+            chunk = self._chunks.popleft()
+            self.handling = chunk + [j for req in chunk for j in req.joined]
+            return self._prefill_batch(chunk)
         versions = sorted(v for v, seqs in self.running.items() if seqs)
         if not versions:
             return None
@@ -179,6 +188,7 @@ class Scheduler:
         claimed: set[Hashable] = set()
         deferred: list[Request] = []
         wave: list[Request] = []
+        leaders: dict[Hashable, Request] = {}  # by join_key: whom an identical prompt joins
         rows = sum(len(seqs) for seqs in self.running.values())
         bs = self.cache.block_size
         head = self._order.order(self.waiting)
@@ -189,6 +199,13 @@ class Scheduler:
                 P = len(req.prompt)
                 if rows and rows + req.num_samples > self.max_running:
                     break
+                key = join_key(req) if self.cache.indexing else None
+                leader = leaders.get(key) if key is not None else None
+                if leader is not None:
+                    if not self._join(leader, req):
+                        break
+                    rows += req.num_samples
+                    continue
                 limit = cache_limit(req)
                 match = self._match(req)
                 hit = match.blocks
@@ -210,16 +227,34 @@ class Scheduler:
                     self.cache.record_lookup(P, req.num_cached_tokens)
                 if match.claim is not None:
                     claimed.add(match.claim)
+                if key is not None:
+                    leaders[key] = req
                 self._note_version(req)
                 wave.append(req)
                 rows += req.num_samples
         finally:
             self.waiting.extendleft(reversed(deferred))
-            self._order.passed_over(head, wave)
+            self._order.passed_over(head, wave + [j for r in wave for j in r.joined])
             single = [r for r in wave if r.include_prompt_logprobs or r.params.max_tokens == 0]
             together = sorted((r for r in wave if r not in single),
                               key=lambda r: (r.version, len(r.prompt) - r.num_cached_tokens))
             self._chunks.extend([[r] for r in single] + _chunks(together, self.max_prefill_tokens))
+
+    def _join(self, leader: Request, req: Request) -> bool:
+        """Admit `req` (the queue's head) onto `leader`'s prefill, if the blocks its
+        samples may take can be promised."""
+        bs = self.cache.block_size
+        need = blocks_needed(req, 0, bs, self.groups, joined=True)
+        if not self.cache.can_reserve(need):
+            return False
+        self.waiting.popleft()
+        self.cache.reserve(need)
+        req.num_cached_tokens = len(req.prompt)  # computed once, by the leader
+        req.sequences = new_sequences(req, [], bs, self.groups, joined=True)
+        self.cache.record_lookup(len(req.prompt), len(req.prompt))
+        self.counters["joined_requests"] += 1
+        leader.joined.append(req)
+        return True
 
     def _prefill_batch(self, reqs: list[Request]) -> Batch:
         bs = self.cache.block_size
@@ -235,7 +270,11 @@ class Scheduler:
             batch.tables.append(first.table)
             batch.starts.append(req.num_cached_tokens)
             batch.tokens.append(req.prompt[req.num_cached_tokens :])
-            for seq in req.sequences if req.params.max_tokens else req.sequences[:1]:
+            samples = req.sequences if req.params.max_tokens else req.sequences[:1]
+            for joined in req.joined:
+                if not joined.future.done():  # (failed while it waited)
+                    samples = samples + joined.sequences
+            for seq in samples:
                 if seq is not first:  # shares the full prompt blocks, copies a partial one
                     block_tables.share_prompt(self.cache, first, seq, P, batch.new_blocks,
                                               batch.fork_copies)
@@ -280,7 +319,11 @@ class Scheduler:
                 for seq in req.sequences if done else ():
                     self._finish(seq, "length")
                 if not done:
-                    self.running.setdefault(req.version, []).extend(req.sequences)
+                    running = self.running.setdefault(req.version, [])
+                    running.extend(req.sequences)
+                    running.extend(s for j in req.joined if not j.future.done()
+                                   for s in j.sequences)
+                    req.joined = []
         else:
             self.counters["decode_steps"] += 1
             self.counters["decoded_tokens"] += len(batch.seqs)
@@ -326,8 +369,9 @@ class Scheduler:
             req.future.set_result(response)
 
     def fail(self, requests: list[Request], error: BaseException) -> None:
-        """Fail these requests with `error`, wherever they are, and free what they hold."""
-        failed = dict.fromkeys(requests)
+        """Fail these requests with `error`, wherever they are, and free what they hold
+        (with a request not yet prefilled, those joined to it, which would wait for it)."""
+        failed = dict.fromkeys(r for req in requests for r in (req, *req.joined))
         for req in failed:
             for seq in req.sequences:
                 block_tables.free(self.cache, seq)

@@ -326,8 +326,9 @@ def check_diverging(service: LocalService, uncached: LocalService, base: list[in
             for sa, sb in zip(a.sequences, b.sequences):
                 assert sa.logprobs == pytest.approx(sb.logprobs, abs=1e-5)
             assert a.usage.prefill_computed_tokens + a.usage.prefill_cached_tokens == len(prompt)
-    for prompt, again in zip(prompts, results[0][1]):  # round 2 finds all but the last token
-        assert again.usage.prefill_cached_tokens == len(prompt) - 1
+    for prompt, again in zip(prompts, results[0][1]):  # round 2 finds all but the last token,
+        # or all of it where it joined an identical prompt of its wave
+        assert again.usage.prefill_cached_tokens in (len(prompt) - 1, len(prompt))
 
 
 def test_group_of_eight_prefills_the_prompt_once(service: LocalService) -> None:
@@ -341,6 +342,43 @@ def test_group_of_eight_prefills_the_prompt_once(service: LocalService) -> None:
     assert service.engine_stats()["prefill_positions"] - before == 50
     assert resp.usage.sampled_tokens == sum(len(s.tokens) for s in resp.sequences)
     assert len({tuple(s.tokens) for s in resp.sequences}) > 1  # per-sample randomness
+
+
+def test_identical_prompts_of_a_wave_are_prefilled_once_and_draw_what_their_seeds_fix(
+        uncached: LocalService) -> None:
+    """Requests with one prompt, in one round: the first computes it, the others join
+    its prefill (nothing computed, all cached) and still draw from their own seeds:
+    each gives what it gives alone on an engine that computes every prompt. A request
+    scoring its prompt computes it itself."""
+    prompt = list(range(2000, 2040))  # 2.5 blocks: a part-filled last block to copy
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=s) for s in (1, 2, 3, 4)]
+    scored = SamplingParams(max_tokens=2, temperature=0.0)
+    with LocalService(SMALL, seed=0, block_size=BS) as svc:
+        sampler = svc.create_sampling_client(stop_at_end_of_turn=False)
+        with integrity_checked_every_step(svc) as broken:
+            svc.engine.pause()  # one wave
+            futures = [sampler.sample(prompt, num_samples=2, sampling_params=p) for p in params]
+            futures.append(sampler.sample(prompt, sampling_params=scored,
+                                          include_prompt_logprobs=True))
+            svc.engine.resume()
+            joined = [f.result() for f in futures]
+        assert broken == []
+        stats = svc.engine_stats()
+        assert stats["joined_requests"] == 3
+        assert stats["prefill_positions"] == 2 * len(prompt)  # once sampled, once scored
+        svc.check_cache_integrity()
+    assert joined[0].usage.prefill_computed_tokens == len(prompt)
+    for resp in joined[1:4]:
+        assert resp.usage.prefill_computed_tokens == 0
+        assert resp.usage.prefill_cached_tokens == resp.prompt_cache_hit_tokens == len(prompt)
+    assert joined[4].usage.prefill_computed_tokens == len(prompt)
+    alone_sampler = uncached.create_sampling_client(stop_at_end_of_turn=False)
+    for p, resp in zip(params, joined):
+        alone = alone_sampler.sample(prompt, num_samples=2, sampling_params=p).result()
+        assert [s.tokens for s in resp.sequences] == [s.tokens for s in alone.sequences]
+        for a, b in zip(resp.sequences, alone.sequences):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert len({tuple(s.tokens) for r in joined[:4] for s in r.sequences}) > 1
 
 
 def test_prompt_logprobs_skip_the_cache_and_match_a_full_forward(service: LocalService) -> None:
@@ -755,6 +793,25 @@ def test_a_failing_stop_check_fails_only_its_request() -> None:
         with pytest.raises(UnicodeError, match="cannot decode"):
             with_stop[0].result()
         assert len(with_stop[1].result().sequences[0].tokens) == 6
+        engine.check_cache_integrity()
+
+
+def test_a_joined_request_that_fails_after_its_prefill_fails_alone() -> None:
+    from prefixgym.engine.service import EngineService
+
+    def decode(ids: list[int]) -> str:
+        raise UnicodeError("cannot decode")
+
+    with EngineService(SMALL, seed=0, decode=decode) as engine:
+        sampler = engine.create_sampling_client()
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        futures = sampler.sample_many([
+            SampleRequest([7, 8, 9], 2, params),
+            SampleRequest([7, 8, 9], 1, params.model_copy(update={"stop": ["x"]}))])
+        with pytest.raises(UnicodeError, match="cannot decode"):
+            futures[1].result()
+        assert [len(s.tokens) for s in futures[0].result().sequences] == [6, 6]
+        assert engine.engine_stats()["joined_requests"] == 1
         engine.check_cache_integrity()
 
 
