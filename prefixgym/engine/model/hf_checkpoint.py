@@ -4,7 +4,9 @@ family (`families.py`) into the built-in `Transformer`.
 Steps: 1) read config.json into a `ModelConfig` (`hf_config.py`: the family, its knobs,
 or one line naming what cannot be honoured), 2) index the tensors of every
 *.safetensors file, 3) map the family's names onto ours (split q/k/v and gate/up, or a
-family's fused ones, become our fused projections), checking shapes, 4) materialise the
+family's fused ones, become our fused projections), checking shapes, then the whole
+model for NaN and inf in one fused pass (a tensor is named only when one is found;
+the tensors of a file are views of its mapping, read as touched), 4) materialise the
 model from those tensors, keeping the parsed config.json on it (`hf_export.py` writes
 it back), 5) hand the freed temporaries back to the system
 (`malloc_tuning.release_free_memory`).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -42,20 +45,29 @@ __all__ = ["deinterleave_gate_up", "dequantize_mxfp4", "interleave_gate_up",
 
 
 class _TensorIndex:
-    """Which *.safetensors file holds each tensor name; loads on demand."""
+    """Which *.safetensors file holds each tensor name; loads on demand, through one open
+    handle per file (opening a file maps it and parses its header again: ~1 ms a
+    tensor). Tensors it hands out are views of the mapped files, read when touched.
+    `close()` drops the handles; the tensors stay valid."""
 
     def __init__(self, directory: Path) -> None:
         self.files = sorted(directory.glob("*.safetensors"))
         if not self.files:
             raise FileNotFoundError(f"{directory}: no *.safetensors files found")
         self.where: dict[str, Path] = {}
+        self._handles: dict[Path, Any] = {}
+        self._got: list[str] = []  # the names `get` handed out, in order
         for file in self.files:
             try:
-                with safe_open(str(file), framework="pt") as f:
-                    for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                        self.where.setdefault(key, file)
+                handle = self._handles[file] = safe_open(str(file), framework="pt")
             except (SafetensorError, OSError) as e:
+                self.close()
                 raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+                self.where.setdefault(key, file)
+
+    def close(self) -> None:
+        self._handles.clear()
 
     def __contains__(self, key: str) -> bool:
         return key in self.where
@@ -79,8 +91,7 @@ class _TensorIndex:
             raise ValueError(f"checkpoint tensor {key!r} is missing (looked in {self.files})")
         file = self.where[key]
         try:
-            with safe_open(str(file), framework="pt") as f:
-                return f.get_tensor(key), file
+            return self._handles[file].get_tensor(key), file
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{file}: cannot read tensor {key!r}: {e}") from None
 
@@ -93,6 +104,8 @@ class _TensorIndex:
         return tensor
 
     def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The stored tensor `key` of this shape, floating-point, in `dtype`. Its values
+        are not looked at here: `check_finite` does that for the whole model at once."""
         tensor, file = self._load(key)
         if tuple(tensor.shape) != shape:
             raise ValueError(
@@ -101,12 +114,24 @@ class _TensorIndex:
         if not tensor.is_floating_point():
             raise ValueError(f"{file}: tensor {key!r} has dtype {tensor.dtype}; weights are "
                              "floating-point")
-        if nonfinite_tensor([(key, tensor)]) is not None:
-            raise ValueError(f"{file}: tensor {key!r} holds NaN or inf values")
-        converted = tensor.to(dtype)
-        if nonfinite_tensor([(key, converted)]) is not None:
-            raise ValueError(f"{file}: tensor {key!r} overflows to inf in {dtype}")
-        return converted
+        self._got.append(key)
+        return tensor.to(dtype)
+
+    def check_finite(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Refuse (ValueError naming the file and tensor) a model whose tensors hold NaN or
+        inf, stored so or overflowing `dtype`. One fused norm over the built model decides
+        (a fused copy holds NaN or inf exactly when one of its parts does); only when it
+        finds one are the tensors read by `get` looked at one by one, for the name."""
+        if nonfinite_tensor(state_dict.items()) is None:
+            return
+        for key in self._got:
+            tensor, file = self._load(key)
+            if nonfinite_tensor([(key, tensor)]) is not None:
+                raise ValueError(f"{file}: tensor {key!r} holds NaN or inf values")
+            if nonfinite_tensor([(key, tensor.to(dtype))]) is not None:
+                raise ValueError(f"{file}: tensor {key!r} overflows to inf in {dtype}")
+        bad = nonfinite_tensor(state_dict.items())
+        raise ValueError(f"{self.files[0].parent}: the model's {bad!r} holds NaN or inf values")
 
 
 def _state_dict_from_hf(
@@ -237,8 +262,13 @@ def load_hf_checkpoint(
     config = config_from_hf(raw, root / "config.json", max_seq_len)
     if config.family == "transformers":  # no code here: transformers' own, our KV behind
         return load_with_transformers(root, config, raw, dtype)
-    # 2) + 3) tensors, renamed and fused
-    state_dict = _state_dict_from_hf(_TensorIndex(root), config, dtype)
+    # 2) + 3) tensors, renamed and fused, then checked for NaN and inf all at once
+    index = _TensorIndex(root)
+    try:
+        state_dict = _state_dict_from_hf(index, config, dtype)
+        index.check_finite(state_dict, dtype)
+    finally:
+        index.close()
     # 4) no random init for weights that are about to be replaced
     with torch.device("meta"):
         model = Transformer(config)

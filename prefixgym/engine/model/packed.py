@@ -28,17 +28,29 @@ gradient), so sampler and trainer logprobs differ by float noise, as across batc
    otherwise on 2 threads than on 1). So each fp32 shape is first run at 1 to 64 rows
    on every count of `thread_counts()` (1, 2, 4, ... and the CPU count: the same set
    whatever the run's own count) and stays on `F.linear` unless all give the same bits.
-   bf16 runs in oneDNN either way.
+   bf16 runs in oneDNN either way. The answer depends on the shape and the machine, not
+   on the weights, and a large head's check is dear (Gemma 3's 262k x 640 took 2-4 s
+   of a 5 s load): each answer is kept in `$PREFIXGYM_CACHE_DIR` (else
+   `$XDG_CACHE_HOME/prefixgym`, else `~/.cache/prefixgym`), file `VERDICTS_FILE`,
+   under a key naming torch's build, the CPU (model, instruction sets, count), the
+   thread counts and the rows checked, so a later process on the same machine and
+   torch reads it instead of running it again; another CPU or torch checks afresh. A
+   store that cannot be read or written only costs the check.
 
 Knows the model's modules; nothing of the sampler.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
+import platform
 import threading
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -46,6 +58,7 @@ from torch import nn
 from prefixgym.engine.model.decoder import Transformer
 from prefixgym.engine.model.layers import MixtureOfExperts
 from prefixgym.engine.model.wide_ops import wide
+from prefixgym.files import write_text_atomically
 
 __all__ = ["PackedLinear", "WeightPacker", "packed_layers", "packs", "thread_counts"]
 
@@ -61,9 +74,14 @@ LAYERS = ("wqkv", "wo", "w_gate_up", "w_down")
 """The attribute names of the linears packed in each block (a mixture's router and
 experts are not: the router's top-k turns on last bits, the experts are 3-D)."""
 
+VERDICTS_FILE = "packed-thread-checks.json"
+"""The file under the cache directory that keeps the thread checks' answers."""
+
 _mkldnn = torch.ops.mkldnn
 _invariant: dict[tuple[int, int, torch.dtype, bool, tuple[int, ...]], bool] = {}
 _invariant_lock = threading.Lock()
+_stored: dict[Path, dict[str, bool]] = {}  # each store file's answers, read once
+_stored_lock = threading.Lock()
 
 
 def packs(model: Transformer) -> bool:
@@ -145,6 +163,64 @@ def _thread_invariant(weight: torch.Tensor, bias: torch.Tensor | None,
         return _invariant[key]
 
 
+def verdicts_path() -> Path:
+    """The file that keeps the thread checks' answers (module doc, step 3)."""
+    root = os.environ.get("PREFIXGYM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "prefixgym")
+    return Path(root) / VERDICTS_FILE
+
+
+@functools.cache
+def _machine() -> str:
+    """What an answer depends on besides the shape: torch's build (and the oneDNN in
+    it), the CPU's model and instruction sets, and its core count."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        cpu = "".join(dict.fromkeys(lines))  # (every core repeats the same two lines)
+    except OSError:
+        pass
+    facts = f"{torch.__version__} {torch.version.git_version} {platform.machine()} {cpu}"
+    return hashlib.sha256(facts.encode()).hexdigest()[:16] + f"-{os.cpu_count()}"
+
+
+def _stored_invariant(weight: torch.Tensor, bias: torch.Tensor | None,
+                      counts: tuple[int, ...]) -> bool:
+    """`_thread_invariant`, its answer read from the store when a process on this
+    machine and torch already checked the shape, else checked and stored."""
+    out_features, in_features = weight.shape
+    key = (f"{_machine()} {in_features}x{out_features} {weight.dtype} bias={bias is not None}"
+           f" counts={','.join(map(str, counts))} rows={','.join(map(str, CHECKED_ROWS))}"
+           f" pack={PACK_ROWS}")
+    path = verdicts_path()
+    with _stored_lock:
+        if path not in _stored:
+            _stored[path] = _read_store(path)
+        if key in _stored[path]:
+            return _stored[path][key]
+    answer = _thread_invariant(weight, bias, counts)
+    with _stored_lock:
+        stored = {**_read_store(path), key: answer}  # (another process may have added some)
+        _stored[path] = stored
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(path, json.dumps(stored, indent=0, sort_keys=True))
+        except OSError:
+            pass  # a store that cannot be written costs the next process the check only
+    return answer
+
+
+def _read_store(path: Path) -> dict[str, bool]:
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, unreadable or torn: the checks run again
+    if not isinstance(stored, dict):
+        return {}
+    return {k: v for k, v in stored.items() if isinstance(k, str) and isinstance(v, bool)}
+
+
 class WeightPacker:
     """Packs a service's inference models (`pack`); shared layers are made once per
     weight and reused while a model holds them.
@@ -183,16 +259,33 @@ class WeightPacker:
             isinstance(m, nn.Linear | MixtureOfExperts) for m in model.layers.modules())
         return model
 
-    def _layer(self, layer: nn.Linear | nn.Embedding, shared: bool) -> PackedLinear | None:
-        """`layer` packed (None where it is small, or an fp32 shape that rounds by thread
-        count)."""
+    def private_weights(self, model: Transformer) -> list[torch.Tensor]:
+        """The block linears' weights that `pack(model, shared=False)` would pack: each
+        gets a packed copy of its own and the dense one is dropped, so a snapshot about
+        to be packed need not copy them first (`EngineService.publish_weights`)."""
+        if not (self.enabled and packs(model)):
+            return []
+        layers = [getattr(parent, name, None) for block in model.layers
+                  for parent in block.modules() for name in LAYERS]
+        return [layer.weight for layer in layers
+                if isinstance(layer, nn.Linear) and self._packable(layer)]
+
+    def _packable(self, layer: nn.Linear | nn.Embedding) -> bool:
+        """Whether `layer` is packed: not small, and not an fp32 shape that rounds by
+        thread count."""
         weight = layer.weight
         bias = layer.bias if isinstance(layer, nn.Linear) else None
         if weight.numel() < MIN_ELEMENTS:
+            return False
+        return (weight.dtype != torch.float32 or len(self.counts) == 1
+                or _stored_invariant(weight, bias, self.counts))
+
+    def _layer(self, layer: nn.Linear | nn.Embedding, shared: bool) -> PackedLinear | None:
+        """`layer` packed (None where `_packable` says no)."""
+        if not self._packable(layer):
             return None
-        if (weight.dtype == torch.float32 and len(self.counts) > 1
-                and not _thread_invariant(weight, bias, self.counts)):
-            return None
+        weight = layer.weight
+        bias = layer.bias if isinstance(layer, nn.Linear) else None
         if not shared:
             return PackedLinear(weight, bias, shared=False)
         key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype,

@@ -4,6 +4,7 @@ weights it should see, no gradient, and nothing packed where it must not be."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +26,10 @@ pytestmark = pytest.mark.skipif(not packs(Transformer(CONFIG)),
 
 
 @pytest.fixture(autouse=True)
-def small_weights_pack(monkeypatch: pytest.MonkeyPatch) -> None:
+def small_weights_pack(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(packing, "MIN_ELEMENTS", 0)  # this file's model is small
+    # each test checks shapes afresh: no answers kept by an earlier run or test
+    monkeypatch.setenv("PREFIXGYM_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def service(config: ModelConfig = CONFIG, **kwargs: object) -> EngineService:
@@ -175,6 +178,48 @@ def test_the_thread_check_runs_each_shape_once_on_every_count(
     assert len(counts) == 2 * len(packing.CHECKED_ROWS)  # the shape's answer was kept
 
 
+def test_a_shapes_answer_is_kept_for_later_processes_on_the_same_machine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    checked: list[tuple[int, int]] = []
+    real = packing._thread_invariant
+
+    def counted(weight: torch.Tensor, bias: torch.Tensor | None,
+                counts: tuple[int, ...]) -> bool:
+        checked.append(tuple(weight.shape))
+        return real(weight, bias, counts)
+
+    monkeypatch.setattr(packing, "_thread_invariant", counted)
+    WeightPacker(counts=(1, 2)).pack(Transformer(CONFIG), shared=True)
+    shapes = len(checked)
+    assert shapes == 5  # wqkv, wo, w_gate_up, w_down, the head: once each
+    assert len(packing._read_store(packing.verdicts_path())) == shapes
+    # a new process on this machine: nothing in memory, every answer read back
+    monkeypatch.setattr(packing, "_stored", {})
+    model = Transformer(CONFIG)
+    WeightPacker(counts=(1, 2)).pack(model, shared=True)
+    assert len(checked) == shapes and len(packed_layers(model)) == LINEARS + 1
+    # another CPU or torch build checks afresh
+    monkeypatch.setattr(packing, "_stored", {})
+    monkeypatch.setattr(packing, "_machine", lambda: "another machine")
+    WeightPacker(counts=(1, 2)).pack(Transformer(CONFIG), shared=True)
+    assert len(checked) == 2 * shapes
+
+
+def test_a_store_that_cannot_be_written_or_read_only_costs_the_check(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "a file").write_text("")
+    monkeypatch.setenv("PREFIXGYM_CACHE_DIR", str(tmp_path / "a file"))  # no directory there
+    model = Transformer(CONFIG)
+    WeightPacker(counts=(1, 2)).pack(model, shared=True)
+    assert len(packed_layers(model)) == LINEARS + 1
+    monkeypatch.setenv("PREFIXGYM_CACHE_DIR", str(tmp_path))
+    packing.verdicts_path().write_text("{not json")
+    model = Transformer(CONFIG)
+    WeightPacker(counts=(1, 2)).pack(model, shared=True)
+    assert len(packed_layers(model)) == LINEARS + 1
+    assert len(packing._read_store(packing.verdicts_path())) == 5  # written anew
+
+
 def test_small_weights_stay_on_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packing, "MIN_ELEMENTS", CONFIG.dim * CONFIG.hidden_dim * 2)
     model = Transformer(CONFIG)
@@ -192,3 +237,29 @@ def test_the_counts_checked_are_the_cpus_not_the_runs(monkeypatch: pytest.Monkey
     monkeypatch.setattr(packing.os, "cpu_count", lambda: 1)
     assert packing.thread_counts() == (1,)
     assert WeightPacker().counts == (1,)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_full_publish_packs_the_trainers_weights_and_never_shares_them(
+        monkeypatch: pytest.MonkeyPatch, packed: bool) -> None:
+    """The weights a publish packs are not copied first, and whatever it does not pack
+    (here: nothing, as if every shape rounded by thread count) is copied: training after
+    a publish never changes the published version."""
+    if not packed:
+        monkeypatch.setattr(WeightPacker, "_layer", lambda self, layer, shared: None)
+    with service() as svc:
+        trainer = svc.create_training_client()
+        v1 = trainer.save_weights_and_get_sampling_client()
+        assert len(packed_layers(v1._model)) == (LINEARS + 1 if packed else 0)
+        theirs = {p.untyped_storage().data_ptr() for p in svc.train_model.parameters()}
+        assert not any(p.untyped_storage().data_ptr() in theirs
+                       for p in v1._model.parameters())
+        before = sample(svc, v1)
+        with torch.no_grad():
+            for param in svc.train_model.parameters():
+                param.add_(0.5)
+        tokens, logprobs, prompt = sample(svc, v1)  # (a cache hit: float noise only)
+        assert tokens == before[0] and prompt == pytest.approx(before[2], abs=1e-5)
+        assert logprobs[0] == pytest.approx(before[1][0], abs=1e-5)
+        changed = sample(svc, trainer.save_weights_and_get_sampling_client())[2]
+        assert changed != pytest.approx(before[2], abs=1e-2)

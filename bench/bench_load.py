@@ -1,0 +1,117 @@
+"""Loading a checkpoint directory: prefixgym's own decoder vs transformers'
+`AutoModelForCausalLM.from_pretrained`, both in fp32 on the CPU.
+
+Usage: `python bench/bench_load.py --model DIR [--model DIR ...] [--repeats 3]
+[--threads 2]`, e.g. `--model /tmp/real/smollm2 --model /tmp/real/gemma3`
+(docs/benchmarks.md, "Loading a checkpoint").
+
+Each load runs in a fresh child process, transformers and prefixgym alternating (the
+order swaps every repeat), and the parent reads every *.safetensors file of the
+directory before each child so both find it in the OS file cache. A child imports its
+library and `torch._dynamo` (both loads import it on first use: ~2 s here, the same
+for both) before its clock starts, then loads once:
+  - transformers: `from_pretrained(DIR, dtype=torch.float32)` (eval mode, ready for
+    `generate`);
+  - prefixgym: `load_model(DIR)` (the trainable decoder), then `EngineService(model)`
+    (the sampler's copy: its packed weights, the KV pool); `service` is the sum, what
+    stands between a user's `--model DIR` and the first sampled token.
+Prints each repeat, then per model the medians and ratios to transformers' median.
+Knows the two loaders; nothing of what they load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine_facts, setup_threads
+
+
+def child(which: str, directory: str, threads: int) -> dict[str, float]:
+    """One fresh process's import and load times (seconds)."""
+    start = time.perf_counter()
+    import torch
+    import torch._dynamo  # noqa: F401 (both loads import it; kept off both clocks)
+
+    setup_threads(threads)
+    out: dict[str, float] = {}
+    if which == "transformers":
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
+        logging.disable_progress_bar()
+        out["import"] = time.perf_counter() - start
+        clock = time.perf_counter()
+        AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        out["load"] = time.perf_counter() - clock
+        return out
+    from prefixgym.engine.model import load_model
+    from prefixgym.engine.service import EngineService
+    out["import"] = time.perf_counter() - start
+    clock = time.perf_counter()
+    model = load_model(directory)
+    out["load_model"] = time.perf_counter() - clock
+    EngineService(model, device="cpu")
+    out["service"] = time.perf_counter() - clock
+    return out
+
+
+def read_files(directory: str) -> None:
+    """Every *.safetensors file of `directory` read once: both loads find it cached."""
+    for file in Path(directory).glob("*.safetensors"):
+        with open(file, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def run_child(which: str, directory: str, threads: int) -> dict[str, float]:
+    read_files(directory)
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", which, "--model", directory,
+         "--threads", str(threads)],
+        check=True, capture_output=True, text=True)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", action="append", required=True,
+                        help="a checkpoint directory (repeatable)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", choices=("transformers", "prefixgym"), default=None)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.model[0], args.threads)))
+        return
+    print(machine_facts(), flush=True)
+    results: dict[str, dict[str, list[dict[str, float]]]] = {
+        m: {"transformers": [], "prefixgym": []} for m in args.model}
+    for repeat in range(args.repeats):
+        order = ("transformers", "prefixgym") if repeat % 2 == 0 else (
+            "prefixgym", "transformers")
+        for directory in args.model:
+            for which in order:
+                times = run_child(which, directory, args.threads)
+                results[directory][which].append(times)
+                shown = ", ".join(f"{k} {v:.2f} s" for k, v in times.items())
+                print(f"repeat {repeat + 1} {Path(directory).name} {which}: {shown}",
+                      flush=True)
+    for directory, runs in results.items():
+        theirs = statistics.median(t["load"] for t in runs["transformers"])
+        ours = {key: statistics.median(t[key] for t in runs["prefixgym"])
+                for key in ("load_model", "service")}
+        print(f"{Path(directory).name}: transformers {theirs:.2f} s; prefixgym load_model "
+              f"{ours['load_model']:.2f} s ({ours['load_model'] / theirs:.2f}x), with the "
+              f"service {ours['service']:.2f} s ({ours['service'] / theirs:.2f}x) "
+              f"(medians of {args.repeats})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
