@@ -4,7 +4,8 @@ Exit codes: 0 no error (findings, if any, are warnings), 1 an error (for a templ
 the verdict at the settings given is append_only=no, or another error such as PG106),
 2 bad input (one clear line on stderr, no traceback). A template's switch values that
 would break the prefix are reported beside its verdict and do not change the exit
-code. Defaults come from `[tool.prefixgym.lint]` in the nearest pyproject.toml;
+code; with `--fix OUT.jinja` the exit code is 0 once an append-only variant is written,
+1 when none can be (`prompting.templates.fix`). Defaults come from `[tool.prefixgym.lint]` in the nearest pyproject.toml;
 command-line options win. `lint env` plays the env's expert here
 (`rollouts.expert`) and hands the conversations to `prompting.lint.env`.
 """
@@ -12,6 +13,7 @@ command-line options win. `lint env` plays the env's expert here
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -22,14 +24,22 @@ from prefixgym.cli.flags import json_object
 from prefixgym.pricing import Prices, money, run_prices
 from prefixgym.prompting.findings import Finding, LintInputError, filter_findings, parse_codes
 from prefixgym.prompting.lint.config import LintConfig, load_config
-from prefixgym.prompting.lint.report import Report, render_json, render_text
+from prefixgym.prompting.lint.report import (
+    Report,
+    render_text,
+    switch_line,
+    verdict_line,
+)
 from prefixgym.types import JSONObject
 
 if TYPE_CHECKING:  # transformers loads only for the checks that need a tokenizer
     from transformers import PreTrainedTokenizerBase
 
     from prefixgym.prompting.lint.env import EnvReport
+    from prefixgym.prompting.lint.source import TemplateSource
     from prefixgym.prompting.lint.trace_file import TraceRequest
+    from prefixgym.prompting.templates.append_only import TemplateReport
+    from prefixgym.prompting.templates.fix import TemplateFix
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
                                "append_only is the verdict at these settings (default: the "
                                "template's defaults); every other switch value that breaks the "
                                "prefix is a line of its own beside it")
+    template.add_argument("--fix", metavar="OUT.jinja",
+                          help="where the template is not append-only at these settings, write "
+                               "a variant that is (each reply in the history as it was sampled, "
+                               "everything else as the template renders it) to OUT.jinja, lint "
+                               "it again and show the diff; or say why no such variant can be "
+                               "written. Exit 0 once a variant is written, 1 when refused; "
+                               "train --chat-template OUT.jinja uses it")
 
     trace = sub.add_parser("trace", parents=[common], help="replay a rollout trace (JSONL)")
     trace.add_argument("path", help="trace file, one sampling request per line")
@@ -120,9 +137,12 @@ def _run(args: argparse.Namespace, config: LintConfig) -> Report:
 
         source = load_template(args.path, args.bos_token, args.eos_token)
         tokenizer = load_tokenizer_dir(args.tokenizer) if args.tokenizer else None
-        return probe_template(source.template, source.bos_token, source.eos_token, tokenizer,
-                              source.origin, strict=args.strict,
-                              template_kwargs=args.template_kwargs)
+        report = probe_template(source.template, source.bos_token, source.eos_token, tokenizer,
+                                source.origin, strict=args.strict,
+                                template_kwargs=args.template_kwargs)
+        if args.fix:
+            args.fixed = fix(source, report, args.fix, args.strict)
+        return report
     if args.what == "trace":
         from prefixgym.prompting.lint.trace import analyze_trace
         from prefixgym.prompting.lint.trace_file import load_trace
@@ -134,6 +154,33 @@ def _run(args: argparse.Namespace, config: LintConfig) -> Report:
     tokenizer = load_tokenizer_dir(args.tokenizer) if args.tokenizer else None
     return lint_env(args.env_id, episodes=args.episodes, block_size=config.block_size,
                     tokenizer=tokenizer, env_kwargs=args.env_kwargs)
+
+
+def fix(source: TemplateSource, report: TemplateReport, out: str, strict: bool) -> TemplateFix:
+    """`--fix OUT`: the variant written to `out` (when there is one) and its lint."""
+    from prefixgym.prompting.templates.fix import fix_template
+
+    fixed = fix_template(source.template, report, source.bos_token, source.eos_token,
+                         origin=out, strict=strict)
+    if fixed.variant is not None:
+        try:
+            with open(out, "w", encoding="utf-8") as f:
+                f.write(fixed.variant)
+        except OSError as e:
+            raise LintInputError(f"--fix {out}: cannot write it: {e.strerror or e}") from None
+    return fixed
+
+
+def fix_lines(fixed: TemplateFix, out: str) -> list[str]:
+    """What `--fix` says after the report: the diff and the variant's verdict, or why not."""
+    if fixed.variant is None:
+        return ["", f"--fix: no variant written: {fixed.refused}"]
+    assert fixed.report is not None
+    lines = ["", fixed.diff.rstrip("\n"), "",
+             f"--fix: wrote {out}: {verdict_line(fixed.report)} (use it with train "
+             f"--chat-template {out})"]
+    lines += [f"--fix: {switch_line(f)}" for f in fixed.report.switches]
+    return lines
 
 
 def lint_env(env_id: str, episodes: int = 3, block_size: int = 16,
@@ -212,14 +259,25 @@ def main(argv: list[str] | None = None) -> int:
     switches[:] = filter_findings(switches, config.select, config.ignore)
     if prices is not None:
         price_findings(report.findings + switches, prices)
+    fixed: TemplateFix | None = getattr(args, "fixed", None)
     try:
         if args.format == "json":
-            print(render_json(report))
+            data = report.to_json()
+            if fixed is not None:
+                data["fix"] = {"path": args.fix if fixed.variant is not None else None,
+                               "refused": fixed.refused or None, "diff": fixed.diff,
+                               "report": fixed.report.to_json()
+                               if fixed.variant is not None and fixed.report else None}
+            print(json.dumps(data, ensure_ascii=False))
         else:
             print(render_text(report, use_colour=sys.stdout.isatty()))
+            if fixed is not None:
+                print("\n".join(fix_lines(fixed, args.fix)))
         sys.stdout.flush()
     except BrokenPipeError:  # `prefixgym lint ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if fixed is not None:
+        return 0 if fixed.variant is not None else 1
     return exit_code(report)
 
 

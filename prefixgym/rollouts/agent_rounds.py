@@ -12,7 +12,9 @@ its own `SamplingClient` view (`client(key)`), which the gateway samples through
 Calls of one round with the same prompt and the same way of sampling (a GRPO group's
 first calls: one task, G programs) go to the sampler as one request for all their samples,
 so that one prefill serves them, as a group's first turn does for envs; the first call's
-seed seeds them, and the first carries the request's usage.
+seed seeds them. Usage is counted as the engine counts a request that joins another's
+prefill: the first call's prompt as the request's was (computed and cached), each other
+call's whole prompt as cached; each call its own sampled tokens.
 
 A program that sends calls in parallel counts each as a rollout's turn, so its rounds can
 close before a slower rollout has sent its call: still correct, no longer reproducible.
@@ -117,19 +119,24 @@ def _joined(batch: list[_Held]) -> SampleRequest:
 
 
 def _split(batch: list[_Held], done: concurrent.futures.Future[SampleResponse]) -> None:
-    """Each call of a joined request gets its own samples; the first carries the usage."""
+    """Each call of a joined request gets its own samples and usage (module docstring)."""
     error = done.exception()
     if error is not None:
         for h in batch:
             h.future.set_exception(error)
         return
     response = done.result()
-    start = 0
+    start, whole = 0, response.usage
+    prompt = whole.prefill_computed_tokens + whole.prefill_cached_tokens
     for i, held in enumerate(batch):
         n = held.request.num_samples
+        sequences = response.sequences[start:start + n]
+        usage = Usage(prefill_computed_tokens=whole.prefill_computed_tokens if i == 0 else 0,
+                      prefill_cached_tokens=whole.prefill_cached_tokens if i == 0 else prompt,
+                      sampled_tokens=sum(len(s.tokens) for s in sequences))
         held.future.set_result(response.model_copy(update={
-            "sequences": response.sequences[start:start + n],
-            "usage": response.usage if i == 0 else Usage()}))
+            "sequences": sequences, "usage": usage,
+            "prompt_cache_hit_tokens": usage.prefill_cached_tokens}))
         start += n
 
 

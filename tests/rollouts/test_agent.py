@@ -119,7 +119,8 @@ def test_a_program_that_edits_its_history_branches_and_says_what_it_cost(tokeniz
 
 def test_a_groups_first_calls_share_one_prefill(tokenizer, gateway):
     """G programs posing one task send the same first prompt: in lockstep the round joins
-    them into one request for G samples (one prefill), whose usage is counted once."""
+    them into one request for G samples (one prefill): the first call's prompt is computed,
+    the others' counted as cached, as the engine counts a request joining another's."""
     fmt = ChatMLFormat(tokenizer)
     requests = []
 
@@ -134,7 +135,11 @@ def test_a_groups_first_calls_share_one_prefill(tokenizer, gateway):
     assert [t.episode_id for t in group.trajectories] == [f"g0/{i}" for i in range(4)]
     assert all(t.total_reward == 1.5 and not t.failed for t in group.trajectories)
     assert len(requests) == 1 and requests[0][0] == 4
-    assert group.usage.prefill_computed_tokens == len(sampler.prompts[0])
+    P = len(sampler.prompts[0])
+    assert group.usage.prefill_computed_tokens == P
+    assert group.usage.prefill_cached_tokens == 3 * P
+    assert [t.usage.prefill_computed_tokens + t.usage.prefill_cached_tokens
+            for t in group.trajectories] == [P] * 4
     assert [sampled_ids(t) for t in group.trajectories] == sampler.sampled
 
 

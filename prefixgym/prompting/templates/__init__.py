@@ -2,10 +2,11 @@
 
 `jinja_render.py` renders a template as transformers does, at a fixed clock;
 `render.py` runs that within limits in a worker process (`render_worker.py`);
-`switches.py` reads a template's reasoning markers and thinking switches; `probes.py`
-builds the probe conversations, `prober.py` renders each and checks it, `classify.py`
-names a break's rule, and `append_only.py` gives the verdict: is each prompt an
-extension of the last prompt plus the reply? The chat format (`hf_template.py`) needs
+`switches.py` reads a template's reasoning markers and thinking switches, `content.py`
+the shape of message content it prints; `probes.py` builds the probe conversations,
+`prober.py` renders each and checks it, `classify.py` names a break's rule, and
+`append_only.py` gives the verdict: is each prompt an extension of the last prompt plus
+the reply? `fix.py` writes an append-only variant of a template that is not. The chat format (`hf_template.py`) needs
 that verdict to accept a template, and the linter (`lint/`) reports it; this package
 imports neither.
 """

@@ -81,6 +81,8 @@ class TemplateReport:
     """The break rules seen with the template's switches at their defaults."""
     closing: str | None = None
     """What the template renders after a reply (its end of turn), under its defaults."""
+    separator: str = ""
+    """The whitespace the template puts between the generation prompt and a reply."""
     num_checked_by_default: int = 0
     """How many probes were checked with the template's switches at their defaults."""
     settings: JSONObject = field(default_factory=dict)
@@ -286,6 +288,7 @@ def probe_template(template_str: str, bos_token: str | None = None, eos_token: s
         probes_skipped=skipped,
         breaks_by_default=by_default,
         closing=shape.closing if shape else None,
+        separator=shape.separator if shape else "",
         num_checked_by_default=num_checked_by_default,
         settings=settings,
         switches=_switch_findings(prober.sightings, prober.seen, by_default, strict),
