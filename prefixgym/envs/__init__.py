@@ -5,6 +5,7 @@ Importing this package registers the built-in envs as "prefixgym/<Name>-v0".
 
 from __future__ import annotations
 
+from prefixgym.envs.addition import Addition
 from prefixgym.envs.arithmetic import Arithmetic
 from prefixgym.envs.base import AgentEnv, Message, Observation, Outcome, agent_of
 from prefixgym.envs.check import CheckReport, check_agent_env
@@ -19,6 +20,7 @@ register_envs()
 
 __all__ = [
     "BUILTIN_ENVS",
+    "Addition",
     "AgentEnv",
     "AnyText",
     "Arithmetic",

@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # `import prefixgym` registers ids without loading the envs
 BUILTIN_ENVS: dict[str, str] = {
     "prefixgym/GuessNumber-v0": "prefixgym.envs.guess_number:GuessNumber",
     "prefixgym/Arithmetic-v0": "prefixgym.envs.arithmetic:Arithmetic",
+    "prefixgym/Addition-v0": "prefixgym.envs.addition:Addition",
     "prefixgym/Mastermind-v0": "prefixgym.envs.mastermind:Mastermind",
     "prefixgym/GridMaze-v0": "prefixgym.envs.grid_maze:GridMaze",
     "prefixgym/KeyValueLookup-v0": "prefixgym.envs.key_value_lookup:KeyValueLookup",

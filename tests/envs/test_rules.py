@@ -8,7 +8,14 @@ import math
 
 import pytest
 
-from prefixgym.envs import Arithmetic, GridMaze, GuessNumber, KeyValueLookup, Mastermind
+from prefixgym.envs import (
+    Addition,
+    Arithmetic,
+    GridMaze,
+    GuessNumber,
+    KeyValueLookup,
+    Mastermind,
+)
 from prefixgym.envs.arithmetic import calculator
 from prefixgym.envs.mastermind import score
 from prefixgym.prompting.tools import format_tool_call
@@ -262,3 +269,24 @@ def test_tool_schemas_off_names_each_tool_and_its_arguments_in_the_system_text()
     assert GuessNumber().prompt() == (GuessNumber.system_prompt, [])
     with pytest.raises(ValueError, match="tool_schemas must be true or false"):
         Arithmetic(tool_schemas="no")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("reply", "reward", "success"), [
+    ("38", 1.0, True), ("The sum of 5 and 33 is 38.", 1.0, True), ("5 + 33 = 38", 1.0, True),
+    ("38 or 39", 0.0, False), ("-38", 0.0, False), ("5 + 33", 0.0, False)])
+def test_addition_reads_the_replys_last_integer(reply: str, reward: float, success: bool) -> None:
+    env = Addition(max_value=40)
+    env.reset(seed=0)
+    env._answer = 38  # the task of seed 0 aside: the reading is what is tested
+    _, r, terminated, truncated, info = env.step(reply)
+    assert (r, info["is_success"], terminated, truncated) == (reward, success, True, False)
+
+
+def test_addition_without_an_integer_is_invalid_and_ends_the_episode() -> None:
+    env = Addition(invalid_penalty=0.5)
+    env.reset(seed=3)
+    _, r, terminated, truncated, info = env.step("I cannot say.")
+    assert (r, terminated, truncated, info["num_invalid_actions"]) == (-0.5, True, False, 1)
+    assert not info["is_success"]
+    with pytest.raises(ValueError, match="max_value"):
+        Addition(max_value=0)
