@@ -67,3 +67,35 @@ LIST_CONTENT = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
+
+# Qwen3's own shape, closer: an assistant turn after the last user message gets its think
+# block back, rebuilt from the reasoning it held ('<think>\n' + reasoning + '\n</think>\n\n'
+# + answer, an empty block when there was none); earlier turns keep only the answer. So
+# the latest reply renders otherwise once a question follows it, even without reasoning.
+QWEN3_LATEST_THINK = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
+    "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{%- set answer = m['content'].split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- set thought = m['content'].split('</think>')[0].split('<think>')[-1].strip('\\n')"
+    " if '</think>' in m['content'] else '' -%}"
+    "{%- if loop.index0 > ns.last_user -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + thought + '\\n</think>\\n\\n' + answer -}}"
+    "{%- else -%}{{- '<|im_start|>assistant\\n' + answer -}}{%- endif -%}"
+    "{%- if m.tool_calls -%}{%- for tc in m.tool_calls -%}"
+    "{{- '\\n<tool_call>' + (tc.function | tojson) + '</tool_call>' -}}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import lint_templates as T
 import pytest
-from chat_templates import QWEN3_LIKE
+from chat_templates import QWEN3_LATEST_THINK, QWEN3_LIKE
 
 from prefixgym.cli.lint import main
 from prefixgym.prompting.templates.append_only import probe_template
@@ -20,6 +20,7 @@ from prefixgym.prompting.templates.render import TemplateRenderer
 REASONED = f"<think>\n{REASONING[0]}\n</think>\n\n{ANSWERS[0]}"
 FIXABLE = {  # name: (template, eos)
     "QWEN3_LIKE": (QWEN3_LIKE, "<|im_end|>"),
+    "QWEN3_LATEST_THINK": (QWEN3_LATEST_THINK, "<|im_end|>"),
     "STRIPS_THINK": (T.STRIPS_THINK, "<|im_end|>"),
     "DROPS_REASONING": (T.DROPS_REASONING, "<|im_end|>"),
     "DROPS_REASONING_TAG": (T.DROPS_REASONING_TAG, "<|im_end|>"),
@@ -91,6 +92,28 @@ def test_qwen3s_variant_keeps_reasoning_and_its_latest_reply_is_the_originals(kw
         assert REASONING[0] not in original.render(longer, True)
     assert variant.render(longer, True).startswith(variant.render(latest, False))
     assert fix.diff.startswith("--- <template>\n+++ <fixed>\n")
+
+
+@pytest.mark.parametrize("kwargs", [None, {"enable_thinking": False}])
+def test_a_template_that_rewrites_the_latest_reply_once_a_question_follows_is_fixed(
+        kwargs) -> None:
+    """Qwen3's shape: the latest reply gets a think block (empty, without reasoning) that
+    it loses once a question follows; each question's text is what the longer rendering
+    inserts, and the latest reply renders as the original's."""
+    fix = fixed(QWEN3_LATEST_THINK, "<|im_end|>", kwargs)
+    assert fix.variant is not None and fix.report is not None and fix.report.append_only
+    variables = kwargs or {}
+    original = TemplateRenderer(QWEN3_LATEST_THINK, "", "<|im_end|>", variables=variables)
+    variant = TemplateRenderer(fix.variant, "", "<|im_end|>", variables=variables)
+    reply = ANSWERS[0] if kwargs else REASONED
+    sampled = ("<think>\n\n</think>\n\n" if kwargs else "") + reply  # prompt + sample
+    latest = [{"role": "system", "content": "Be brief."}, user(QUESTIONS[0]), assistant(reply)]
+    assert variant.render(latest, False) == original.render(
+        [*latest[:-1], assistant(sampled)], False)
+    longer = [*latest, user(QUESTIONS[1])]
+    assert variant.render(longer, True) == variant.render(latest, False) + (
+        f"<|im_start|>user\n{QUESTIONS[1]}<|im_end|>\n<|im_start|>assistant\n"
+        + ("<think>\n\n</think>\n\n" if kwargs else ""))
 
 
 @pytest.mark.parametrize(("name", "eos", "reason"), [
