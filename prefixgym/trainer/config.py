@@ -27,6 +27,10 @@ RUN_CONFIG = "config.json"
 """The run's full resolved config, in its directory: written when it starts, read
 back by --resume and `prefixgym rollout --run`."""
 LR_SCHEDULES = ("constant", "cosine")
+OFF_POLICY_CORRECTIONS = ("none", "tis", "mis")
+OFF_POLICY_LEVELS = ("token", "sequence")
+OFF_POLICY_LOSSES = ("importance_sampling", "ppo", "cispo", "gspo")
+"""The losses that take an off-policy correction (the engine's `losses.OFF_POLICY_LOSSES`)."""
 DEFAULT_ENV = "prefixgym/GuessNumber-v0"
 DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4, "expert_noise": 0.5, "invalid_penalty": 1.0}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -56,6 +60,9 @@ ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine"
                             "router_aux_loss_coef": 0.0, "agent": "", "tasks": "",
                             "eval_tasks": "", "agent_timeout": 300.0,
                             "sft_data": ""}
+ADDED_FIELDS.update({"off_policy_correction": "none", "off_policy_level": "token",
+                     "off_policy_cap": 2.0, "off_policy_mask_low": 0.125,
+                     "off_policy_mask_high": 8.0})
 """Fields added after runs were saved, with the value that gives what a run saved
 without them did (it evaluated greedily, its warm start warmed up over 10% of its
 steps, decayed on the cosine and imitated one expert throughout):
@@ -173,6 +180,23 @@ class TrainConfig:
     """GRPO loss: importance_sampling, ppo, cispo, dro, gspo or stable_reinforce."""
     kl_coef: float = 0.0
     """Penalty on the sampled tokens' log-ratio to the warm-start weights (0 = off)."""
+    off_policy_correction: str = "none"
+    """Correct for the sampler not being the policy trained (a remote or bf16 sampler,
+    --async): none; tis, truncated importance sampling (weights pi_old/pi_sampler cut at
+    --off-policy-cap); or mis, masked (tokens whose weight is outside
+    [--off-policy-mask-low, --off-policy-mask-high] leave the loss). pi_old is the
+    trainer's own logprob before the update; the loss's ratio is then to pi_old
+    (docs/scaling.md, "Off-policy samples"). Losses importance_sampling, ppo, cispo,
+    gspo; the local backend."""
+    off_policy_level: str = "token"
+    """The correction's weight per token, or per sequence (the geometric mean of its loss
+    tokens' weights, given to all of them)."""
+    off_policy_cap: float = 2.0
+    """tis: the largest importance weight (verl's rollout_is_threshold default); >= 1."""
+    off_policy_mask_low: float = 0.125
+    """mis: weights below this are masked (prime-rl's mask_ratio_low default); in [0, 1]."""
+    off_policy_mask_high: float = 8.0
+    """mis: weights above this are masked (prime-rl's mask_ratio_high default); >= 1."""
     normalize_std: bool = True
     """Divide group-relative advantages by the group's reward std."""
     max_tokens: int = 8
@@ -282,6 +306,7 @@ class TrainConfig:
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
         _require_one_of("--loss", self.loss, LOSSES)
+        self._check_off_policy()
         _require_one_of("--lr-schedule", self.lr_schedule, LR_SCHEDULES)
         _require_one_of("--sft-lr-schedule", self.sft_lr_schedule, LR_SCHEDULES)
         if not 0 <= self.sft_warmup < 1:
@@ -345,6 +370,39 @@ class TrainConfig:
                 f"--group-size must be at least 2 (group-relative advantages), got "
                 f"{self.group_size}"
             )
+
+    def _check_off_policy(self) -> None:
+        _require_one_of("--off-policy-correction", self.off_policy_correction,
+                        OFF_POLICY_CORRECTIONS)
+        _require_one_of("--off-policy-level", self.off_policy_level, OFF_POLICY_LEVELS)
+        if self.off_policy_cap < 1:
+            raise ValueError(f"--off-policy-cap must be >= 1, got {self.off_policy_cap}")
+        if not 0 <= self.off_policy_mask_low <= 1 <= self.off_policy_mask_high:
+            raise ValueError("--off-policy-mask-low and --off-policy-mask-high need 0 <= low <= 1 "
+                             f"<= high, got {self.off_policy_mask_low}, "
+                             f"{self.off_policy_mask_high}")
+        if self.off_policy_correction == "none":
+            return
+        if self.loss not in OFF_POLICY_LOSSES:
+            raise ValueError(f"--off-policy-correction {self.off_policy_correction} needs --loss "
+                             f"{', '.join(OFF_POLICY_LOSSES)}; {self.loss}'s penalty is on the "
+                             "log-ratio to the sampler itself")
+        if self.backend != "local":
+            raise ValueError("--off-policy-correction runs on the local backend only (the "
+                             "hosted service's losses take no such setting)")
+
+
+def loss_fn_config(config: TrainConfig) -> dict[str, float] | None:
+    """forward_backward's loss_fn_config for the run's off-policy correction (None: none;
+    the keys are the engine's, `engine/trainer/off_policy.py`)."""
+    if config.off_policy_correction == "none":
+        return None
+    if config.off_policy_correction == "tis":
+        out = {"off_policy_tis_cap": config.off_policy_cap}
+    else:
+        out = {"off_policy_mis_low": config.off_policy_mask_low,
+               "off_policy_mis_high": config.off_policy_mask_high}
+    return {**out, "off_policy_sequence": float(config.off_policy_level == "sequence")}
 
 
 def _checked_stages(stages: object, sft_steps: int) -> list[JSONObject]:

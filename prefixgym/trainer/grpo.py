@@ -28,9 +28,9 @@ from prefixgym.rollouts.episode import AgentGymEnv
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 from prefixgym.rollouts.types import Trajectory, TrajectoryGroup
 from prefixgym.trainer.advantages import group_advantages
-from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.config import TrainConfig, loss_fn_config
 from prefixgym.trainer.datum import loss_mask, num_loss_tokens, rl_datum, trainable
-from prefixgym.trainer.versions import StepWeights, keep_on_policy, max_logprob_gap
+from prefixgym.trainer.versions import StepWeights, keep_on_policy, logprob_mismatch
 from prefixgym.types import AdamParams, Datum, ModelInput, Usage
 
 Collected = tuple[list[TrajectoryGroup], float]  # one step's groups, seconds spent sampling
@@ -252,8 +252,9 @@ def grpo_step(
     datums, counts = assemble(groups, config, ref_sampler, trace)
     metrics.update(counts)
     if datums:
-        out = training.forward_backward(datums, loss_fn=config.loss).result()
-        metrics["sampler/max_logprob_gap"] = max_logprob_gap(datums, out)
+        out = training.forward_backward(datums, loss_fn=config.loss,
+                                        loss_fn_config=loss_fn_config(config)).result()
+        metrics.update(logprob_mismatch(datums, out))
         opt = training.optim_step(
             AdamParams(learning_rate=config.lr if lr is None else lr, grad_clip_norm=1.0)
         ).result()

@@ -1,4 +1,5 @@
-"""The run's figures, drawn from metrics.jsonl: training.png, tokens.png and time.png.
+"""The run's figures, drawn from metrics.jsonl: training.png, tokens.png, time.png and
+mismatch.png.
 
 - training.png: the warm-start loss against the warm-start step (its own axis: a
   warm start of 400 steps would otherwise squeeze 60 GRPO steps into a sliver; a
@@ -14,6 +15,10 @@
   warm start's totals are in report.md).
 - time.png: each GRPO step's seconds, stacked by phase (prefill, decode,
   forward_backward, optim_step, publish, env steps) and the rest of its wall time.
+- mismatch.png: per GRPO step, how far the sampler's logprobs are from the trainer's
+  on the trained tokens (mean and max |difference|, log scale), the k3 estimate of
+  KL(sampler || trainer), and the share of trained tokens whose importance weight an
+  off-policy correction capped or masked (`versions.logprob_mismatch`).
 Knows metric names; not how they were produced.
 """
 
@@ -171,7 +176,46 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     fig.savefig(paths[1], dpi=100)
     plt.close(fig)
     paths.append(_time_plot(plt, out / "time.png", t))
+    paths.append(_mismatch_plot(plt, out / "mismatch.png", t))
     return paths
+
+
+MISMATCH_PANELS = (  # (panel, [(metric, label)], y label)
+    ("gap", [("sampler/mean_logprob_gap", "mean"), ("sampler/max_logprob_gap", "max")],
+     "|sampler - trainer|\nlogprob"),
+    ("kl", [("sampler/kl_k3", "k3 estimate")], "KL(sampler || trainer)"),
+    ("acted", [("off_policy/capped_fraction", "capped (tis)"),
+               ("off_policy/masked_fraction", "masked (mis)")],
+     "trained tokens\ncorrected"),
+)
+
+
+def _mismatch_plot(plt: Any, path: Path, t: _Timeline) -> Path:
+    """mismatch.png: the sampler/trainer mismatch of each GRPO step (module docstring)."""
+    fig, axes = plt.subplots(len(MISMATCH_PANELS), 1, figsize=(7.5, 7), sharex=True)
+    for ax, (panel, series, ylabel) in zip(axes, MISMATCH_PANELS):
+        values: list[float] = []
+        for key, name in series:
+            points = [(x, float(r[key])) for x, r in zip(t.grpo_x(), t.grpo) if key in r]
+            if points:
+                ax.plot(*zip(*points), marker=".", ms=3, lw=1, label=name)
+                values += [v for _, v in points]
+        drawn = bool(values)
+        if drawn:
+            ax.legend(loc="upper left", fontsize=8)
+            if panel == "gap" and min(values) > 0:  # float noise and real gaps, on one axis
+                ax.set_yscale("log")
+            if panel == "acted":
+                ax.set_ylim(0, max(0.05, max(values) * 1.1))
+        empty = "no off-policy correction" if panel == "acted" else "no trained GRPO steps"
+        _label(ax, ylabel, drawn, empty)
+        _integer_steps(ax)
+    axes[-1].set_xlabel("GRPO step")
+    fig.suptitle("Sampler / trainer mismatch on the trained tokens, per GRPO step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _time_plot(plt: Any, path: Path, t: _Timeline) -> Path:

@@ -10,16 +10,18 @@ one, `label`, what its servers report on every answer (kept per turn in
   2) a trajectory with a turn labelled other than its sampler's label is refused;
   3) with a wrong lag, every trajectory of the step is refused.
 Refused trajectories are left out of training like failed episodes and counted
-(`episodes/off_policy`); `sampler/version_lag` is logged every step, and
-`sampler/max_logprob_gap` -- the largest |sampler logprob - trainer logprob| over
-the sampled tokens the step trained on -- says how far the sampler's numbers are
-from the trainer's (float noise on-policy, one update's worth in async mode).
+(`episodes/off_policy`); `sampler/version_lag` is logged every step, and the
+mismatch between the sampler's logprobs and the trainer's for the same tokens (the
+trainer's before its update, from the step's forward_backward), over the tokens the
+step trained on, says how far the sampler's numbers are from the trainer's (float
+noise on-policy, one update's worth in async mode): `logprob_mismatch`.
 This module knows samplers only through those two optional attributes; samplers
 that have neither (an unpinned remote server) are not checked.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -70,9 +72,16 @@ def keep_on_policy(groups: Sequence[TrajectoryGroup], weights: StepWeights
     return kept_groups, metrics
 
 
-def max_logprob_gap(datums: Sequence[Datum], out: ForwardBackwardOutput) -> float:
-    """The largest |sampler logprob - trainer logprob| over the datums' trained tokens."""
-    gap = 0.0
+def logprob_mismatch(datums: Sequence[Datum], out: ForwardBackwardOutput) -> dict[str, float]:
+    """Over the datums' trained tokens, with d = trainer logprob - sampler logprob:
+    `sampler/max_logprob_gap` and `sampler/mean_logprob_gap` (max and mean |d|),
+    `sampler/kl_k3` (mean of e^d - 1 - d, the k3 estimate of KL(sampler || trainer)
+    from the sampler's own tokens), and, where the update was corrected
+    (`off_policy_correction`), `off_policy/weight_mean` and the fraction of trained
+    tokens whose weight was capped (`off_policy/capped_fraction`) or masked
+    (`off_policy/masked_fraction`), from the training call's metrics."""
+    gaps: list[float] = []
+    k3 = 0.0
     for datum, result in zip(datums, out.loss_fn_outputs):
         sampled = datum.loss_fn_inputs.get("logprobs")
         mask = datum.loss_fn_inputs.get("weights")
@@ -80,5 +89,15 @@ def max_logprob_gap(datums: Sequence[Datum], out: ForwardBackwardOutput) -> floa
             continue
         for s, t, w in zip(sampled, result["logprobs"], mask):
             if w:
-                gap = max(gap, abs(float(s) - t))
-    return gap
+                d = t - float(s)
+                gaps.append(abs(d))
+                k3 += math.expm1(d) - d
+    n = max(len(gaps), 1)
+    metrics = {"sampler/max_logprob_gap": max(gaps, default=0.0),
+               "sampler/mean_logprob_gap": sum(gaps) / n, "sampler/kl_k3": k3 / n}
+    for key, name in (("off_policy/weight", "off_policy/weight_mean"),
+                      ("off_policy/capped", "off_policy/capped_fraction"),
+                      ("off_policy/masked", "off_policy/masked_fraction")):
+        if key in out.metrics:
+            metrics[name] = out.metrics[key]
+    return metrics

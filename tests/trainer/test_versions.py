@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
 
 from prefixgym.rollouts.types import Trajectory, TrajectoryGroup, Turn
-from prefixgym.trainer.versions import StepWeights, keep_on_policy, max_logprob_gap
+from prefixgym.trainer.versions import StepWeights, keep_on_policy, logprob_mismatch
 from prefixgym.types import Datum, ForwardBackwardOutput, ModelInput
 
 
@@ -61,9 +62,16 @@ def test_samplers_that_do_not_say_are_not_checked() -> None:
     assert len(kept[0].trajectories) == 1 and "sampler/version_lag" not in metrics
 
 
-def test_max_logprob_gap_looks_at_trained_tokens_only() -> None:
+def test_logprob_mismatch_looks_at_trained_tokens_only() -> None:
     datum = Datum(model_input=ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={
         "target_tokens": [2, 3, 4], "weights": [0.0, 1.0, 1.0],
         "logprobs": [-9.0, -1.0, -2.0], "advantages": [0.0, 1.0, 1.0]})
-    out = ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": [-1.0, -1.25, -1.5]}])
-    assert max_logprob_gap([datum], out) == 0.5
+    out = ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": [-1.0, -1.25, -1.5]}],
+                                metrics={"off_policy/weight": 0.9, "off_policy/capped": 0.5})
+    metrics = logprob_mismatch([datum], out)
+    # d = trainer - sampler = -0.25 and 0.5 on the two trained tokens
+    k3 = [math.expm1(d) - d for d in (-0.25, 0.5)]
+    assert metrics == pytest.approx({
+        "sampler/max_logprob_gap": 0.5, "sampler/mean_logprob_gap": 0.375,
+        "sampler/kl_k3": sum(k3) / 2, "off_policy/weight_mean": 0.9,
+        "off_policy/capped_fraction": 0.5})

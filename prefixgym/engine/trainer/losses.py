@@ -17,7 +17,9 @@ differentiable) and the datum tensors of the same shape, and returns
 Weights default to 1 where a datum has none; the caller passes them filled in, with the
 loss mask. Each row of the (B, T) tensors is one datum (gspo's sequence ratio is per
 row). Clip thresholds are **bounds on the ratio** (`clamp(r, low, high)`), as the
-service takes them. This module knows nothing of models, datums or batching: only tensors.
+service takes them. `loss_of` runs a loss with the off-policy correction its config asks
+for (`off_policy.py`; importance_sampling, ppo, cispo and gspo take one). This module
+knows nothing of models, datums or batching: only tensors.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from prefixgym.engine.trainer import off_policy
 
 Tensor = torch.Tensor
 MetricSums = dict[str, float]
@@ -230,23 +234,44 @@ class LossSpec:
     required: tuple[str, ...]
     optional: tuple[str, ...] = ("weights",)
     config_defaults: Mapping[str, float] | None = None
+    corrects_off_policy: bool = False  # takes the `off_policy` keys of its config
 
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 _CLIP_PPO = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(cross_entropy, required=("target_tokens",)),
-    "importance_sampling": LossSpec(importance_sampling, required=_RL_INPUTS),
-    "ppo": LossSpec(ppo, required=_RL_INPUTS, config_defaults=_CLIP_PPO),
-    "cispo": LossSpec(cispo, required=_RL_INPUTS,
+    "importance_sampling": LossSpec(importance_sampling, required=_RL_INPUTS,
+                                    corrects_off_policy=True),
+    "ppo": LossSpec(ppo, required=_RL_INPUTS, config_defaults=_CLIP_PPO,
+                    corrects_off_policy=True),
+    "cispo": LossSpec(cispo, required=_RL_INPUTS, corrects_off_policy=True,
                       config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
     "dro": LossSpec(dro, required=_RL_INPUTS, config_defaults={"beta": 0.05}),
     "gspo": LossSpec(gspo, required=_RL_INPUTS, optional=("weights", "sequence_ratio_mask"),
-                     config_defaults=_CLIP_PPO),
+                     config_defaults=_CLIP_PPO, corrects_off_policy=True),
     "stable_reinforce": LossSpec(stable_reinforce, required=_RL_INPUTS,
                                  config_defaults={"kl_coeff": 0.0}),
 }
 KNOWN_INPUT_KEYS = frozenset(k for s in LOSSES.values() for k in (*s.required, *s.optional))
+OFF_POLICY_LOSSES = tuple(name for name, spec in LOSSES.items() if spec.corrects_off_policy)
+"""The losses that take an off-policy correction: dro's and stable_reinforce's penalties
+are on the log-ratio to the sampler itself, which the correction would replace."""
+
+
+def loss_of(
+    spec: LossSpec, logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]
+) -> tuple[Tensor, MetricSums]:
+    """`spec`'s loss, corrected as `config` asks (`off_policy.py`). Corrected, the loss's
+    ratio is to the weights before the update; "ratio/mean" and "kl_sampler/mean" stay
+    those to the sampler."""
+    correction = off_policy.correction_of(config)
+    if correction is None:
+        return spec.fn(logprobs_B_T, inputs, config)
+    corrected_inputs, sums = off_policy.corrected(logprobs_B_T, inputs, correction)
+    loss, metrics = spec.fn(logprobs_B_T, corrected_inputs, config)
+    ratio_B_T = torch.exp(logprobs_B_T - inputs["logprobs"])
+    return loss, {**metrics, **_ratio_metrics(logprobs_B_T, inputs, ratio_B_T), **sums}
 
 
 def get_loss(loss_fn: str) -> LossSpec:
@@ -260,14 +285,20 @@ def validate_config(loss_fn: str, loss_fn_config: Mapping[str, object] | None) -
 
     Clip thresholds are bounds on the ratio: `clip_low_threshold` in [0, 1] and
     `clip_high_threshold` >= 1 (the ratio is clamped to [low, high]). `beta` and
-    `kl_coeff` are >= 0.
+    `kl_coeff` are >= 0. The losses of `OFF_POLICY_LOSSES` also take the off-policy
+    correction's keys (`off_policy.check_config`).
     """
     spec = get_loss(loss_fn)
     defaults = dict(spec.config_defaults or {})
     given = dict(loss_fn_config or {})
-    unknown = sorted(set(given) - set(defaults))
+    corrections = sorted(set(given) & set(off_policy.KEYS))
+    if corrections and not spec.corrects_off_policy:
+        raise ValueError(f"loss_fn_config key(s) {corrections}: {loss_fn!r} takes no off-policy "
+                         f"correction (these do: {', '.join(OFF_POLICY_LOSSES)})")
+    unknown = sorted(set(given) - set(defaults) - set(off_policy.KEYS))
     if unknown:
-        allowed = sorted(defaults) or "none"
+        allowed = sorted({*defaults, *(off_policy.KEYS if spec.corrects_off_policy else ())}
+                         ) or "none"
         raise ValueError(
             f"loss_fn_config key(s) {unknown} not used by {loss_fn!r} (allowed: {allowed})"
         )
@@ -295,4 +326,5 @@ def validate_config(loss_fn: str, loss_fn_config: Mapping[str, object] | None) -
     for key in ("beta", "kl_coeff"):
         if config.get(key, 0.0) < 0.0:
             raise ValueError(f"loss_fn_config[{key!r}] = {config[key]} must be >= 0")
+    off_policy.check_config(config)
     return config

@@ -137,7 +137,7 @@ def run_pass(
         else:
             with torch.no_grad(), aux.recording(chunk):
                 logprobs_B_T = _logprobs(model, chunk, options)
-                loss, sums = spec.fn(logprobs_B_T, chunk.inputs, config)
+                loss, sums = losses.loss_of(spec, logprobs_B_T, chunk.inputs, config)
                 loss, sums = aux.added(loss, sums)
         # 3)
         result.loss += float(loss.detach())
@@ -188,12 +188,12 @@ def _chunk_gradients(
         extra = aux.loss()
         logprobs_B_T, loss, sums, grads = logprob_head.loss_gradients(
             model, rows, chunk.inputs["loss_mask"] > 0,
-            lambda logprobs_B_T: spec.fn(logprobs_B_T, chunk.inputs, config),
+            lambda logprobs_B_T: losses.loss_of(spec, logprobs_B_T, chunk.inputs, config),
             params, options.autocast, extra_loss=extra)
         loss, sums = aux.added(loss, sums, None if extra is None else extra.detach())
         return logprobs_B_T, loss, sums, grads
     logprobs_B_T = _logprobs(model, chunk, options)
-    loss, sums = aux.added(*spec.fn(logprobs_B_T, chunk.inputs, config))
+    loss, sums = aux.added(*losses.loss_of(spec, logprobs_B_T, chunk.inputs, config))
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     return logprobs_B_T.detach(), loss.detach(), sums, grads
 
