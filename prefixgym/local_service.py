@@ -1,12 +1,13 @@
 """LocalService: the built-in engine with its tokenizer, as users create it.
 
-    service = LocalService(model="tiny", seed=0)     # or a local HF checkpoint directory
+    service = LocalService(model="tiny", seed=0)     # or a local HF checkpoint directory,
+                                                     # or a .gguf file
     service.tokenizer                                # a transformers tokenizer
 
 The engine (`engine.service.EngineService`) speaks token ids only. This class adds
-the text side: it picks the tokenizer (the checkpoint directory's own, or the
-built-in one), tells the engine which ids end an assistant turn, and gives it a
-`decode` for stop strings, and writes both as one Hugging Face directory
+the text side: it picks the tokenizer (the checkpoint directory's own, a .gguf
+file's, or the built-in one), tells the engine which ids end an assistant turn, and
+gives it a `decode` for stop strings, and writes both as one Hugging Face directory
 (`save_hf_dir`). Everything else -- clients, weights versions, the cache,
 the usage ledger -- is the engine's.
 """
@@ -20,6 +21,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.engine.model import PRESETS, ModelConfig, Transformer
+from prefixgym.engine.model.gguf_import import checkpoint_dir_of, is_gguf_path
 from prefixgym.engine.model.hf_config import read_hf_config
 from prefixgym.engine.sampler.options import SamplerOptions
 from prefixgym.engine.service import EngineService
@@ -28,10 +30,12 @@ from prefixgym.prompting.tokenizer import end_of_turn_ids, resolve_tokenizer
 
 class LocalService(EngineService):
     """The local engine and its tokenizer. `model`: a preset name, a local HF checkpoint
-    directory, a `ModelConfig` (randomly initialised with `seed`) or a `Transformer`.
+    directory, a `.gguf` file (converted once to a cached directory:
+    `engine/model/gguf_import.py`), a `ModelConfig` (randomly initialised with `seed`) or
+    a `Transformer`.
 
-    `tokenizer`: None picks the checkpoint directory's tokenizer for a directory and
-    the built-in one otherwise; a directory name or a tokenizer object also works.
+    `tokenizer`: None picks the checkpoint's tokenizer for a directory or a .gguf file
+    and the built-in one otherwise; a directory name or a tokenizer object also works.
     Every other argument is the engine's (`EngineService`: `dtype`, `device`,
     `num_threads`), and the sampler's options (`SamplerOptions`) go as one object,
     `sampler=`, or as its fields: `LocalService("tiny", prefix_cache=False)` runs the
@@ -56,6 +60,8 @@ class LocalService(EngineService):
         # An unknown model name, or a broken config.json, is the engine's error to report,
         # not the tokenizer's (transformers reads config.json too, and words it worse).
         checkpoint_dir = None
+        if isinstance(model, str) and model not in PRESETS and is_gguf_path(model):
+            model = str(checkpoint_dir_of(model))  # converted once, then read as a directory
         if isinstance(model, str) and model not in PRESETS and Path(model).is_dir():
             checkpoint_dir = model
             read_hf_config(checkpoint_dir)

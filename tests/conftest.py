@@ -79,11 +79,13 @@ def register_test_envs():
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
-    """One line when the real-vLLM tests were skipped, saying how to run them
-    (tests/serving/real_servers.py)."""
+    """One line each when the real-vLLM tests or the real-model tests were skipped,
+    saying how to run them (tests/serving/real_servers.py, tests/real_models/conftest.py)."""
+    said = set()
     for report in terminalreporter.stats.get("skipped", []):
         longrepr = getattr(report, "longrepr", None)
         reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
-        if "real-vLLM tests skipped" in reason:
-            terminalreporter.write_line(reason.removeprefix("Skipped: "))
-            return
+        for kind in ("real-vLLM tests skipped", "real-model tests skipped"):
+            if kind in reason and kind not in said:
+                said.add(kind)
+                terminalreporter.write_line(reason.removeprefix("Skipped: "))

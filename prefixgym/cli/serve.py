@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from prefixgym.cli.chat_template import missing_template_line, read_template_file
 from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import parse_config
 from prefixgym.serving.config import ServeConfig, with_api_key
@@ -44,6 +45,11 @@ def main(argv: list[str]) -> int:
     from prefixgym.local_service import LocalService
 
     try:
+        template = read_template_file(config.chat_template)
+    except ValueError as e:
+        print(f"prefixgym serve: {e}", file=sys.stderr)
+        return 2
+    try:
         options = SamplerOptions(prefix_cache=config.prefix_cache, cache_bytes=int(
             config.kv_cache_gib * 2**30) if config.kv_cache_gib else DEFAULT_CACHE_BYTES)
         dtype = "float32" if config.dtype == "auto" else config.dtype
@@ -53,6 +59,11 @@ def main(argv: list[str]) -> int:
         print(f"prefixgym serve: cannot load model {config.model!r}: {error_line(e)}",
               file=sys.stderr)
         return 2
+    if template is not None:
+        service.tokenizer.chat_template = template
+    elif not service.tokenizer.chat_template:  # /v1/completions serves it all the same
+        print(f"prefixgym serve: /v1/chat/completions needs a chat template: "
+              f"{missing_template_line(config.model)}", file=sys.stderr)
     try:
         app = create_app(service, service.tokenizer, config)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
@@ -116,11 +127,12 @@ def serve_vllm(config: ServeConfig) -> int:
 
 def hf_model_dir(model: str, seed: int, directory: Path) -> str:
     """`model` as a directory vLLM can serve: a checkpoint directory with its tokenizer
-    as it is, else (a preset, or a directory without tokenizer files) written to
-    `directory` with the tokenizer prefixgym uses for it."""
+    as it is (a .gguf file's converted one), else (a preset, or a directory without
+    tokenizer files) written to `directory` with the tokenizer prefixgym uses for it."""
+    from prefixgym.engine.model.gguf_import import checkpoint_dir_of, is_gguf_path
     from prefixgym.local_service import LocalService
 
-    path = Path(model)
+    path = checkpoint_dir_of(model) if is_gguf_path(model) else Path(model)
     tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json")
     if path.is_dir() and any((path / name).is_file() for name in tokenizer_files):
         return str(path.resolve())

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from prefixgym.cli.agent_source import AgentInputs, agent_source, check_agent
+from prefixgym.cli.chat_template import missing_template_line, read_template_file
 from prefixgym.cli.errors import error_line
 from prefixgym.engine.device import describe_device, has_fast_bf16, resolve_device
 from prefixgym.engine.sampler.options import SamplerOptions
@@ -44,7 +45,7 @@ from prefixgym.rollouts.types import TrajectoryGroup
 from prefixgym.serving.config import API_KEY_VARIABLE
 from prefixgym.trainer.agent_steps import AgentSource
 from prefixgym.trainer.clients import Clients, Ranks, RunResult
-from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.config import TrainConfig, is_pretrained_checkpoint
 from prefixgym.trainer.model_defaults import pretrained_defaults_line
 from prefixgym.trainer.run import Run
 from prefixgym.types import JSONObject, Usage
@@ -116,6 +117,7 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
     else:
         check_env(config, make)
     ensure_writable_dir(Path(config.out))
+    template = read_template_file(config.chat_template)  # a bad file fails before the load
     pricing = run_prices(config.model, config.price_model, config.prices)
     if config.trace:  # a trace that cannot be written fails before the model loads
         try:
@@ -127,10 +129,10 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
         raise ValueError(
             "--kl-coef needs the warm-start weights as a reference, and remote samplers keep "
             "only the newest versions: use in-process sampling for a KL penalty")
-    if config.sampler_url and config.async_mode and sync_mode(config) == "full":
+    if config.sampler_url and config.staleness and sync_mode(config) == "full":
         raise ValueError(
             "--sampler-url pushes full weights, and a server holds one weights version at a "
-            "time: --async (sampling the next step from the previous version) needs LoRA "
+            "time: --async or --max-staleness (sampling from an earlier version) needs LoRA "
             "adapters (--lora-rank) or in-process sampling")
     if config.backend == "tinker":
         tinker = tinker_clients(config, tinker_service)
@@ -139,11 +141,18 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
         model=config.model, seed=config.seed, num_threads=config.num_threads or None,
         device=config.device, sampler=SamplerOptions(deterministic=config.deterministic),
     )
-    if Path(config.model).is_dir():
-        check_chat_format(config, service)
-    elif config.chat_template_kwargs:
-        raise ValueError("--chat-template-kwargs applies to a checkpoint directory's chat "
-                         f"template; --model {config.model} uses the built-in format")
+    if is_pretrained_checkpoint(config.model):
+        if template is not None:
+            service.tokenizer.chat_template = template
+        try:
+            check_chat_format(config, service)
+        except ValueError:
+            if not service.tokenizer.chat_template:
+                raise ValueError(missing_template_line(config.model)) from None
+            raise
+    elif config.chat_template_kwargs or config.chat_template:
+        raise ValueError("--chat-template and --chat-template-kwargs apply to a checkpoint's "
+                         f"chat template; --model {config.model} uses the built-in format")
     ranks = torchrun_ranks(service)
     options = trainer_options(config, service.device)
     training: TrainingClient

@@ -1,6 +1,6 @@
 """`prefixgym train`'s command line: flags, a config file or shipped recipe, and a
 resumed run's saved config, resolved into one `TrainConfig` over its defaults (a
-checkpoint directory's own for what none of them sets: `trainer/model_defaults.py`).
+pretrained checkpoint's own for what none of them sets: `trainer/model_defaults.py`).
 
 Kept apart from `train.py` so that `prefixgym train --help` and a usage error answer
 before torch and the engine load (`cli/__init__.py` parses here first). Knows flags
@@ -35,13 +35,14 @@ def parse_train_args(argv: list[str], prog: str = "prefixgym train",
                      description: str = TRAIN_DESCRIPTION) -> tuple[TrainConfig, JSONObject]:
     """The run `argv` asks for, and the pretrained-model defaults it took (those of the
     settings no flag, file or saved config gave; none unless --model is a checkpoint
-    directory); a bad flag or file exits with a usage error (code 2)."""
+    directory or a .gguf file); a bad flag or file exits with a usage error (code 2)."""
     parser = build_parser(
         TrainConfig, prog=prog,
         description=f"{description} Settings come from the "
         "defaults, then a resumed run's saved config.json, then --config FILE.toml (or a "
         f"shipped recipe's name: {', '.join(recipe_names()) or 'none'}), then the flags given "
-        "here. A checkpoint directory (--model DIR) has its own defaults: see --model.",
+        "here. A pretrained checkpoint (--model DIR or FILE.gguf) has its own defaults: "
+        "see --model.",
         flag_names=FLAG_NAMES, config_file=True,
     )
     given = vars(parser.parse_args(argv))

@@ -18,7 +18,12 @@ BUILT_IN_DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass
 class ServeConfig:
     model: str = "tiny"
-    """A built-in preset (tiny, small) or a local Hugging Face checkpoint directory."""
+    """A built-in preset (tiny, small), a local Hugging Face checkpoint directory or a
+    .gguf file (converted once to a cached directory; `pip install 'prefixgym[gguf]'`)."""
+    chat_template: str = ""
+    """A chat template for /v1/chat/completions instead of --model's own (a base model's
+    GGUF file often has none): a .jinja file, a tokenizer_config.json or a model
+    directory (the built-in engine's)."""
     engine: str = "prefixgym"
     """prefixgym (the built-in engine, in this process) or vllm (a real vLLM server in a
     child process, started with the flags RL needs: docs/scaling.md). Flags marked
@@ -72,6 +77,9 @@ class ServeConfig:
         if self.kv_cache_gib < 0 or (self.engine == "vllm" and not self.kv_cache_gib.is_integer()):
             raise ValueError("--kv-cache-gib must be >= 0, and whole with --engine vllm, got "
                              f"{self.kv_cache_gib}")
+        if self.engine == "vllm" and self.chat_template:
+            raise ValueError("--chat-template is the built-in engine's; vLLM reads the "
+                             "template of the model directory it serves")
         if self.engine == "prefixgym" and self.dtype not in BUILT_IN_DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(BUILT_IN_DTYPES)} for the "
                              f"built-in engine, got {self.dtype!r}")

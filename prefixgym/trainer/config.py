@@ -2,8 +2,8 @@
 
 Every field's docstring is its `--help` text. The defaults are the main job: the
 built-in `tiny` model learning the built-in GuessNumber env on two CPU cores. A run on
-a checkpoint directory (a pretrained model) takes its own defaults for the fields sized
-for `tiny` (`model_defaults.py`; the command line applies them).
+a checkpoint directory or a .gguf file (a pretrained model) takes its own defaults for
+the fields sized for `tiny` (`model_defaults.py`; the command line applies them).
 
 `run_identity(config)` is the part of a config that determines a run's results:
 every field but those in `RESUMABLE_CHANGES`, which a `--resume` may change (how far
@@ -18,6 +18,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 
+from prefixgym.files import is_gguf_path
 from prefixgym.trainer.tracking import TRACKERS
 from prefixgym.types import LOSS_FN_NAMES, NONFINITE_UPDATES, JSONObject
 
@@ -59,7 +60,7 @@ ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine"
                             "sft_warmup": 0.1, "sft_stages": [], "chat_template_kwargs": None,
                             "router_aux_loss_coef": 0.0, "agent": "", "tasks": "",
                             "eval_tasks": "", "agent_timeout": 300.0,
-                            "sft_data": ""}
+                            "sft_data": "", "chat_template": ""}
 ADDED_FIELDS.update({"off_policy_correction": "none", "off_policy_level": "token",
                      "off_policy_cap": 2.0, "off_policy_mask_low": 0.125,
                      "off_policy_mask_high": 8.0})
@@ -74,10 +75,10 @@ def with_added_fields(saved: JSONObject) -> JSONObject:
     return {**ADDED_FIELDS, **saved}
 
 
-def is_checkpoint_directory(model: str) -> bool:
-    """Whether `--model` names a checkpoint directory (a pretrained model) rather than a
-    built-in preset (a random init) or a hosted model."""
-    return os.path.isdir(model)
+def is_pretrained_checkpoint(model: str) -> bool:
+    """Whether `--model` names a pretrained model on disk (a checkpoint directory or a
+    .gguf file) rather than a built-in preset (a random init) or a hosted model."""
+    return os.path.isdir(model) or (is_gguf_path(model) and os.path.isfile(model))
 
 
 def default_env_kwargs(env: str) -> JSONObject:
@@ -115,15 +116,20 @@ class TrainConfig:
     agent_timeout: float = 300.0
     """With --agent: seconds one rollout of the program may take; a slower one fails."""
     model: str = "tiny"
-    """A built-in preset (tiny, small) or a local Hugging Face checkpoint directory
-    (config.json, *.safetensors and its tokenizer) of a supported family (docs/models.md);
-    its chat template builds the prompts turn by turn (a template that rewrites earlier
-    replies, as reasoning models' do, is said in the first lines). A directory, a
-    pretrained model, takes its own defaults of --lr, --sft-lr, --sft-steps, --max-tokens
+    """A built-in preset (tiny, small), a local Hugging Face checkpoint directory
+    (config.json, *.safetensors and its tokenizer) of a supported family (docs/models.md)
+    or a .gguf file (converted once to a cached directory; needs `pip install
+    'prefixgym[gguf]'`); its chat template builds the prompts turn by turn (a template
+    that rewrites earlier replies, as reasoning models' do, is said in the first lines).
+    A pretrained model takes its own defaults of --lr, --sft-lr, --sft-steps, --max-tokens
     and --eval-episodes for those not set, said in the first lines."""
+    chat_template: str = ""
+    """A chat template to use instead of --model's own (a base model's GGUF file often has
+    none): a .jinja file, a tokenizer_config.json or a model directory (a checkpoint
+    only)."""
     chat_template_kwargs: JSONObject | None = None
     """The chat template's switches, passed to every render, e.g. {"enable_thinking":
-    false} (a checkpoint directory's template only)."""
+    false} (a checkpoint's template only)."""
     lora_rank: int = 0
     """Train LoRA adapters of this rank on the frozen model instead of every weight (0:
     full training). The adapter is written to OUT/adapter in PEFT's format."""
@@ -302,7 +308,7 @@ class TrainConfig:
         if self.eval_temperature is None:
             self.eval_temperature = self.temperature
         if self.eval_on_start is None:  # a local model is a preset unless it is a directory
-            self.eval_on_start = self.backend != "local" or is_checkpoint_directory(self.model)
+            self.eval_on_start = self.backend != "local" or is_pretrained_checkpoint(self.model)
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
         _require_one_of("--loss", self.loss, LOSSES)

@@ -1,4 +1,5 @@
-"""The defaults of a run on a pretrained model: `--model` a checkpoint directory.
+"""The defaults of a run on a pretrained model: `--model` a checkpoint directory or a
+.gguf file.
 
 `TrainConfig`'s field defaults are sized for the built-in `tiny` (a 5M random init that
 learns from scratch): on a pretrained checkpoint they destroy it (SmolLM2-135M-Instruct
@@ -25,7 +26,7 @@ them under every layer and `cli/train.py` says in the run's first lines which it
 
 from __future__ import annotations
 
-from prefixgym.trainer.config import TrainConfig, is_checkpoint_directory
+from prefixgym.trainer.config import TrainConfig, is_pretrained_checkpoint
 from prefixgym.types import JSONObject
 
 PRETRAINED_LR = 3e-5
@@ -39,7 +40,7 @@ PRETRAINED_SETTINGS: JSONObject = {"sft_steps": 0, "max_tokens": 64, "eval_episo
 def pretrained_defaults(settings: JSONObject) -> JSONObject:
     """The checkpoint directory's defaults of the fields `settings` (every layer, merged)
     does not set; nothing when its `model` is a built-in preset."""
-    if not is_checkpoint_directory(str(settings.get("model", TrainConfig.model))):
+    if not is_pretrained_checkpoint(str(settings.get("model", TrainConfig.model))):
         return {}
     lr = PRETRAINED_LORA_LR if settings.get("lora_rank") else PRETRAINED_LR
     defaults: JSONObject = {"lr": lr, "sft_lr": lr, **PRETRAINED_SETTINGS}
@@ -50,7 +51,7 @@ def pretrained_defaults_line(defaults: JSONObject) -> str:
     """The run's first-lines account of the `pretrained_defaults` it took."""
     flags = ", ".join(f"--{name.replace('_', '-')} {flag_value(value)}"
                       for name, value in defaults.items())
-    return (f"pretrained-model defaults (--model is a checkpoint directory): {flags} "
+    return (f"pretrained-model defaults (--model is a pretrained checkpoint): {flags} "
             "(flags and --config settings you give win; docs/models.md)")
 
 

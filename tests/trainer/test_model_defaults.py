@@ -46,6 +46,13 @@ def test_a_checkpoint_directory_takes_the_pretrained_defaults(checkpoint: str) -
     assert config.eval_on_start is True
 
 
+def test_a_gguf_file_takes_the_pretrained_defaults(tmp_path: Path) -> None:
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")  # a file by that name: not read here
+    config, taken = parse_train_args(["--model", str(tmp_path / "model.gguf")])
+    assert resolved(config) == FULL and taken == FULL and config.eval_on_start is True
+    assert parse_train_args(["--model", str(tmp_path / "missing.gguf")])[1] == {}
+
+
 def test_lora_takes_its_own_learning_rate(checkpoint: str) -> None:
     config = parse_train_config(["--model", checkpoint, "--lora-rank", "16"])
     assert config.lr == config.sft_lr == PRETRAINED_LORA_LR == 2e-4
@@ -128,7 +135,7 @@ def test_help_says_each_pretrained_default() -> None:
 
 def test_the_line_names_each_default_as_a_flag() -> None:
     assert pretrained_defaults_line(FULL) == (
-        "pretrained-model defaults (--model is a checkpoint directory): --lr 3e-5, "
+        "pretrained-model defaults (--model is a pretrained checkpoint): --lr 3e-5, "
         "--sft-lr 3e-5, --sft-steps 0, --max-tokens 64, --eval-episodes 200 (flags and "
         "--config settings you give win; docs/models.md)")
 
@@ -141,7 +148,7 @@ def test_a_run_on_a_checkpoint_says_which_defaults_it_took(
             "--eval-episodes", "2", "--max-tokens", "4", "--no-progress"]
     assert main(argv) == 0
     err = capsys.readouterr().err.splitlines()
-    line = ("pretrained-model defaults (--model is a checkpoint directory): --lr 3e-5, "
+    line = ("pretrained-model defaults (--model is a pretrained checkpoint): --lr 3e-5, "
             "--sft-lr 3e-5, --sft-steps 0 (flags and --config settings you give win; "
             "docs/models.md)")
     assert line in err

@@ -58,7 +58,7 @@ from torch import nn
 from prefixgym.engine.model.decoder import Transformer
 from prefixgym.engine.model.layers import MixtureOfExperts
 from prefixgym.engine.model.wide_ops import wide
-from prefixgym.files import write_text_atomically
+from prefixgym.files import cache_root, write_text_atomically
 
 __all__ = ["PackedLinear", "WeightPacker", "packed_layers", "packs", "thread_counts"]
 
@@ -165,9 +165,7 @@ def _thread_invariant(weight: torch.Tensor, bias: torch.Tensor | None,
 
 def verdicts_path() -> Path:
     """The file that keeps the thread checks' answers (module doc, step 3)."""
-    root = os.environ.get("PREFIXGYM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "prefixgym")
-    return Path(root) / VERDICTS_FILE
+    return cache_root() / VERDICTS_FILE
 
 
 @functools.cache
