@@ -19,7 +19,9 @@ A program that raises, times out, returns no number, or sent a call the gateway 
 (another model's name) fails its rollout with one line (`Trajectory.error`); training
 goes on without it. Many groups run at once, in waves of `max_concurrent` rollouts; in
 lockstep (the default) each wave's calls are sampled in rounds (`agent_rounds.py`), so
-that the engine's batches do not depend on timing.
+that the engine's batches do not depend on timing. With a `TraceWriter` (`--trace`),
+every call goes to the trace as an env's turn does: its rollout's episode and group ids,
+its call number as the turn.
 
 Knows the gateway and sampling protocols, call trees and trajectories; not HTTP.
 """
@@ -27,8 +29,10 @@ Knows the gateway and sampling protocols, call trees and trajectories; not HTTP.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib.metadata
 import inspect
+import itertools
 import math
 import threading
 import time
@@ -38,11 +42,20 @@ from typing import Any
 
 from prefixgym.envs.base import agent_of
 from prefixgym.envs.registration import import_source, located, make_agent_env
+from prefixgym.futures import APIFuture
 from prefixgym.prompting.call_tree import Branch, CallTree, TrainedSequence
 from prefixgym.protocols import AgentGateway, SamplingClient
 from prefixgym.rollouts.agent_rounds import AgentRounds
+from prefixgym.rollouts.rollout import TraceWriter
 from prefixgym.rollouts.types import Trajectory, TrajectoryGroup, Turn
-from prefixgym.types import JSONObject, Usage, derived_seed
+from prefixgym.types import (
+    JSONObject,
+    ModelInput,
+    SampleResponse,
+    SamplingParams,
+    Usage,
+    derived_seed,
+)
 
 PROGRAM_ARGS = ("base_url", "api_key", "model", "task")
 AGENT_ENTRY_POINTS = "prefixgym.agents"
@@ -209,10 +222,11 @@ class AgentRollouts:
                          groups: Sequence[tuple[AgentTask, int, str]], group_size: int,
                          temperature: float | None = None,
                          on_rollout: Callable[[Trajectory], None] | None = None,
-                         ) -> list[TrajectoryGroup]:
+                         trace: TraceWriter | None = None) -> list[TrajectoryGroup]:
         """Each (task, seed, group id) run `group_size` times: the rollouts in waves of
         `max_concurrent`, in order; in lockstep, each wave's calls in rounds.
-        `on_rollout(trajectory)` is told of each rollout as it ends."""
+        `on_rollout(trajectory)` is told of each rollout as it ends; `trace` gets every
+        call."""
         out = [TrajectoryGroup(gid, seed, [
             Trajectory(episode_id=f"{gid}/{i}", group_id=gid, seed=seed)
             for i in range(group_size)]) for _, seed, gid in groups]
@@ -223,18 +237,21 @@ class AgentRollouts:
             wave = runs[start:start + width]
             rounds = AgentRounds(sampler, len(wave)) if self.config.lockstep else None
             await asyncio.gather(*(self.rollout(sampler, task, seed, traj, temperature, rounds,
-                                                on_rollout) for task, seed, traj in wave))
+                                                on_rollout, trace) for task, seed, traj in wave))
         return out
 
     async def rollout(self, sampler: SamplingClient, task: AgentTask, seed: int,
                       traj: Trajectory, temperature: float | None = None,
                       rounds: AgentRounds | None = None,
-                      on_rollout: Callable[[Trajectory], None] | None = None) -> None:
+                      on_rollout: Callable[[Trajectory], None] | None = None,
+                      trace: TraceWriter | None = None) -> None:
         """Steps 1-3 for one rollout, recorded on `traj`."""
         tree = self.make_tree()
         key = traj.episode_id.replace("/", ".")
         # 1) a base URL of its own (in lockstep, its calls join the wave's rounds)
         calls = rounds.client(key) if rounds is not None else sampler
+        if trace is not None:
+            calls = _TracedCalls(calls, trace, traj)
         base_url = self.gateway.open(key, tree, calls, seed, temperature)
         error, reward, components = None, 0.0, dict[str, float]()
         start = time.perf_counter()
@@ -271,6 +288,35 @@ class AgentRollouts:
         traj.stop_reason = "agent_error" if error is not None else "agent_returned"
         if on_rollout is not None:
             on_rollout(traj)
+
+
+class _TracedCalls:
+    """A rollout's sampler that also writes each of its calls to the run's trace."""
+
+    def __init__(self, inner: SamplingClient, trace: TraceWriter, traj: Trajectory) -> None:
+        self._inner, self._trace, self._traj = inner, trace, traj
+        self._calls = itertools.count()
+
+    def sample(self, prompt: ModelInput | list[int], num_samples: int = 1,
+               sampling_params: SamplingParams | None = None,
+               include_prompt_logprobs: bool = False) -> APIFuture[SampleResponse]:
+        model_input = prompt if isinstance(prompt, ModelInput) else ModelInput.from_ints(prompt)
+        turn = next(self._calls)
+        future = self._inner.sample(model_input, num_samples, sampling_params,
+                                    include_prompt_logprobs)
+
+        def write(done: concurrent.futures.Future[SampleResponse]) -> None:
+            if done.exception() is None:
+                self._trace.write([self._traj.episode_id], self._traj.group_id, turn,
+                                  model_input, num_samples, done.result())
+
+        future.future().add_done_callback(write)
+        return future
+
+    def compute_logprobs(self, prompt: ModelInput | list[int]) -> APIFuture[list[float | None]]:
+        model_input = prompt if isinstance(prompt, ModelInput) else ModelInput.from_ints(prompt)
+        self._trace.write_logprobs(model_input)
+        return self._inner.compute_logprobs(prompt)
 
 
 def record(traj: Trajectory, sequences: Sequence[TrainedSequence], reward: float,

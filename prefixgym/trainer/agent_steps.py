@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from prefixgym.files import read_jsonl
 from prefixgym.protocols import SamplingClient
 from prefixgym.rollouts.agent import AgentRollouts, AgentTask
+from prefixgym.rollouts.rollout import TraceWriter
 from prefixgym.rollouts.types import Trajectory
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.evaluate import EVAL_SEED_BASE, EvalResult, summarize
@@ -55,7 +56,7 @@ class AgentSource:
         return [self.tasks[self._order[(step * b + i) % len(self._order)]] for i in range(b)]
 
     def collect(self, sampler: SamplingClient, step: int, rank: int = 0, world: int = 1,
-                trace: object = None) -> Collected:
+                trace: TraceWriter | None = None) -> Collected:
         """Step 1: B groups of G rollouts (this rank's share), and the seconds it took."""
         start = time.perf_counter()
         seeds = step_seeds(self.config, step)
@@ -64,11 +65,11 @@ class AgentSource:
         groups = [(task, seed, f"step{step}.g{i}")
                   for i, (task, seed) in enumerate(zip(tasks, seeds)) if i % world == rank]
         collected = asyncio.run(self.rollouts.run_groups(sampler, groups,
-                                                         self.config.group_size))
+                                                         self.config.group_size, trace=trace))
         return collected, time.perf_counter() - start
 
     def evaluate(self, sampler: SamplingClient, temperature: float, when: str, name: str,
-                 trace: object = None) -> EvalResult:
+                 trace: TraceWriter | None = None) -> EvalResult:
         """The first `eval_episodes` held-out tasks, once each, at `temperature`."""
         n = self.config.eval_episodes
         tasks = ([self.task_of_seed(EVAL_SEED_BASE + i) for i in range(n)]
@@ -80,7 +81,7 @@ class AgentSource:
                 progress.update(1)
 
             collected = asyncio.run(self.rollouts.run_groups(sampler, groups, 1, temperature,
-                                                             on_rollout=done))
+                                                             on_rollout=done, trace=trace))
         return summarize([t for g in collected for t in g.trajectories])
 
     def close(self) -> None:

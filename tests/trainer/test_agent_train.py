@@ -234,3 +234,28 @@ def test_tasks_can_come_from_an_envs_reset(tmp_path, monkeypatch):
     assert step["episodes/failed"] == 0, step.get("episodes/first_error")
     [evaluation] = [r for r in records if r["phase"] == "eval"]
     assert evaluation["eval/episodes"] == 3 and evaluation["eval/env_errors"] == 0
+
+
+def test_trace_records_every_call_of_an_agent_run(tmp_path, monkeypatch, capsys):
+    """--trace gets each call as an env's turn: its episode and group, its call number;
+    a second call's prompt extends the first call's prompt and reply, token for token;
+    and `prefixgym lint trace` reads the file."""
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+    trace = tmp_path / "trace.jsonl"
+    train(config(tmp_path, "run", steps=1, trace=str(trace)))
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    grpo = [r for r in records if r["group_id"].startswith("step0.")]
+    assert len(grpo) == 2 * 4 * 2  # groups x G x the program's two calls
+    by_episode: dict[str, dict[int, dict]] = {}
+    for r in grpo:
+        by_episode.setdefault(r["episode_id"], {})[r["turn"]] = r
+    assert len(by_episode) == 8 and all(sorted(t) == [0, 1] for t in by_episode.values())
+    for turns in by_episode.values():
+        first, second = turns[0], turns[1]
+        assert first["num_samples"] == 1 and len(first["completion_tokens"]) == 1
+        sent = first["prompt_tokens"] + first["completion_tokens"][0]
+        assert second["prompt_tokens"][:len(sent)] == sent
+        assert second["usage"]["prefill_cached_tokens"] > 0
+    capsys.readouterr()
+    assert main(["lint", "trace", str(trace)]) in (0, 1)
+    assert f"{len(records)} requests" in capsys.readouterr().out
