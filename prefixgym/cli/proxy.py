@@ -144,14 +144,18 @@ def build_proxy(config: ProxyConfig) -> RecordingProxy:
 
 def tokenizer_for(model: str, given: bool = True) -> PreTrainedTokenizerBase:
     """The tokenizer of `model`, as `LocalService` picks it: a preset's is the built-in
-    one, a checkpoint directory's its own. ValueError for anything else."""
+    one, a checkpoint directory's (or a .gguf file's converted one) its own. ValueError
+    for anything else."""
     from prefixgym.engine.model.config import PRESETS
+    from prefixgym.engine.model.gguf_import import checkpoint_dir_of, is_gguf_path
     from prefixgym.prompting.tokenizer import resolve_tokenizer
 
     if model in PRESETS:
         return resolve_tokenizer(None)
+    if is_gguf_path(model):
+        return resolve_tokenizer(None, checkpoint_dir_of(model))
     if Path(model).is_dir():
         return resolve_tokenizer(None, model)
     where = "--model" if given else f"the upstream's model {model!r} (give --model)"
-    raise ValueError(f"{where}: not a built-in preset ({', '.join(sorted(PRESETS))}) nor a "
-                     "local directory with the upstream model's tokenizer")
+    raise ValueError(f"{where}: not a built-in preset ({', '.join(sorted(PRESETS))}), a "
+                     "local directory with the upstream model's tokenizer nor a .gguf file")

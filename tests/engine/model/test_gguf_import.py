@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from prefixgym.cli import main
+from prefixgym.cli.proxy import tokenizer_for
 from prefixgym.engine.model import gguf_import, load_model
 from prefixgym.engine.model.gguf_import import CACHE_VARIABLE, SOURCE_FILE, checkpoint_dir_of
 from prefixgym.local_service import LocalService
@@ -23,7 +24,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_a_missing_file_is_refused_by_each_loader(tmp_path: Path) -> None:
     missing = str(tmp_path / "missing.gguf")
-    for load in (checkpoint_dir_of, load_model, LocalService):
+    for load in (checkpoint_dir_of, load_model, LocalService, tokenizer_for):
         with pytest.raises(ValueError, match=r"missing\.gguf: no such GGUF file"):
             load(missing)
 
