@@ -4,8 +4,8 @@ Exit codes: 0 no error (findings, if any, are warnings), 1 an error (for a templ
 the verdict at the settings given is append_only=no, or another error such as PG106),
 2 bad input (one clear line on stderr, no traceback). A template's switch values that
 would break the prefix are reported beside its verdict and do not change the exit
-code; with `--fix OUT.jinja` the exit code is 0 once an append-only variant is written,
-1 when none can be (`prompting.templates.fix`). Defaults come from `[tool.prefixgym.lint]` in the nearest pyproject.toml;
+code; with `--fix OUT.jinja` for a template that is not append-only, the exit code is 0
+once an append-only variant is written, 1 when none can be (`prompting.templates.fix`). Defaults come from `[tool.prefixgym.lint]` in the nearest pyproject.toml;
 command-line options win. `lint env` plays the env's expert here
 (`rollouts.expert`) and hands the conversations to `prompting.lint.env`.
 """
@@ -174,6 +174,8 @@ def fix(source: TemplateSource, report: TemplateReport, out: str, strict: bool) 
 def fix_lines(fixed: TemplateFix, out: str) -> list[str]:
     """What `--fix` says after the report: the diff and the variant's verdict, or why not."""
     if fixed.variant is None:
+        if fixed.report is not None and fixed.report.append_only:
+            return ["", f"--fix: nothing to fix: {fixed.refused}"]
         return ["", f"--fix: no variant written: {fixed.refused}"]
     assert fixed.report is not None
     lines = ["", fixed.diff.rstrip("\n"), "",
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `prefixgym lint ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    if fixed is not None:
+    if fixed is not None and not report.append_only:
         return 0 if fixed.variant is not None else 1
     return exit_code(report)
 

@@ -159,6 +159,11 @@ def test_the_command_writes_the_variant_shows_the_diff_and_lints_it(
     assert "--fix: no variant written: the generation prompt does not extend" in (
         capsys.readouterr().out)
     assert not refused.exists()
+    # an append-only template: nothing to fix, nothing written, the verdict's exit code
+    (tmp_path / "chatml.jinja").write_text(T.CHATML)
+    assert main(["template", "chatml.jinja", "--fix", str(refused)]) == 0
+    assert "--fix: nothing to fix: the template is append-only" in capsys.readouterr().out
+    assert not refused.exists()
 
 
 def test_a_conversation_builds_the_variants_prompts_token_for_token() -> None:
