@@ -80,7 +80,8 @@ def register_test_envs():
 
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
     """One line each when the real-vLLM tests or the real-model tests were skipped,
-    saying how to run them (tests/serving/real_servers.py, tests/real_models/conftest.py)."""
+    saying how to run them (tests/serving/real_servers.py,
+    tests/real_models/real_checkpoints.py)."""
     said = set()
     for report in terminalreporter.stats.get("skipped", []):
         longrepr = getattr(report, "longrepr", None)

@@ -1,9 +1,9 @@
 """Real pretrained checkpoints, loaded from their GGUF files as a user's `--model
-FILE.gguf` loads them (tests/real_models/conftest.py: which models, and how they get
-here): our decoder against transformers' on the same converted weights (teacher-forced
-logprobs in fp32, and a bf16 trainer within bf16's bound), sampling with the prefix
-cache against sampling without it, a LoRA adapter read back by peft, and GRPO steps
-through `prefixgym train` that run and checkpoint."""
+FILE.gguf` loads them (real_checkpoints.py: which models, and how they get here): our
+decoder against transformers' on the same converted weights (teacher-forced logprobs
+in fp32, and a bf16 trainer within bf16's bound), sampling from the prefix cache
+against computing the prompt, a LoRA adapter read back by peft, and GRPO steps through
+`prefixgym train` that run and checkpoint."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
-from conftest import MODELS, RealModel, model_params, real_models_skip_reason
 from numerics import BF16
+from real_checkpoints import MODELS, RealModel, model_params, real_models_skip_reason
 
 import prefixgym as pg
 from prefixgym.cli.train import train
