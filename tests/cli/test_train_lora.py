@@ -101,15 +101,16 @@ def test_bad_lora_flags_exit_2(flags: list[str], message: str, tmp_path: Path, c
 
 def test_the_lint_fix_variant_of_a_reasoning_template_trains_as_append_only(
         tmp_path: Path, capsys) -> None:
-    """`lint template --fix` writes a variant that keeps each reply as sampled; a run whose
-    checkpoint carries it builds prompts by appending, with no mismatch to warn of."""
+    """`lint template --fix` writes a variant that keeps each reply as sampled; a run given
+    it (`--chat-template`) builds prompts by appending, with no mismatch to warn of."""
     (tmp_path / "qwen.jinja").write_text(QWEN3_LIKE)
     fixed = tmp_path / "fixed.jinja"
     assert main(["lint", "template", str(tmp_path / "qwen.jinja"), "--eos-token", "<|im_end|>",
                  "--fix", str(fixed)]) == 0
-    save_tiny_qwen2(tmp_path / "ckpt", fixed.read_text())
+    save_tiny_qwen2(tmp_path / "ckpt", QWEN3_LIKE)  # the checkpoint's own: not append-only
     capsys.readouterr()
-    argv = ["train", "--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "run"), *SMALL]
+    argv = ["train", "--model", str(tmp_path / "ckpt"), "--chat-template", str(fixed),
+            "--out", str(tmp_path / "run"), *SMALL]
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "conversations use its tokenizer's chat template\n" in err
