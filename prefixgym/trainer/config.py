@@ -63,7 +63,7 @@ ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine"
                             "sft_data": "", "chat_template": ""}
 ADDED_FIELDS.update({"off_policy_correction": "none", "off_policy_level": "token",
                      "off_policy_cap": 2.0, "off_policy_mask_low": 0.125,
-                     "off_policy_mask_high": 8.0})
+                     "off_policy_mask_high": 8.0, "max_staleness": 0})
 """Fields added after runs were saved, with the value that gives what a run saved
 without them did (it evaluated greedily, its warm start warmed up over 10% of its
 steps, decayed on the cosine and imitated one expert throughout):
@@ -227,7 +227,14 @@ class TrainConfig:
     (on the default env greedy success moves in steps of the 16 hidden numbers whose
     most likely reply changes; docs/benchmarks.md)."""
     async_mode: bool = False
-    """Sample step t+1 while step t trains (at most one step off-policy)."""
+    """Sample step t+1 while step t trains (at most one step off-policy): --max-staleness 1."""
+    max_staleness: int = 0
+    """K: sample up to K steps ahead of the trainer, each from the newest weights when it
+    starts, so a sample trains at most K policy versions after the weights that drew it
+    (0: synchronous; 1: --async). A step whose samples are more than K versions old is
+    dropped and counted (episodes/stale); staleness/<lag> counts the episodes trained at
+    each lag. Each version sampled from stays in memory until its steps are sampled; with
+    --sampler-url at most 1 (a server keeps the previous adapter only)."""
     deterministic: bool = True
     """Fix every batch the engine runs by the rollout schedule (each turn of all live
     episodes is one round, run alone, in episode order), so that a run's results depend
@@ -313,6 +320,11 @@ class TrainConfig:
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
         _require_one_of("--loss", self.loss, LOSSES)
         self._check_off_policy()
+        if self.max_staleness < 0:
+            raise ValueError(f"--max-staleness must be >= 0, got {self.max_staleness}")
+        if self.sampler_url and self.staleness > 1:
+            raise ValueError(f"--max-staleness {self.max_staleness} with --sampler-url: a server "
+                             "keeps the newest adapter and the one before it, so at most 1")
         _require_one_of("--lr-schedule", self.lr_schedule, LR_SCHEDULES)
         _require_one_of("--sft-lr-schedule", self.sft_lr_schedule, LR_SCHEDULES)
         if not 0 <= self.sft_warmup < 1:
@@ -376,6 +388,11 @@ class TrainConfig:
                 f"--group-size must be at least 2 (group-relative advantages), got "
                 f"{self.group_size}"
             )
+
+    @property
+    def staleness(self) -> int:
+        """K, the versions a sample may lag: --max-staleness, at least 1 with --async."""
+        return max(self.max_staleness, int(self.async_mode))
 
     def _check_off_policy(self) -> None:
         _require_one_of("--off-policy-correction", self.off_policy_correction,

@@ -1,8 +1,9 @@
 """The GRPO loop: rollouts -> group-relative advantages -> datums -> one update.
 
 One step (numbered as in the code):
-  1) sample B groups x G episodes with the current weights (in async mode, the
-     next step's groups are sampled while this step trains: one step off-policy);
+  1) sample B groups x G episodes with the current weights (with --max-staleness K,
+     the next K steps' groups are sampled while this step trains: up to K versions
+     off-policy; K = 1 is --async);
   2) advantages per group (equal-reward groups skipped, failed episodes left out);
   3) one complete Datum per episode, with the sampler's logprobs;
   4) forward_backward + optim_step; publish the new weights to the sampler;
@@ -20,6 +21,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
@@ -170,65 +172,76 @@ def first_lines(groups: Sequence[TrajectoryGroup]) -> dict[str, str]:
     return out
 
 
-class StepPipeline:
-    """Step 1 in sync or async mode: where the next step's groups come from.
+@dataclass
+class _Pending:
+    future: Future[Collected]
+    sampler: SamplingClient
+    updates: int  # the pipeline's updates when it started: its lag is counted from there
 
-    Sync: step t+1 samples from the weights step t published, starting right after
-    the update. Async: step t+1 samples from the weights before step t's update,
-    while step t trains -- except where `sync_before(t + 1)` (a checkpoint follows
-    step t): then it waits for step t's weights, as a run resumed from that
-    checkpoint would, so resuming is exact."""
+
+class StepPipeline:
+    """Step 1 with up to K steps sampled ahead: where each step's groups come from.
+
+    K = 0 (sync): step t+1 samples from the weights step t published, starting right
+    after the update. K >= 1: when step t starts training, steps t+1 .. t+K that are not
+    sampling yet start, in order, from the newest weights, so each trains at most K
+    versions after the weights that sampled it (K = 1 is `--async`: step t+1 from the
+    weights before step t's update). Where `sync_before(s)` (a checkpoint follows step
+    s - 1), step s and those after it wait for step s - 1's weights, as a run resumed
+    from that checkpoint would, so resuming is exact. One worker samples the steps one
+    after another."""
 
     def __init__(
-        self, sample_fn: Callable[[SamplingClient, int], Collected], async_mode: bool,
+        self, sample_fn: Callable[[SamplingClient, int], Collected], max_staleness: int,
         sync_before: Callable[[int], bool] = lambda step: False,
     ) -> None:
         self._sample = sample_fn
-        self._async = async_mode
+        self._ahead = max_staleness
         self._sync_before = sync_before
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
-        self._pending: Future[Collected] | None = None
-        self._pending_sampler: SamplingClient | None = None
-        self._pending_step = -1
-        self._pending_lag = 0
+        self._pending: dict[int, _Pending] = {}
+        self._updates = 0
 
-    def start(self, sampler: SamplingClient, step: int, lag: int = 0) -> None:
-        """Sample step `step` from `sampler`, which will be `lag` versions behind the
-        newest weights when the step trains (1: started before the update it overlaps)."""
-        self._pending = self._pool.submit(self._sample, sampler, step)
-        self._pending_sampler, self._pending_step, self._pending_lag = sampler, step, lag
+    def start(self, sampler: SamplingClient, step: int) -> None:
+        """Sample step `step` from `sampler`."""
+        self._pending[step] = _Pending(self._pool.submit(self._sample, sampler, step), sampler,
+                                       self._updates)
 
     def take(self, sampler: SamplingClient, step: int, last_step: int
              ) -> tuple[Collected, StepWeights]:
         """This step's groups, and which weights sampled them (`sampler` holds the
-        newest); in async mode the next step starts sampling now."""
-        assert self._pending is not None and self._pending_sampler is not None
-        assert self._pending_step == step
-        result = self._pending.result()
-        weights = StepWeights(self._pending_sampler, sampler, expected_lag=self._pending_lag)
-        self._pending = None
-        if self._async and step + 1 < last_step and not self._sync_before(step + 1):
-            self.start(sampler, step + 1, lag=1)
+        newest); the steps up to K ahead start sampling now."""
+        pending = self._pending.pop(step)
+        result = pending.future.result()
+        weights = StepWeights(pending.sampler, sampler, self._updates - pending.updates,
+                              self._ahead)
+        for ahead in range(step + 1, min(step + self._ahead, last_step - 1) + 1):
+            if ahead in self._pending:
+                continue
+            if self._sync_before(ahead):
+                break
+            self.start(sampler, ahead)
         return result, weights
 
     def after_update(self, sampler: SamplingClient, step: int, last_step: int) -> None:
         """The next step samples from the freshly published weights, unless it already
-        started (async)."""
-        if self._pending is None and step + 1 < last_step:
+        started."""
+        self._updates += 1
+        if step + 1 not in self._pending and step + 1 < last_step:
             self.start(sampler, step + 1)
 
     def wait(self) -> None:
-        """Let the next step's sampling finish (before an evaluation, so that the two
+        """Let the steps sampling ahead finish (before an evaluation, so that the two
         never share the engine's batches or interleave in its cache)."""
-        if self._pending is not None:
-            self._pending.exception()
+        for pending in self._pending.values():
+            pending.future.exception()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def samples_after_sync(config: TrainConfig, step: int) -> bool:
-    """Whether async step `step` must sample from the weights of the step before it,
+    """Whether a step sampled ahead, `step`, must sample from the weights of the step before it,
     so that a run resumed from a checkpoint samples as the uninterrupted one did:
     a checkpoint was saved just before it, or it would sample from the weights that
     the evaluation at a checkpoint just sampled from (and left in the cache)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prefixgym.files import write_text_atomically
 from prefixgym.pricing import Prices, money
+from prefixgym.trainer.off_policy_report import mismatch_lines, staleness_lines
 from prefixgym.trainer.tracking import Tracker
 from prefixgym.types import JSONObject, Usage
 
@@ -274,34 +275,6 @@ def branch_lines(records: Sequence[JSONObject]) -> list[str]:
             "", *firsts, ""]
 
 
-MISMATCH_ROWS = (
-    ("sampler/mean_logprob_gap", "mean abs logprob gap"),
-    ("sampler/max_logprob_gap", "max abs logprob gap"),
-    ("sampler/kl_k3", "KL(sampler \\|\\| trainer), k3"),
-    ("off_policy/weight_mean", "importance weight, mean"),
-    ("off_policy/capped_fraction", "tokens capped (tis)"),
-    ("off_policy/masked_fraction", "tokens masked (mis)"),
-)
-
-
-def mismatch_lines(records: Sequence[JSONObject]) -> list[str]:
-    """The sampler/trainer mismatch on the trained tokens over the GRPO steps that trained
-    (none: no lines): each metric's mean over the steps, its largest and its last."""
-    steps = [r for r in records if r.get("phase") == "grpo" and "sampler/kl_k3" in r]
-    if not steps:
-        return []
-    rows = ["| per GRPO step | mean | largest | last step |", "|---|---:|---:|---:|"]
-    for key, name in MISMATCH_ROWS:
-        values = [float(r[key]) for r in steps if key in r]
-        if values:
-            rows.append(f"| {name} | {sum(values) / len(values):.3g} | {max(values):.3g} | "
-                        f"{values[-1]:.3g} |")
-    return ["## Sampler / trainer mismatch", "",
-            f"Over the trained tokens of {len(steps)} GRPO steps: the sampler's logprobs "
-            "against the trainer's before its update (mismatch.png; docs/scaling.md says "
-            "what they mean).", "", *rows, ""]
-
-
 def write_report(
     out: Path, title: str, config: JSONObject, total: Usage, sft_usage: Usage,
     evals: Sequence[JSONObject], wall_s: float, numerics: JSONObject | None = None,
@@ -324,6 +297,7 @@ def write_report(
         *improvement_lines(evals),
         *branch_lines(records),
         *mismatch_lines(records),
+        *staleness_lines(records),
         *(["## Seconds per phase", "", seconds_table(records, wall_s), ""]
           if any(k.startswith("time/") and k != "time/sample_s" for r in records for k in r)
           else []),

@@ -301,7 +301,7 @@ class Run:
         sampler = self.training.save_weights_and_get_sampling_client()
         pipeline = StepPipeline(
             lambda s, step: self.source.collect(s, step, self.ranks.rank, self.ranks.world,
-                                                self.trace), c.async_mode,
+                                                self.trace), c.staleness,
                                 sync_before=lambda step: samples_after_sync(c, step))
         progress = Progress("GRPO", c.steps, "step", c.progress and self.main,
                             initial=state.next_step)

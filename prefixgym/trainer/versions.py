@@ -5,12 +5,15 @@ the publish number (the engine's version, `RemoteWeightSync`'s n), and, for a re
 one, `label`, what its servers report on every answer (kept per turn in
 `Turn.weights_version`). Per GRPO step:
   1) lag = version of the trainer's newest weights - version of the sampler the
-     step's groups came from; it must be 0 in sync mode and exactly 1 in async mode
-     (0 on the first step a pipeline samples, which has nothing older);
+     step's groups came from; it must be the updates published since the step began
+     sampling (0 in sync mode; up to K with --max-staleness K, 1 with --async);
   2) a trajectory with a turn labelled other than its sampler's label is refused;
-  3) with a wrong lag, every trajectory of the step is refused.
+  3) with a wrong lag, every trajectory of the step is refused; one above K counts
+     them as stale too.
 Refused trajectories are left out of training like failed episodes and counted
-(`episodes/off_policy`); `sampler/version_lag` is logged every step, and the
+(`episodes/off_policy`, and `episodes/stale` for those older than K);
+`sampler/version_lag` is logged every step, with `staleness/<lag>`, the trajectories
+kept at that lag (summed over the steps: the run's staleness histogram), and the
 mismatch between the sampler's logprobs and the trainer's for the same tokens (the
 trainer's before its update, from the step's forward_backward), over the tokens the
 step trained on, says how far the sampler's numbers are from the trainer's (float
@@ -49,6 +52,7 @@ class StepWeights:
     sampled_with: SamplingClient
     newest: SamplingClient
     expected_lag: int
+    max_staleness: int = 1  # K: a sample more versions behind than this is stale
 
 
 def keep_on_policy(groups: Sequence[TrajectoryGroup], weights: StepWeights
@@ -56,10 +60,11 @@ def keep_on_policy(groups: Sequence[TrajectoryGroup], weights: StepWeights
     """Steps 1-3: the groups with refused trajectories left out, and the metrics."""
     used, newest = weights_version(weights.sampled_with), weights_version(weights.newest)
     metrics: dict[str, float] = {}
-    lag_ok = True
+    lag_ok, lag = True, None
     if used is not None and newest is not None:
-        metrics["sampler/version_lag"] = float(newest - used)
-        lag_ok = newest - used == weights.expected_lag  # 1)
+        lag = newest - used
+        metrics["sampler/version_lag"] = float(lag)
+        lag_ok = lag == weights.expected_lag <= weights.max_staleness  # 1)
     label = weights_label(weights.sampled_with)
     kept_groups, refused = [], 0
     for group in groups:
@@ -69,6 +74,10 @@ def keep_on_policy(groups: Sequence[TrajectoryGroup], weights: StepWeights
         refused += len(group.trajectories) - len(kept)
         kept_groups.append(TrajectoryGroup(group.group_id, group.seed, kept))
     metrics["episodes/off_policy"] = float(refused)
+    if lag is not None:
+        stale = lag > weights.max_staleness
+        metrics["episodes/stale"] = float(refused if stale else 0)
+        metrics[f"staleness/{lag}"] = float(sum(len(g.trajectories) for g in kept_groups))
     return kept_groups, metrics
 
 

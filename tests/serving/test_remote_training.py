@@ -45,6 +45,7 @@ def test_train_samples_on_the_remote_server(start_server, tmp_path: Path, numeri
 
 
 @pytest.mark.parametrize(("flag", "message"), [({"async_mode": True}, "LoRA"),
+                                               ({"max_staleness": 1}, "LoRA"),
                                                ({"kl_coef": 0.1}, "in-process")])
 def test_remote_sync_refuses_what_needs_older_versions(flag, message, tmp_path: Path) -> None:
     config = TrainConfig(out=str(tmp_path), sampler_url=["http://127.0.0.1:9/v1"], **flag)

@@ -18,8 +18,8 @@ from prefixgym.local_service import LocalService
 from prefixgym.rollouts.rollout import RolloutConfig
 from prefixgym.trainer.config import OFF_POLICY_LOSSES, TrainConfig, loss_fn_config
 from prefixgym.trainer.grpo import collect, grpo_step
+from prefixgym.trainer.off_policy_report import mismatch_lines
 from prefixgym.trainer.plots import write_plots
-from prefixgym.trainer.report import mismatch_lines
 
 SMALL = dict(env="tests/Lengthy-v0", sft_steps=1, sft_episodes_per_step=2, groups_per_step=2,
              group_size=3, eval_episodes=1, eval_every=10, max_tokens=6, progress=False)

@@ -36,7 +36,8 @@ def test_samples_from_the_pinned_weights_are_kept_others_refused() -> None:
     groups = [group(["r-3", "r-3"], ["r-3", "r-2"], [None])]
     kept, metrics = keep_on_policy(groups, StepWeights(Sampler(3, "r-3"), Sampler(3, "r-3"), 0))
     assert [t.episode_id for t in kept[0].trajectories] == ["g/0", "g/2"]
-    assert metrics == {"sampler/version_lag": 0.0, "episodes/off_policy": 1.0}
+    assert metrics == {"sampler/version_lag": 0.0, "episodes/off_policy": 1.0,
+                       "episodes/stale": 0.0, "staleness/0": 2.0}
 
 
 @pytest.mark.parametrize(("used", "newest", "expected_lag", "refused"), [
@@ -52,6 +53,21 @@ def test_a_step_from_the_wrong_version_is_refused_whole(used, newest, expected_l
     assert metrics["sampler/version_lag"] == newest - used
     assert metrics["episodes/off_policy"] == refused
     assert len(kept[0].trajectories) == 2 - refused
+    assert metrics["episodes/stale"] == (refused if newest - used > 1 else 0)
+
+
+@pytest.mark.parametrize(("lag", "max_staleness", "stale"), [
+    (2, 2, 0),  # K = 2: two behind is allowed
+    (3, 2, 2),  # three behind: both samples dropped as stale
+    (0, 0, 0),
+])
+def test_samples_older_than_k_are_dropped_and_counted(lag, max_staleness, stale):
+    groups = [group([None], [None])]
+    kept, metrics = keep_on_policy(groups, StepWeights(Sampler(10 - lag), Sampler(10), lag,
+                                                       max_staleness))
+    assert metrics["episodes/stale"] == metrics["episodes/off_policy"] == stale
+    assert len(kept[0].trajectories) == 2 - stale
+    assert metrics[f"staleness/{lag}"] == 2 - stale  # the histogram counts what trained
 
 
 def test_samplers_that_do_not_say_are_not_checked() -> None:
