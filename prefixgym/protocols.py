@@ -108,17 +108,21 @@ class TrainingClient(Protocol):
         weights holding NaN or inf."""
         ...
 
-    def save_state(self, path: str | os.PathLike[str]) -> APIFuture[str]:
+    def save_state(self, path: str | os.PathLike[str],
+                   with_optimizer: bool = True) -> APIFuture[str]:
         """Write the weights, the optimizer's state and step, and the RNG states under
         `path`, whole or not at all (a crash leaves no half-written state there); the
         future's result is the path. Gradients accumulated since the last update are not
-        saved. Changes nothing of the client."""
+        saved. Changes nothing of the client. `with_optimizer=False` leaves the
+        optimizer's state out (AdamW's moments: twice the weights); a client whose
+        checkpoints live elsewhere (the hosted service) may keep it anyway."""
         ...
 
     def load_state(self, path: str | os.PathLike[str]) -> APIFuture[int]:
         """Restore what `save_state` wrote; the future's result is the optimizer step it
-        restored. Pending gradients are dropped. A damaged checkpoint, or one of another
-        model, raises ValueError and changes nothing."""
+        restored (0 from a state saved without the optimizer's, which starts afresh).
+        Pending gradients are dropped. A damaged checkpoint, or one of another model,
+        raises ValueError and changes nothing."""
         ...
 
 

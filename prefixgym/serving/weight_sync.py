@@ -76,8 +76,9 @@ class RemoteWeightSync:
     def optim_step(self, adam: AdamParams) -> APIFuture[OptimStepOutput]:
         return self.training.optim_step(adam)
 
-    def save_state(self, path: str | os.PathLike[str]) -> APIFuture[str]:
-        return self.training.save_state(path)
+    def save_state(self, path: str | os.PathLike[str],
+                   with_optimizer: bool = True) -> APIFuture[str]:
+        return self.training.save_state(path, with_optimizer)
 
     def load_state(self, path: str | os.PathLike[str]) -> APIFuture[int]:
         return self.training.load_state(path)

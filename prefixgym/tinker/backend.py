@@ -126,7 +126,10 @@ class TinkerTrainer:
         return TinkerSampler(self._training.save_weights_and_get_sampling_client().result(),
                              self._ledger)
 
-    def save_state(self, path: str | os.PathLike[str]) -> APIFuture[str]:
+    def save_state(self, path: str | os.PathLike[str],
+                   with_optimizer: bool = True) -> APIFuture[str]:
+        # (the service keeps the optimizer's state whatever `with_optimizer` says: it
+        # takes no room here, where only the state's name is written)
         saved = self._training.save_state(f"prefixgym-{uuid.uuid4().hex[:12]}").result()
         directory = Path(path)
         directory.mkdir(parents=True, exist_ok=True)

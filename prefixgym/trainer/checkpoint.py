@@ -2,7 +2,8 @@
 and verified before it is used.
 
 Layout under OUT/checkpoints/:
-  step-000009/train/            the training client's save_state (weights, optimizer, RNG)
+  step-000009/train/            the training client's save_state (weights, optimizer, RNG;
+                                without the optimizer's state with --no-checkpoint-optimizer)
   step-000009/loop.json         next step, evaluations so far, cumulative usage
   step-000009/config.json      the run's full resolved config (when the run gave it)
   step-000009/numerics.json    how its steps were computed: dtype, threads, device (idem)
@@ -119,12 +120,19 @@ def save_checkpoint(
     name: str | None = None,
     config: JSONObject | None = None,
     numerics: JSONObject | None = None,
+    with_optimizer: bool = True,
 ) -> Path:
+    """Write checkpoint `name` (by default the state's step name) under `out`, whole or
+    not at all, and point `latest` at it; `with_optimizer=False` leaves the optimizer's
+    state out (its manifest says so: `holds_optimizer`)."""
     root = out / "checkpoints"
     name = name or checkpoint_name(state)
 
     def fill(tmp: Path) -> None:
-        training.save_state(tmp / "train")
+        if with_optimizer:
+            training.save_state(tmp / "train")
+        else:
+            training.save_state(tmp / "train", with_optimizer=False)
         (tmp / "loop.json").write_text(state.to_json())
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -132,7 +140,8 @@ def save_checkpoint(
             (tmp / NUMERICS).write_text(json.dumps(numerics, sort_keys=True) + "\n")
         checksums = {str(p.relative_to(tmp)): file_checksum(p)
                      for p in sorted(tmp.rglob("*")) if p.is_file()}
-        manifest = {"format": FORMAT_VERSION, "run": identity, "checksums": checksums}
+        manifest = {"format": FORMAT_VERSION, "run": identity, "checksums": checksums,
+                    "optimizer": with_optimizer}
         (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True))
 
     write_dir_atomically(root / name, fill)
@@ -310,6 +319,13 @@ def numerics_changes(path: Path, now: JSONObject | None) -> list[str]:
         keys.append("threads")
     return [f"{key} {saved.get(key)} -> {now.get(key)}" for key in keys
             if saved.get(key) != now.get(key)]
+
+
+def holds_optimizer(path: Path) -> bool:
+    """Whether checkpoint `path` holds the optimizer's state (its manifest says; those
+    written before it could say all do)."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    return manifest.get("optimizer", True) is not False
 
 
 def load_checkpoint(path: Path, training: TrainingClient) -> LoopState:

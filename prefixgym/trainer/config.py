@@ -41,7 +41,7 @@ RESUMABLE_CHANGES = (
     "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
     "num_threads", "device", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
     "recompute_activations", "eval_on_start", "keep_checkpoints", "prices", "price_model",
-    "trace",
+    "trace", "checkpoint_optimizer",
 )
 """Fields a resumed run may set differently from the run it continues. `steps` extends
 (or shortens) a run; with the cosine schedule the remaining steps then follow the new
@@ -252,6 +252,11 @@ class TrainConfig:
     """GRPO step checkpoints kept, the newest (an older one is the fallback when the
     newest is damaged); older ones are deleted. The warm start's is always kept. 0
     keeps every one."""
+    checkpoint_optimizer: bool = True
+    """Checkpoints hold AdamW's state (twice the weights trained, in fp32), so that a
+    resumed run goes on as the uninterrupted one. --no-checkpoint-optimizer keeps the
+    weights, step and RNG states only (full fine-tuning: a third of the size); a run
+    resumed from such a checkpoint starts AdamW afresh, and says so."""
     compute_dtype: str = "auto"
     """Training compute dtype: float32, bfloat16 (autocast, fp32 master weights; about 2x
     faster where the CPU has bf16 matmuls, about 2x slower where it emulates them), or

@@ -41,6 +41,7 @@ from prefixgym.trainer.checkpoint import (
     ForeignCheckpointError,
     LoopState,
     find_checkpoint,
+    holds_optimizer,
     in_warm_start,
     load_checkpoint,
     load_warm_start,
@@ -108,7 +109,8 @@ class Run:
         """Rank 0 writes; the other ranks meet it at the barrier its write holds."""
         if self.main:
             path = save_checkpoint(self.out, self.training, state, self.identity, name=name,
-                                   config=asdict(self.config), numerics=self.clients.numerics)
+                                   config=asdict(self.config), numerics=self.clients.numerics,
+                                   with_optimizer=self.config.checkpoint_optimizer)
             if name is None:  # a step checkpoint: the older ones beyond keep_checkpoints go
                 prune_checkpoints(path.parent, self.config.keep_checkpoints, path)
         elif self.ranks.barrier is not None:
@@ -215,6 +217,10 @@ class Run:
                       f"({'; '.join(changes)}): the steps from here will not repeat the "
                       "uninterrupted run bit for bit (docs/architecture.md, "
                       '"Determinism")', file=sys.stderr)
+            if not holds_optimizer(path):
+                print(f"note: {path} holds the weights without the optimizer's state "
+                      "(--no-checkpoint-optimizer): AdamW starts afresh here, so the steps "
+                      "from here differ from the uninterrupted run's", file=sys.stderr)
         return state
 
     def warm_start(self, state: LoopState, base_usage: Usage, t_start: float) -> None:

@@ -283,6 +283,36 @@ def test_a_run_keeps_its_newest_step_checkpoints(tmp_path, monkeypatch):
         TrainConfig(keep_checkpoints=-1)
 
 
+def test_checkpoints_without_the_optimizer_are_a_third_and_resume_with_a_fresh_adamw(
+        tmp_path, monkeypatch, capsys):
+    """--no-checkpoint-optimizer: the training state holds the weights and not AdamW's
+    two moments (at full fine-tuning, a third of the bytes); a run resumed from it says
+    AdamW starts afresh there and goes on from the saved weights."""
+    monkeypatch.setattr(run_module, "write_plots", lambda out, records: [])
+
+    def state_bytes(out):
+        step = out / "checkpoints" / "step-000000"
+        manifest = json.loads((step / "checkpoint.json").read_text())
+        return sum(p.stat().st_size for p in (step / "train").rglob("*")), manifest
+
+    config = dict(SMALL, sft_steps=0, eval_episodes=1, checkpoint_every=1)
+    train(TrainConfig(**config, steps=1, out=str(tmp_path / "full")))
+    train(TrainConfig(**config, steps=1, out=str(tmp_path / "lean"), checkpoint_optimizer=False))
+    (full, full_manifest), (lean, lean_manifest) = (state_bytes(tmp_path / "full"),
+                                                    state_bytes(tmp_path / "lean"))
+    assert full_manifest["optimizer"] is True and lean_manifest["optimizer"] is False
+    assert lean < 0.4 * full
+    capsys.readouterr()
+    train(TrainConfig(**config, steps=1, out=str(tmp_path / "full"), resume=True,
+                      checkpoint_optimizer=False))  # (a resumable change)
+    assert "AdamW starts afresh" not in capsys.readouterr().err  # it held the moments
+    train(TrainConfig(**config, steps=2, out=str(tmp_path / "lean"), resume=True,
+                      checkpoint_optimizer=False))
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "AdamW starts afresh" in err
+    assert [r["step"] for r in _grpo_lines(tmp_path / "lean") if r["phase"] == "grpo"] == [0, 1]
+
+
 def test_failing_env_is_left_out_and_counted():
     config = TrainConfig(**{**SMALL, "env_kwargs": {"raise_on_seed": None}}, steps=1)
     with LocalService(model="tiny", seed=0) as service:

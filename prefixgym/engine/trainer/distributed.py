@@ -108,10 +108,11 @@ class DistributedTrainingClient(Generic[SamplerT]):
         """The same AdamW step on every rank (their gradients are equal)."""
         return APIFuture.completed(self.client.optim_step(adam).result())
 
-    def save_state(self, path: str | os.PathLike[str]) -> APIFuture[str]:
+    def save_state(self, path: str | os.PathLike[str],
+                   with_optimizer: bool = True) -> APIFuture[str]:
         """Rank 0 writes the checkpoint; the others wait for it."""
         if self.is_main:
-            self.client.save_state(path)
+            self.client.save_state(path, with_optimizer)
         dist.barrier(group=self.group)
         return APIFuture.completed(os.fspath(path))
 

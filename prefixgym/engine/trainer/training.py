@@ -217,8 +217,11 @@ class TrainingClient(Generic[SamplerT]):
         return self._submit(self._checked, f"saving weights for a sampler to {path}",
                             lambda: save(path))
 
-    def save_state(self, path: str | os.PathLike[str]) -> APIFuture[str]:
-        """Save weights, optimizer state, step and RNG states to directory `path`, atomically.
+    def save_state(self, path: str | os.PathLike[str],
+                   with_optimizer: bool = True) -> APIFuture[str]:
+        """Save weights, optimizer state, step and RNG states to directory `path`, atomically
+        (`with_optimizer=False`: all but the optimizer state, which `load_state` then
+        starts afresh).
 
         Gradients accumulated since the last `optim_step` are not saved. Returns once saved.
         Like every save and publish, refuses (ValueError) weights nothing could sample
@@ -226,7 +229,7 @@ class TrainingClient(Generic[SamplerT]):
         """
         where = os.fspath(path)
         self._submit(self._checked, f"saving a checkpoint to {where}",
-                     lambda: self._save_state(where)).result()
+                     lambda: self._save_state(where, with_optimizer)).result()
         return APIFuture.completed(os.fspath(path))
 
     def load_state(
@@ -234,7 +237,8 @@ class TrainingClient(Generic[SamplerT]):
     ) -> APIFuture[int]:
         """Restore what `save_state` wrote (model of the same architecture); drops pending
         grads. `with_optimizer=False` restores the weights only and starts the optimizer
-        afresh at step 0 (the hosted service's `load_state`)."""
+        afresh at step 0 (the hosted service's `load_state`), as does a state saved without
+        the optimizer's."""
         step = self._submit(self._load_state, os.fspath(path), with_optimizer).result()
         return APIFuture.completed(step)
 
@@ -332,18 +336,16 @@ class TrainingClient(Generic[SamplerT]):
                 f"{size:.3g}, in {name} (a learning rate too large?)")
         return then()
 
-    def _save_state(self, path: str) -> None:
-        state = {
-            "step": self._update.step,
-            "optimizer": self._update.state_dict(),
-            "rng": capture_rng_state(),
-        }
+    def _save_state(self, path: str, with_optimizer: bool = True) -> None:
+        state: dict[str, object] = {"step": self._update.step, "rng": capture_rng_state()}
+        if with_optimizer:
+            state["optimizer"] = self._update.state_dict()
         save_checkpoint(path, self._state_module, state)
 
     def _load_state(self, path: str, with_optimizer: bool = True) -> int:
         state = load_checkpoint(path, self._state_module)
         self.model.zero_grad(set_to_none=True)
-        if not with_optimizer:
+        if not with_optimizer or "optimizer" not in state:
             self._update.load(None, 0)
             return 0
         self._update.load(state["optimizer"], int(state["step"]))
