@@ -6,9 +6,10 @@ the env added to the prompt before the reply (as the model saw it), and the repl
 `prefixgym lint trace` reads. With `--run DIR` (a `prefixgym train
 --out`), the episodes come from that run's newest weights (the last GRPO checkpoint,
 else the warm start), and the run's env, env kwargs, model, max tokens and
-temperature (and chat-template switches) are the defaults that flags given here
-override. With a checkpoint directory, the first lines say which chat format the
-episodes use and the template's verdict at its switches, as `train`'s do.
+temperature (and chat template and its switches) are the defaults that flags given
+here override. With a checkpoint directory or a .gguf file, the first lines say which
+chat format the episodes use and the template's verdict at its switches, as `train`'s
+do.
 """
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from prefixgym.cli.chat_template import missing_template_line, read_template_file
 from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import build_config, build_parser, read_json_object
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 from prefixgym.rollouts.types import TrajectoryGroup
-from prefixgym.trainer.config import DEFAULT_ENV, RUN_CONFIG, default_env_kwargs
+from prefixgym.trainer.config import (
+    DEFAULT_ENV,
+    RUN_CONFIG,
+    default_env_kwargs,
+    is_pretrained_checkpoint,
+)
 from prefixgym.types import JSONObject, Usage
 
 
@@ -35,7 +42,7 @@ class RolloutArgs:
     env_kwargs: JSONObject | None = None
     """Keyword arguments for the env; unset: the same defaults as `prefixgym train`."""
     model: str = "tiny"
-    """A built-in preset or a local Hugging Face checkpoint directory."""
+    """A built-in preset, a local Hugging Face checkpoint directory or a .gguf file."""
     device: str = "auto"
     """Where the model runs: cpu, cuda, cuda:N, mps, or auto (a GPU when torch sees
     one, else the CPU)."""
@@ -54,6 +61,9 @@ class RolloutArgs:
     """Tokens per assistant turn at most."""
     temperature: float = 1.0
     """Sampling temperature; 0 is greedy."""
+    chat_template: str = ""
+    """A chat template instead of the checkpoint's own (train's flag; with --run, the
+    run's): a .jinja file, a tokenizer_config.json or a model directory."""
     chat_template_kwargs: JSONObject | None = None
     """A checkpoint directory's chat-template switches, as a JSON object (train's flag;
     with --run, the run's): conversations render with them, and the first lines give
@@ -101,8 +111,9 @@ def main(argv: list[str]) -> int:
         parser.error(str(e))
     if "env" in given:  # another env than the run's: not the run's env kwargs either
         from_run.pop("env_kwargs", None)
-    if "model" in given:  # another model: not the run's template switches either
+    if "model" in given:  # another model: not the run's template (or switches) either
         from_run.pop("chat_template_kwargs", None)
+        from_run.pop("chat_template", None)
     args = build_config(RolloutArgs, parser, from_run, given)
     from prefixgym.engine.device import describe_device
     from prefixgym.envs.base import agent_of
@@ -119,17 +130,27 @@ def main(argv: list[str]) -> int:
         envs = [make_agent_env(args.env, args.env_kwargs) for _ in range(args.group_size)]
         ckpt = run_checkpoint(Path(args.run)) if args.run else None
         trace_file = open(args.trace, "w") if args.trace else None  # noqa: SIM115
+        template = read_template_file(args.chat_template)
         service = LocalService(model=args.model, seed=args.seed, device=args.device)
         print(f"model: {args.model} on {describe_device(service.device)}")
-        if Path(args.model).is_dir():
+        if is_pretrained_checkpoint(args.model):
             from prefixgym.cli.train import use_model_chat_format
 
-            for line in use_model_chat_format(args.model, service.tokenizer,
-                                              args.chat_template_kwargs):
+            if template is not None:
+                service.tokenizer.chat_template = template
+            try:
+                lines = use_model_chat_format(args.model, service.tokenizer,
+                                              args.chat_template_kwargs)
+            except ValueError:
+                if not service.tokenizer.chat_template:
+                    raise ValueError(missing_template_line(args.model)) from None
+                raise
+            for line in lines:
                 print(line)
-        elif args.chat_template_kwargs:
-            raise ValueError("--chat-template-kwargs applies to a checkpoint directory's chat "
-                             f"template; --model {args.model} uses the built-in format")
+        elif args.chat_template_kwargs or args.chat_template:
+            raise ValueError("--chat-template and --chat-template-kwargs apply to a "
+                             f"checkpoint's chat template; --model {args.model} uses the "
+                             "built-in format")
         sampler: SamplingClient = service.create_sampling_client()
         if ckpt is not None:
             training = service.create_training_client()
@@ -165,7 +186,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-RUN_SETTINGS = ("env", "env_kwargs", "model", "max_tokens", "temperature", "chat_template_kwargs")
+RUN_SETTINGS = ("env", "env_kwargs", "model", "max_tokens", "temperature", "chat_template",
+                "chat_template_kwargs")
 
 
 def run_checkpoint(run: Path) -> Path:
