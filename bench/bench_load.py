@@ -2,8 +2,8 @@
 `AutoModelForCausalLM.from_pretrained`, both in fp32 on the CPU.
 
 Usage: `python bench/bench_load.py --model DIR [--model DIR ...] [--repeats 3]
-[--threads 2]`, e.g. `--model /tmp/real/smollm2 --model /tmp/real/gemma3`
-(docs/benchmarks.md, "Loading a checkpoint").
+[--threads 2] [--first-on-machine]`, e.g. `--model /tmp/real/smollm2 --model
+/tmp/real/gemma3` (docs/benchmarks.md, "Loading a checkpoint").
 
 Each load runs in a fresh child process, transformers and prefixgym alternating (the
 order swaps every repeat), and the parent reads every *.safetensors file of the
@@ -14,7 +14,11 @@ for both) before its clock starts, then loads once:
     `generate`);
   - prefixgym: `load_model(DIR)` (the trainable decoder), then `EngineService(model)`
     (the sampler's copy: its packed weights, the KV pool); `service` is the sum, what
-    stands between a user's `--model DIR` and the first sampled token.
+    stands between a user's `--model DIR` and the first sampled token. The packer's
+    thread check of each weight shape runs once per machine and torch (packed.py keeps
+    its answers in the cache directory); the children share this user's store, so
+    after the first run they read it. `--first-on-machine` gives each prefixgym child
+    an empty store instead: the first load on a machine.
 Prints each repeat, then per model the medians and ratios to transformers' median.
 Knows the two loaders; nothing of what they load.
 """
@@ -27,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,12 +75,15 @@ def read_files(directory: str) -> None:
                 pass
 
 
-def run_child(which: str, directory: str, threads: int) -> dict[str, float]:
+def run_child(which: str, directory: str, threads: int, fresh_store: bool
+              ) -> dict[str, float]:
     read_files(directory)
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", which, "--model", directory,
-         "--threads", str(threads)],
-        check=True, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as store:
+        env = {**os.environ, "PREFIXGYM_CACHE_DIR": store} if fresh_store else None
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", which, "--model", directory,
+             "--threads", str(threads)],
+            check=True, capture_output=True, text=True, env=env)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -85,6 +93,8 @@ def main() -> None:
                         help="a checkpoint directory (repeatable)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--first-on-machine", action="store_true",
+                        help="each prefixgym child starts with an empty thread-check store")
     parser.add_argument("--child", choices=("transformers", "prefixgym"), default=None)
     args = parser.parse_args()
     if args.child:
@@ -98,7 +108,8 @@ def main() -> None:
             "prefixgym", "transformers")
         for directory in args.model:
             for which in order:
-                times = run_child(which, directory, args.threads)
+                times = run_child(which, directory, args.threads,
+                                  args.first_on_machine and which == "prefixgym")
                 results[directory][which].append(times)
                 shown = ", ".join(f"{k} {v:.2f} s" for k, v in times.items())
                 print(f"repeat {repeat + 1} {Path(directory).name} {which}: {shown}",

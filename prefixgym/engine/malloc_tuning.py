@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import platform
 import threading
@@ -55,12 +56,19 @@ def glibc() -> ctypes.CDLL | None:
     """The process's glibc, or None where the C library is another one."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
-    name = ctypes.util.find_library("c") or "libc.so.6"
+    name = _c_library_name()
     try:
         libc = ctypes.CDLL(name)
     except OSError:
         return None
     return libc if hasattr(libc, "mallopt") else None
+
+
+@functools.cache
+def _c_library_name() -> str:
+    """Looked up once: `find_library` runs `ldconfig -p` in a child process (40-130 ms
+    here, which every publish paid through `release_free_memory`)."""
+    return ctypes.util.find_library("c") or "libc.so.6"
 
 
 def fix_mmap_threshold() -> bool:

@@ -27,7 +27,7 @@ files, or PEFT's names (that is `peft_format.py`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
@@ -274,11 +274,16 @@ def frozen_view(model: Transformer) -> Transformer:
     return _share_all(model).eval()
 
 
-def frozen_copy(model: Transformer) -> Transformer:
+def frozen_copy(model: Transformer, share: Iterable[torch.Tensor] = ()) -> Transformer:
     """A frozen, eval-mode copy for sampling: tensors that do not require grad are
-    shared, the others copied (a LoRA model's publish copies its adapters only)."""
+    shared, the others copied (a LoRA model's publish copies its adapters only), but
+    for those in `share`, which the copy holds on `model`'s storage as new frozen
+    Parameters: a full publish packs those at once, so a copy made first is waste."""
+    shared = {id(p) for p in share}
 
     def param(p: nn.Parameter) -> nn.Parameter:
+        if id(p) in shared:
+            return nn.Parameter(p.detach(), requires_grad=False)
         if not p.requires_grad:
             return p
         return nn.Parameter(p.detach().clone(), requires_grad=False)
