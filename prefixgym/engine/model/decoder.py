@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -228,15 +227,9 @@ class Transformer(nn.Module):
         return bool(self.layers) and all(
             isinstance(block, Block) and block.attn.takes_shared_keys for block in self.layers)
 
-    def clone_for_inference(self, dtype: torch.dtype | None = None,
-                            share: Iterable[torch.Tensor] = ()) -> Transformer:
-        """A frozen deep copy (eval mode, requires_grad False) for sampling. The weights
-        in `share` (parameters of this model) are not copied: the clone holds them on
-        this model's storage, for a caller that replaces them at once (a publish packs
-        them: `EngineService.publish_weights`), so a copy made first would be waste."""
-        memo: dict[int, Any] = {id(p): nn.Parameter(p.detach(), requires_grad=False)
-                                for p in share}
-        clone = copy.deepcopy(self, memo)
+    def clone_for_inference(self, dtype: torch.dtype | None = None) -> Transformer:
+        """A frozen deep copy (eval mode, requires_grad False) for sampling."""
+        clone = copy.deepcopy(self)
         if dtype is not None:
             clone.to(dtype)
             clone.build_rope_tables(clone.output_weight.device)
