@@ -71,7 +71,7 @@ class LocalService(EngineService):
             return str(tok.decode(ids, skip_special_tokens=False))
 
         super().__init__(model, seed, dtype=dtype, device=device, num_threads=num_threads,
-                         end_of_turn_ids=end_of_turn_ids(tok), decode=decode, sampler=sampler,
+                         end_of_turn_ids=end_of_turn_ids(tok, checkpoint_dir), decode=decode, sampler=sampler,
                          **sampler_fields)
         self.tokenizer: PreTrainedTokenizerBase = tok
 

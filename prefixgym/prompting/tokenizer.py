@@ -16,6 +16,7 @@ about models.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -126,9 +127,13 @@ def is_builtin_tokenizer(tokenizer: PreTrainedTokenizerBase) -> bool:
     )
 
 
-def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The ids that end an assistant turn: the tokenizer's eos and, where the vocabulary
-    has it, ChatML's `<|im_end|>`. A sampler stops at these unless told otherwise."""
+def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase,
+                    checkpoint_dir: str | Path | None = None) -> tuple[int, ...]:
+    """The ids that end an assistant turn: the tokenizer's eos, where the vocabulary has
+    it ChatML's `<|im_end|>`, and every id of the `eos_token_id` a checkpoint's
+    generation_config.json lists (an instruct model's turn end: Gemma's `<end_of_turn>`,
+    Llama 3's `<|eot_id|>`), as transformers' `generate` and vLLM stop at them. A sampler
+    stops at these unless told otherwise."""
     ids: list[int] = []
     eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(eos, int):
@@ -136,7 +141,22 @@ def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
     if isinstance(im_end, int) and im_end != getattr(tokenizer, "unk_token_id", None):
         ids.append(im_end)
+    ids += _generation_config_eos(checkpoint_dir)
     return tuple(dict.fromkeys(ids))
+
+
+def _generation_config_eos(checkpoint_dir: str | Path | None) -> list[int]:
+    """The `eos_token_id` (an int or a list) of the directory's generation_config.json;
+    none where there is no such file or it is not JSON."""
+    path = Path(checkpoint_dir) / "generation_config.json" if checkpoint_dir else None
+    if path is None or not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    eos = eos if isinstance(eos, list) else [eos]
+    return [i for i in eos if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
 
 
 def resolve_tokenizer(

@@ -15,6 +15,7 @@ from prefixgym.prompting.tokenizer import (
     IM_END,
     IM_START,
     builtin_chat_template,
+    end_of_turn_ids,
     is_builtin_tokenizer,
     load_tokenizer,
 )
@@ -105,3 +106,24 @@ def test_bad_names_give_clear_errors(tmp_path: Path):
         load_tokenizer("Qwen/Qwen2.5-0.5B")
     with pytest.raises(ValueError, match="cannot load a tokenizer from directory"):
         load_tokenizer(tmp_path)  # an empty directory
+
+
+def test_a_checkpoints_generation_config_adds_its_turn_ends(tok, tmp_path: Path):
+    """An instruct checkpoint lists its turn end beside eos in generation_config.json
+    (Gemma's <end_of_turn>, Llama 3's <|eot_id|>): the sampler stops at those too."""
+    from prefixgym.local_service import LocalService
+    from tests.tiny_checkpoints import save_tiny_qwen2
+
+    own = end_of_turn_ids(tok)
+    assert own == (tok.eos_token_id, tok.convert_tokens_to_ids(IM_END))
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 1000, true]}')
+    assert end_of_turn_ids(tok, tmp_path) == (*own, 7, 1000)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 9}')
+    assert end_of_turn_ids(tok, tmp_path) == (*own, 9)
+    (tmp_path / "generation_config.json").write_text("not json")
+    assert end_of_turn_ids(tok, tmp_path) == own
+    model = tmp_path / "model"
+    save_tiny_qwen2(model)
+    (model / "generation_config.json").write_text('{"eos_token_id": [3, 44]}')
+    with LocalService(str(model)) as service:
+        assert service.end_of_turn_ids == (*own, 3, 44)
