@@ -778,25 +778,10 @@ def test_a_bug_in_a_step_fails_the_request_it_concerns_and_others_run_on(
         assert stats["reserved_blocks"] == stats["referenced_blocks"] == 0
 
 
-def test_a_failing_stop_check_fails_only_its_request() -> None:
-    from prefixgym.engine.service import EngineService
-
-    def decode(ids: list[int]) -> str:
-        raise UnicodeError("cannot decode")
-
-    with EngineService(SMALL, seed=0, decode=decode) as engine:
-        sampler = engine.create_sampling_client()
-        svc_params = SamplingParams(max_tokens=6, temperature=0.0)
-        with_stop = sampler.sample_many([
-            SampleRequest([1, 2, 3], 1, svc_params.model_copy(update={"stop": ["x"]})),
-            SampleRequest([4, 5, 6], 1, svc_params)])
-        with pytest.raises(UnicodeError, match="cannot decode"):
-            with_stop[0].result()
-        assert len(with_stop[1].result().sequences[0].tokens) == 6
-        engine.check_cache_integrity()
-
-
-def test_a_joined_request_that_fails_after_its_prefill_fails_alone() -> None:
+@pytest.mark.parametrize("joined", [False, True], ids=["own prompt", "joined"])
+def test_a_failing_stop_check_fails_only_its_request(joined: bool) -> None:
+    """Also when the failing request joined the other's prefill (the same prompt): after
+    the prefill, each goes its own way."""
     from prefixgym.engine.service import EngineService
 
     def decode(ids: list[int]) -> str:
@@ -806,12 +791,12 @@ def test_a_joined_request_that_fails_after_its_prefill_fails_alone() -> None:
         sampler = engine.create_sampling_client()
         params = SamplingParams(max_tokens=6, temperature=0.0)
         futures = sampler.sample_many([
-            SampleRequest([7, 8, 9], 2, params),
-            SampleRequest([7, 8, 9], 1, params.model_copy(update={"stop": ["x"]}))])
+            SampleRequest([1, 2, 3] if joined else [4, 5, 6], 2, params),
+            SampleRequest([1, 2, 3], 1, params.model_copy(update={"stop": ["x"]}))])
         with pytest.raises(UnicodeError, match="cannot decode"):
             futures[1].result()
         assert [len(s.tokens) for s in futures[0].result().sequences] == [6, 6]
-        assert engine.engine_stats()["joined_requests"] == 1
+        assert engine.engine_stats()["joined_requests"] == int(joined)
         engine.check_cache_integrity()
 
 
