@@ -18,7 +18,8 @@ mismatch.png.
 - mismatch.png: per GRPO step, how far the sampler's logprobs are from the trainer's
   on the trained tokens (mean and max |difference|, log scale), the k3 estimate of
   KL(sampler || trainer), and the share of trained tokens whose importance weight an
-  off-policy correction capped or masked (`versions.logprob_mismatch`).
+  off-policy correction capped or masked (`versions.logprob_mismatch`), and how many
+  versions behind the trainer's the step's samples were (--max-staleness).
 Knows metric names; not how they were produced.
 """
 
@@ -187,12 +188,15 @@ MISMATCH_PANELS = (  # (panel, [(metric, label)], y label)
     ("acted", [("off_policy/capped_fraction", "capped (tis)"),
                ("off_policy/masked_fraction", "masked (mis)")],
      "trained tokens\ncorrected"),
+    ("lag", [("sampler/version_lag", "lag")], "versions behind\nthe trainer"),
 )
 
 
 def _mismatch_plot(plt: Any, path: Path, t: _Timeline) -> Path:
     """mismatch.png: the sampler/trainer mismatch of each GRPO step (module docstring)."""
-    fig, axes = plt.subplots(len(MISMATCH_PANELS), 1, figsize=(7.5, 7), sharex=True)
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(len(MISMATCH_PANELS), 1, figsize=(7.5, 9), sharex=True)
     for ax, (panel, series, ylabel) in zip(axes, MISMATCH_PANELS):
         values: list[float] = []
         for key, name in series:
@@ -207,7 +211,11 @@ def _mismatch_plot(plt: Any, path: Path, t: _Timeline) -> Path:
                 ax.set_yscale("log")
             if panel == "acted":
                 ax.set_ylim(0, max(0.05, max(values) * 1.1))
-        empty = "no off-policy correction" if panel == "acted" else "no trained GRPO steps"
+            if panel == "lag":
+                ax.set_ylim(-0.1, max(values) + 0.5)
+                ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        empty = {"acted": "no off-policy correction", "lag": "weights versions not known"
+                 }.get(panel, "no trained GRPO steps")
         _label(ax, ylabel, drawn, empty)
         _integer_steps(ax)
     axes[-1].set_xlabel("GRPO step")
