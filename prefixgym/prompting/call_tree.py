@@ -14,8 +14,12 @@ trained is what was sampled (the seed's first rule: never re-tokenize history):
      its history, or changed its tools -- renders all its messages: a new branch, and
      for every branch after the first, the tokens it prefills again and why
      (`Branch`, with the trace rule that names the cause, docs/lint-rules.md);
+     A call may force its reply's opening (`forced`: a tool call's start, for a
+     `tool_choice` that demands one, `prompting.tool_choice`): those tokens end its
+     prompt and are never trained;
   3) `add_reply(pending, ...)` records each sampled reply as a node (the `n` choices of
-     one call are siblings);
+     one call are siblings), its forced opening before it: the reply's text, and the
+     message a later call sends back, is forced + sampled text;
   4) `sequences()` gives what to train: each node no later call continued is the end
      of one sequence (tokens, which were sampled, their logprobs); a choice passed over
      (a sibling of a choice the program went on with) is left out.
@@ -44,6 +48,8 @@ from prefixgym.prompting.tools import Tool
 from prefixgym.types import JSONObject
 
 CALL_ROLES = ("system", "user", "assistant", "tool")
+FORCED_CALL_MISSED = "forced_call_missed"
+"""A reply's `info` key: its call's opening was forced, and it still wrote no call."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,10 @@ class Pending:
     replies: list[Reply]
     parent: Node | None
     branch: Branch | None
+    forced: list[int] = field(default_factory=list)
+    """The ids the prompt ends with that the reply was made to begin with (not sampled)."""
+    forced_text: str = ""
+    """`forced` as text (what the reply's text is read after)."""
 
 
 @dataclass
@@ -143,6 +153,8 @@ class CallTree:
         """How the format's replies write tool calls (None: unknown)."""
         self.branches: list[Branch] = []
         self.calls = 0
+        self.forced_misses = 0
+        """Replies after a forced opening that still wrote no call the syntax reads."""
         self._nodes: list[Node] = []
         self._index: dict[tuple[str, ...], Node] = {}
         self._roots: list[int] = []  # the call each branch began at
@@ -150,9 +162,11 @@ class CallTree:
         self.max_nodes = max_nodes
         """Replies kept at most (a server's tree: the oldest go first); None: all."""
 
-    def begin(self, messages: Sequence[CallMessage], tools: Sequence[JSONObject] = ()) -> Pending:
-        """2) The call's conversation up to its generation prompt (ValueError: messages a
-        chat format cannot render, or tool calls without a known syntax)."""
+    def begin(self, messages: Sequence[CallMessage], tools: Sequence[JSONObject] = (),
+              forced: str = "") -> Pending:
+        """2) The call's conversation up to its generation prompt, then the ids of
+        `forced` (ValueError: messages a chat format cannot render, or tool calls
+        without a known syntax)."""
         if not messages:
             raise ValueError("a call needs at least one message")
         tools_key = json.dumps(list(tools), sort_keys=True, ensure_ascii=False)
@@ -168,7 +182,9 @@ class CallTree:
                 rest = messages[1:]
         for m in rest:
             self._append(conv, m)
-        prompt = conv.generation_prompt().tokens
+        forced_ids = list(self.tokenizer.encode(forced, add_special_tokens=False)
+                          ) if forced else []
+        prompt = conv.generation_prompt().tokens + forced_ids
         branch = None
         with self._lock:
             if parent is None:
@@ -176,7 +192,8 @@ class CallTree:
                     branch = self._explain(call, keys, prompt)
                     self.branches.append(branch)
                 self._roots.append(call)
-        return Pending(call, conv, prompt, keys, list(replies), parent, branch)
+        return Pending(call, conv, prompt, keys, list(replies), parent, branch, forced_ids,
+                       forced)
 
     def add_reply(self, pending: Pending, tokens: Sequence[int], logprobs: Sequence[float],
                   stop_reason: str, message_of: Callable[[str], CallMessage],
@@ -186,18 +203,20 @@ class CallTree:
         back continue this reply. Returns that message."""
         conv = pending.conv.fork()
         conv.add_sampled(list(tokens), stop_reason="stop" if stop_reason == "stop" else
-                         "length" if stop_reason == "length" else None)
+                         "length" if stop_reason == "length" else None, forced=pending.forced)
         seg = next(s for s in reversed(conv.segments) if s.kind == "reply")
         text = conv.last_reply_text
         message = message_of(text)
+        missed = bool(pending.forced) and not message.tool_calls
         reply = Reply(seg.start, seg.end, [float(x) for x in logprobs], stop_reason, text,
-                      dict(info or {}))
+                      {**(info or {}), **({FORCED_CALL_MISSED: True} if missed else {})})
         node = Node(conv, [*pending.replies, reply], pending.call, (*pending.keys, message.key))
         with self._lock:
             self._nodes.append(node)
             self._index[node.key] = node
             if pending.parent is not None:  # (a call that failed continues nothing)
                 pending.parent.extended = True
+            self.forced_misses += missed
             if self.max_nodes is not None and len(self._nodes) > self.max_nodes:
                 self._forget(len(self._nodes) - self.max_nodes)
         return message

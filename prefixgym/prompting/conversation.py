@@ -12,15 +12,18 @@
 3. A sampled reply is appended as the exact ids the sampler returned -- they are
    never decoded and re-encoded, because the text of a reply can encode to other ids.
    When a reply did not end on the end-of-turn token (a stop string or max_tokens),
-   the format's closing tokens are appended after it and the segment says so.
+   the format's closing tokens are appended after it and the segment says so. Tokens
+   the prompt made the reply begin with (`forced`: a tool call's opening) go between
+   header and reply, never sampled; the reply's text includes them.
 4. Each generation prompt is checked to extend the previous prompt + the reply
    sampled from it: `extension_ok`, `first_divergence`. With appends only this holds
    by construction; it fails when a reply is added for a prompt other than the last
    one issued (e.g. a message was added in between), which the check makes visible.
 
 `segments` tiles `tokens`: the prefix, each message, and for each assistant turn its
-header, its reply (`sampled=True` when sampled) and its closing. Training weights
-belong on `sampled` segments (RL) or `kind == "reply"` segments (SFT).
+header, its forced opening if any, its reply (`sampled=True` when sampled) and its
+closing. Training weights belong on `sampled` segments (RL) or `kind == "reply"`
+segments (SFT).
 
 This module knows tokens, texts and chat formats; it knows nothing of samplers,
 caches or envs.
@@ -43,7 +46,7 @@ from prefixgym.prompting.tokenizer import builtin_chat_template
 from prefixgym.prompting.tools import Tool, ToolLike, as_tools
 from prefixgym.types import JSONObject, ModelInput
 
-SegmentKind = Literal["prefix", "message", "header", "reply", "closing"]
+SegmentKind = Literal["prefix", "message", "header", "forced", "reply", "closing"]
 StopReasonArg = Literal["stop", "length"] | None
 
 
@@ -193,10 +196,14 @@ class Conversation:
 
     @property
     def last_reply_text(self) -> str:
-        """The text of the last assistant reply, without its end-of-turn token."""
-        for seg in reversed(self._segments):
+        """The text of the last assistant reply (its forced opening included), without
+        its end-of-turn token."""
+        for i in range(len(self._segments) - 1, -1, -1):
+            seg = self._segments[i]
             if seg.kind == "reply":
-                return self._reply_text(self._tokens[seg.start : seg.end])
+                forced = i > 0 and self._segments[i - 1].kind == "forced"
+                start = self._segments[i - 1].start if forced else seg.start
+                return self._reply_text(self._tokens[start : seg.end])
         raise ValueError("the conversation has no assistant reply yet")
 
     def fork(self) -> Conversation:
@@ -251,9 +258,13 @@ class Conversation:
         self._issued_prompt = prompt
         return ModelInput.from_ints(prompt)
 
-    def add_sampled(self, tokens: Sequence[int], stop_reason: StopReasonArg = None) -> None:
-        """Append a sampled reply exactly as sampled, then whatever closes the turn."""
+    def add_sampled(self, tokens: Sequence[int], stop_reason: StopReasonArg = None,
+                    forced: Sequence[int] = ()) -> None:
+        """Append a sampled reply exactly as sampled, then whatever closes the turn.
+        `forced`: the ids the prompt had after the generation header (the reply was
+        sampled after them), appended before it as prompt tokens."""
         sampled = self._validated_ids(tokens)
+        forced_ids = self._validated_ids(forced)
         if stop_reason not in (None, "stop", "length"):
             raise ValueError(f"stop_reason must be 'stop', 'length' or None, got {stop_reason!r}")
         # 3) header (if this turn's prompt was not issued, it is the one it would be),
@@ -261,11 +272,12 @@ class Conversation:
         header = self.format.generation_header(history=self._history, tools=self.tools)
         prompt = self._tokens + header
         if self._issued_prompt is not None:
-            self._expected_prefix = self._issued_prompt + sampled
+            self._expected_prefix = self._issued_prompt + forced_ids + sampled
         else:
-            self._expected_prefix = prompt + sampled
+            self._expected_prefix = prompt + forced_ids + sampled
         self._issued_prompt = None
-        self._add_reply(header, sampled, sampled=True, stop_reason=stop_reason)
+        self._add_reply(header, sampled, sampled=True, stop_reason=stop_reason,
+                        forced=forced_ids)
 
     def encode_reply(self, text: str) -> list[int]:
         """The ids a reply with this text would have if sampled: text + end-of-turn token.
@@ -284,7 +296,8 @@ class Conversation:
     # -- internals ------------------------------------------------------------------
 
     def _add_reply(
-        self, header: list[int], reply: list[int], sampled: bool, stop_reason: str | None
+        self, header: list[int], reply: list[int], sampled: bool, stop_reason: str | None,
+        forced: list[int] | None = None,
     ) -> None:
         last = reply[-1] if reply else None
         ended_on_stop = last is not None and last in self.format.stop_token_ids
@@ -292,13 +305,15 @@ class Conversation:
         ended_on_end_of_turn = ended_on_stop and last == self.format.end_of_turn_token_id
         closing_added = bool(closing) and not ended_on_end_of_turn
         self._append(header, "assistant", "header")
+        self._append(forced or [], "assistant", "forced")
         start = len(self._tokens)
         self._tokens.extend(reply)
         self._segments.append(Segment("assistant", start, len(self._tokens), sampled=sampled,
                                       closing_added=closing_added, kind="reply",
                                       stop_reason=stop_reason))
         self._append(closing, "assistant", "closing")
-        self._history.append({"role": "assistant", "content": self._reply_text(reply)})
+        self._history.append({"role": "assistant",
+                              "content": self._reply_text([*(forced or []), *reply])})
 
     def _append(self, tokens: list[int], role: str, kind: SegmentKind) -> None:
         if not tokens:

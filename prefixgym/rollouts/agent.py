@@ -43,7 +43,7 @@ from typing import Any
 from prefixgym.envs.base import agent_of
 from prefixgym.envs.registration import import_source, located, make_agent_env
 from prefixgym.futures import APIFuture
-from prefixgym.prompting.call_tree import Branch, CallTree, TrainedSequence
+from prefixgym.prompting.call_tree import FORCED_CALL_MISSED, Branch, CallTree, TrainedSequence
 from prefixgym.protocols import AgentGateway, SamplingClient
 from prefixgym.rollouts.agent_rounds import AgentRounds
 from prefixgym.rollouts.rollout import TraceWriter
@@ -350,7 +350,8 @@ def _fill(traj: Trajectory, seq: TrainedSequence, seen: set[int]) -> None:
         usage = Usage(**info["usage"]) if first and info.get("usage") else Usage()
         traj.turns.append(Turn(reply.start, reply.end, reply.stop_reason, reply.text,
                                usage=usage, shared_by=int(info.get("shared_by", 1)),
-                               weights_version=info.get("weights_version")))
+                               weights_version=info.get("weights_version"),
+                               invalid_action=bool(info.get(FORCED_CALL_MISSED))))
         if not first:
             mask[reply.start:reply.end] = [False] * (reply.end - reply.start)
     traj.tokens, traj.sampled_mask, traj.logprobs = seq.tokens, mask, seq.logprobs

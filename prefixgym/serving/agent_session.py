@@ -4,13 +4,17 @@ A call (`RolloutSession.complete`):
   1) the request's model must be the rollout's (404 otherwise, and the rollout is marked
      failed: a program that calls another model is not training this one);
   2) its messages go to the tree, which continues the conversation of the reply they
-     extend and renders only what is new (`prompting.call_tree`);
+     extend and renders only what is new (`prompting.call_tree`); a `tool_choice` of
+     "required" or a function ends the prompt with the opening of a call in the model's
+     syntax (`prompting.tool_choice`: prompt tokens, never trained; 400 where it cannot);
   3) one engine request samples its `n` choices from that prompt (the prefix cache serves
      what earlier calls computed); the run's temperature and reply length unless the
      program sets its own; a seed fixed by (rollout seed, call number) unless it sets one;
   4) each reply is recorded in the tree exactly as sampled, and answered in OpenAI's shape
-     with vLLM's extras: `token_ids`, `prompt_token_ids`, logprobs, `cached_tokens`, tool
-     calls parsed in the model's own syntax, reasoning apart as `reasoning_content`.
+     with vLLM's extras: `token_ids` (the sampled ids), `prompt_token_ids` (with a forced
+     opening), logprobs, `cached_tokens`, tool calls parsed in the model's own syntax
+     from forced + sampled text (a forced reply that still writes no call is answered as
+     text, and counted: `CallTree.forced_misses`), reasoning apart as `reasoning_content`.
 `n` is at most `MAX_N`. The chat format's end-of-turn ids go with every call that
 names no stop strings, so a remote sampler (vLLM behind `--sampler-url`) stops where the
 built-in engine does; a sampler that cannot be reached or fails answers 502.
@@ -37,6 +41,7 @@ from prefixgym.prompting.call_tree import (
     call_messages,
     reply_message,
 )
+from prefixgym.prompting.tool_choice import ToolChoiceError, forced_opening
 from prefixgym.protocols import SamplingClient
 from prefixgym.serving.bodies import BodyError
 from prefixgym.serving.chat import ChatRequest, logprobs_content, openai_tool_calls
@@ -83,8 +88,12 @@ class RolloutSession:
                                             "prefixgym knows, so a request cannot have tools",
                                        "tools"))
         try:
+            forced = forced_opening(req.tool_choice, req.tools or [], self.tree.syntax)
             messages = call_messages([m.for_template(raw_calls=True) for m in req.messages])
-            pending = await run_in_threadpool(self.tree.begin, messages, req.tools or [])
+            pending = await run_in_threadpool(self.tree.begin, messages, req.tools or [],
+                                              forced)
+        except ToolChoiceError as e:
+            raise self.refuse(APIError(400, str(e), "tool_choice")) from None
         except ValueError as e:
             raise self.refuse(APIError(400, str(e).splitlines()[0], "messages")) from None
         try:

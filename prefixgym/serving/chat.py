@@ -4,10 +4,10 @@
 A request goes as a completion does (app.py), with two more steps:
   1) the body, bounded and labelled JSON, parsed into a `ChatRequest` (strict types,
      text that is valid Unicode, OpenAI's roles; null is "not sent"). Taken and not
-     acted on: `response_format` (no output format is enforced), `parallel_tool_calls`,
-     and a `tool_choice` of "required" or a function (the model is not forced to call);
-     "none" is kept (its replies are not read for calls). Refused by name: content parts
-     other than text, `top_logprobs` above 0, the legacy `functions`/`function_call`;
+     acted on: `response_format` (no grammar: the reply is what the model wrote;
+     docs/agents.md says why) and `parallel_tool_calls`. `tool_choice` "none" is kept
+     (its replies are not read for calls). Refused by name: content parts other than
+     text, `top_logprobs` above 0, the legacy `functions`/`function_call`;
   2) the messages made a prompt: a call whose messages extend an earlier call's plus the
      reply this server gave continues that call's sampled ids and renders only the new
      messages (`chat_history.py`, the seed's rule: history is never re-tokenized); any
@@ -15,17 +15,24 @@ A request goes as a completion does (app.py), with two more steps:
      to it (and `chat_template_kwargs`, vLLM's name, e.g. `{"enable_thinking": false}`),
      with the generation prompt; a template the conversation builder cannot use turn by
      turn renders the messages whole. A template that refuses the messages is a 400 with
-     its reason. Then this server's limits, as for completions (`max_n`, the request's
-     tokens; `max_tokens` defaults to what the limit leaves);
+     its reason. A `tool_choice` of "required" or a function ends the prompt with the
+     opening of a call in the model's tool-call syntax (`prompting.tool_choice`: Hermes'
+     `<tool_call>{"name": "f", "arguments":`), as prompt tokens; one that cannot be
+     forced (no tools, an unknown function, a syntax that cannot write the call, a
+     template rendered whole) is a 400 naming `tool_choice`. Then this server's limits,
+     as for completions (`max_n`, the request's tokens; `max_tokens` defaults to what
+     the limit leaves);
   3) one engine request: the prompt is prefilled once for the `n` choices, and
      served from the prefix cache where an earlier request shares its start (a chat
      client that resends the whole conversation each turn hits it, as long as the
      template renders the history as it rendered it before);
-  4) each choice's text, cut at a stop string, with `<tool_call>{...}</tool_call>`
-     blocks (the tool-call syntax of the built-in template, Qwen's and Hermes') turned
-     into OpenAI `tool_calls` when the request has tools (`reads_tool_calls`); logprobs
-     of the sampled tokens (no top alternatives); the sampled `token_ids` (and with
-     `return_token_ids`, the prompt's), and usage with `cached_tokens`.
+  4) each choice's text (after the forced opening, if any), cut at a stop string, with
+     the calls written in the model's syntax (the built-in template's, Qwen's and
+     Hermes' `<tool_call>{...}</tool_call>` blocks) turned into OpenAI `tool_calls` when
+     the request has tools (`reads_tool_calls`); a forced reply that still writes no
+     call is answered as text, the opening included; logprobs of the sampled tokens
+     (no top alternatives); the sampled `token_ids` (and with `return_token_ids`, the
+     prompt's, the opening included), and usage with `cached_tokens`.
 With `stream`, the same answer goes as server-sent chunks once it is sampled (the
 engine returns whole sequences): a role chunk, a content chunk and a finish chunk per
 choice, a usage chunk with `stream_options.include_usage`, then `[DONE]`.
@@ -49,6 +56,7 @@ from starlette.concurrency import run_in_threadpool
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.prompting.call_tree import Pending
+from prefixgym.prompting.tool_choice import ToolChoiceError, forced_opening
 from prefixgym.prompting.tool_syntax import HermesSyntax, ParsedCall
 from prefixgym.serving.bodies import parse_request, read_body
 from prefixgym.serving.chat_history import ChatHistory
@@ -193,8 +201,12 @@ def add_chat_route(
                                 f"limit of {max_request_tokens} tokens per request", "messages")
         try:
             pending = await run_in_threadpool(history.begin, req) if history else None
+            if pending is None:  # rendered whole: there is no syntax to force a call in
+                forced_opening(req.tool_choice, req.tools or [], None)
             prompt = (pending.prompt if pending is not None
                       else await run_in_threadpool(req.render, tokenizer))
+        except ToolChoiceError as e:
+            raise APIError(400, str(e), "tool_choice") from None
         except ValueError as e:
             raise APIError(400, str(e).splitlines()[0], "messages") from None
         asked = req.max_completion_tokens or req.max_tokens

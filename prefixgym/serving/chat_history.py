@@ -8,7 +8,9 @@ the server keeps the calls it answered in `CallTree`s (`prompting.call_tree`), o
 set of template switches (`chat_template_kwargs`), bounded (the oldest replies go
 first): a call whose messages extend an earlier call's plus the reply it got continues
 that call's tokens and renders only its new messages. A call that extends nothing is
-rendered whole, turn by turn, as a new conversation.
+rendered whole, turn by turn, as a new conversation. A `tool_choice` of "required" or a
+function ends the prompt with a call's opening in the model's syntax
+(`prompting.tool_choice`), and each reply's text is read after it.
 
 A template the conversation builder cannot use turn by turn (one that refuses a message
 alone, say) leaves the server as it was: each call rendered whole by the template
@@ -31,6 +33,7 @@ from prefixgym.prompting.call_tree import (
     reply_message,
 )
 from prefixgym.prompting.conversation import make_chat_format
+from prefixgym.prompting.tool_choice import forced_opening
 from prefixgym.types import JSONObject, SampleResponse
 
 
@@ -39,6 +42,7 @@ class ChatCall(Protocol):
 
     chat_template_kwargs: JSONObject | None
     tools: list[JSONObject] | None
+    tool_choice: str | JSONObject | None
 
     @property
     def reads_tool_calls(self) -> bool: ...
@@ -77,25 +81,28 @@ class ChatHistory:
         return CallTree(self.tokenizer, fmt, max_nodes=self.max_replies)
 
     def begin(self, req: ChatCall) -> Pending | None:
-        """The call's prompt through its tree (None: render it whole); ValueError for
-        messages the conversation builder refuses."""
+        """The call's prompt through its tree, its forced opening last (None: render it
+        whole); ValueError for messages the conversation builder refuses,
+        `ToolChoiceError` for a tool choice that cannot be forced."""
         tree = self.tree(req)
         if tree is None:
             return None
+        forced = forced_opening(req.tool_choice, req.tools or [], tree.syntax)
         messages = call_messages(req.template_messages())
-        return tree.begin(messages, req.tools or [])
+        return tree.begin(messages, req.tools or [], forced)
 
     def record(self, req: ChatCall, pending: Pending, response: SampleResponse,
                texts: list[str]) -> list[tuple[CallMessage, str | None]]:
         """Each choice's reply in the tree, keyed by the message its client gets: `texts`
-        are the choices' texts as answered (cut at stop strings); returns each message
-        and its reasoning (none: the text is answered as it is)."""
+        are the choices' texts as sampled (cut at stop strings), read after the call's
+        forced opening; returns each message and its reasoning (none: the text is
+        answered as it is)."""
         tree = self.tree(req)
         assert tree is not None
         out: list[tuple[CallMessage, str | None]] = []
         for seq, text in zip(response.sequences, texts):
-            message, reasoning = reply_message(text, tree.syntax, req.reads_tool_calls,
-                                               split_reasoning=False)
+            message, reasoning = reply_message(pending.forced_text + text, tree.syntax,
+                                               req.reads_tool_calls, split_reasoning=False)
             tree.add_reply(pending, seq.tokens, seq.logprobs, seq.stop_reason,
                            lambda _: message)
             out.append((message, reasoning))

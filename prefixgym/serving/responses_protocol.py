@@ -12,7 +12,8 @@ one user message. Sampling values are the chat handler's to check.
   3) `input`: messages as they are; consecutive function_call items (and the assistant
      message right before them) as one assistant message with `tool_calls`;
      function_call_output as a tool message; reasoning items dropped;
-  4) `max_output_tokens` as `max_tokens`, function tools and `tool_choice` in chat's form,
+  4) `max_output_tokens` as `max_tokens`, function tools and `tool_choice` in chat's form
+     (where "required" and a named function are forced, as for chat),
      `n` = 1; "message.output_text.logprobs" in `include` as `logprobs`.
 `from_chat_answer` writes the Response: a reasoning item (the answer's
 `reasoning_content`), a message item with the text and its logprobs, a function_call item
@@ -22,9 +23,10 @@ per tool call; usage with `cached_tokens`; "incomplete" when the reply hit
 (or `return_token_ids`), `input_messages` and `output_messages`, each one item
 `{"type": "raw_message_tokens", "message", "tokens"}`; the input's `message` is "" (a
 chat answer does not carry the rendered prompt), the output's is the reply's text.
-Accepted and ignored: `text` (no output format is enforced), `reasoning`, and `include`
-but for the logprobs. A field sent as null is a field not sent. Refused by name: what
-lives on OpenAI's servers, a `conversation` or a stored `prompt`.
+Accepted and ignored: `text` (no output format is enforced, as chat's `response_format`
+is not), `reasoning`, and `include` but for the logprobs. A field sent as null is a field
+not sent. Refused by name: what lives on OpenAI's servers, a `conversation` or a stored
+`prompt`.
 
 Knows OpenAI's two wire shapes; nothing of HTTP, tokenizers, templates or the engine.
 """

@@ -212,6 +212,26 @@ def test_reply_cut_by_max_tokens_is_closed_and_recorded(tok):
     assert conv.stop_token_ids == [IM_END, EOS]
 
 
+def test_a_forced_opening_is_prompt_before_the_reply_and_part_of_its_text(tok):
+    """A server that forces a tool call's opening: those ids follow the header as a
+    segment of their own, never sampled; the reply's text reads them; the next prompt
+    extends prompt + forced + sampled."""
+    conv = Conversation(tok, system="S")
+    conv.add_user("6*7?")
+    prompt = conv.generation_prompt().tokens
+    forced, reply = encode(tok, '<tool_call>{"name": "'), encode(tok, 'calc"}</tool_call>')
+    conv.add_sampled(reply + [IM_END], stop_reason="stop", forced=forced)
+    assert conv.tokens[:len(prompt) + len(forced) + len(reply)] == prompt + forced + reply
+    kinds = [(s.kind, s.sampled) for s in conv.segments]
+    assert kinds[-4:] == [("header", False), ("forced", False), ("reply", True),
+                          ("closing", False)]
+    assert conv.last_reply_text == '<tool_call>{"name": "calc"}</tool_call>'
+    assert conv.messages[-1]["content"] == conv.last_reply_text
+    conv.add_user("and?")
+    conv.generation_prompt()
+    assert conv.extension_ok
+
+
 def test_written_assistant_reply_is_a_reply_but_not_sampled(tok):
     conv = Conversation(tok, system="S")
     conv.add_user("move")

@@ -432,3 +432,30 @@ def test_parse_never_raises(syntax: ToolCallSyntax) -> None:
                  "<function_calls>x</function_calls>" * 500]:
         content, calls = syntax.parse(text)
         assert (content, calls) == (text, [])
+
+
+@pytest.mark.parametrize("syntax", ALL_SYNTAXES, ids=repr)
+@pytest.mark.parametrize("call", [WEATHER, SEARCH, NO_ARGS], ids=lambda c: c.name)
+def test_a_forced_opening_starts_the_call_and_the_rest_parses_back(
+        syntax: ToolCallSyntax, call: ParsedCall) -> None:
+    """What a server forces for `tool_choice` (named: through the name and the start of
+    the arguments; "required": up to the name) is how `format` begins the call, and the
+    model's rest of the call, written after it, reads back as that call."""
+    written = syntax.format("", [call])
+    for name in (call.name, None):
+        opening = syntax.forced_opening(name)
+        assert opening is not None and written.startswith(opening)
+        assert not opening.endswith(" ")  # the model's next token starts its own word
+        assert syntax.parse(opening + written[len(opening):]) == ("", [call])
+    named = syntax.forced_opening(call.name)
+    assert named is not None and call.name in named
+
+
+@pytest.mark.parametrize(("syntax", "name"), [
+    (Olmo3Syntax(), "get-weather"), (Olmo3Syntax(), "class"),
+    (MistralSyntax(args_form=True), "get weather"), (GptOssSyntax(), "get weather"),
+])
+def test_a_name_a_syntax_cannot_read_back_cannot_be_forced(syntax: ToolCallSyntax,
+                                                           name: str) -> None:
+    assert syntax.forced_opening(name) is None
+    assert syntax.forced_opening(None) is not None

@@ -71,6 +71,62 @@ def test_a_multi_turn_tool_rollout_trains_exactly_the_sampled_ids(tokenizer, gat
     assert traj.usage.sampled_tokens == sum(len(s) for s in sampler.sampled)
 
 
+FORCED_OPENINGS = ['<tool_call>{"name": "calc", "arguments":', '<tool_call>{"name": "', ""]
+
+
+def forced_program(base_url, api_key, model, task):
+    """Turn 1 names the tool, turn 2 requires a tool, turn 3 leaves the choice to the model."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": task["question"]}]
+    choices = [{"type": "function", "function": {"name": "calc"}}, "required", "auto"]
+    for choice in choices:
+        reply = client.chat.completions.create(model=model, messages=messages, tools=CALC,
+                                               tool_choice=choice)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls or []:
+            expr = json.loads(call.function.arguments)["expr"]
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": str(eval(expr))})
+        if not message.tool_calls:
+            messages.append({"role": "user", "content": "Call the tool, please."})
+    return float("42" in (message.content or ""))
+
+
+def test_a_forced_tool_choice_keeps_one_sequence_and_trains_only_the_sampled_ids(tokenizer,
+                                                                                 gateway):
+    fmt = ChatMLFormat(tokenizer)
+    sampler = ScriptedSampler(
+        tokenizer, lambda i: tool_reply(i).removeprefix(FORCED_OPENINGS[min(i, 2)]), fmt.im_end)
+    group = run_one(rollouts_for(tokenizer, gateway, forced_program), sampler,
+                    {"question": "What is 6*7?"})
+    [traj] = group.trajectories
+    assert traj.error is None and traj.total_reward == 1.0
+    assert len(traj.turns) == 3 and traj.branches == [] and traj.branch_notes == []
+    assert sampled_ids(traj) == [t for ids in sampler.sampled for t in ids]
+    for turn, ids, prompt, opening in zip(traj.turns, sampler.sampled, sampler.prompts,
+                                          FORCED_OPENINGS):
+        forced = tokenizer.encode(opening, add_special_tokens=False)
+        assert prompt[len(prompt) - len(forced):] == forced  # the opening ends the prompt
+        assert turn.reply_start == len(prompt) and traj.tokens[:turn.reply_end] == prompt + ids
+        assert not any(traj.sampled_mask[len(prompt) - len(forced):len(prompt)])
+        assert turn.reply_text.startswith(opening)  # the reply's text reads the forced opening too
+    for prev, reply, nxt in zip(sampler.prompts, sampler.sampled, sampler.prompts[1:]):
+        assert nxt[:len(prev) + len(reply)] == prev + reply
+
+
+def test_a_forced_reply_that_writes_no_call_is_an_invalid_action(tokenizer, gateway):
+    fmt = ChatMLFormat(tokenizer)
+    sampler = ScriptedSampler(tokenizer, lambda i: "The answer is 42.", fmt.im_end)
+    group = run_one(rollouts_for(tokenizer, gateway, forced_program), sampler,
+                    {"question": "What is 6*7?"})
+    [traj] = group.trajectories
+    assert traj.error is None and traj.branches == []
+    assert [t.invalid_action for t in traj.turns] == [True, True, False]
+    assert traj.turns[0].reply_text == FORCED_OPENINGS[0] + "The answer is 42."
+    assert sampled_ids(traj) == [t for ids in sampler.sampled for t in ids]
+
+
 def test_a_template_that_drops_reasoning_still_trains_the_sampled_reasoning(tokenizer, gateway):
     qwen = load_tokenizer(ASSETS_DIR)  # a copy: the shared built-in one stays as it is
     qwen.chat_template = QWEN3_LIKE

@@ -1,8 +1,9 @@
 """A rollout's chat calls as agent frameworks send them: the bodies LangGraph, smolagents,
 pydantic-ai and LiteLLM sent (captured from their runs against `prefixgym proxy`, as
 they are) are answered in shapes the openai SDK parses and continue one sequence; null
-fields are fields not sent; `tool_choice: "none"` takes no calls; what the engine cannot
-do is a 400 that names the field. A scripted sampler answers: first a call, then text."""
+fields are fields not sent; `tool_choice: "none"` takes no calls, "required" and a named
+function are forced (the call's opening ends the prompt); what the engine cannot do is a
+400 that names the field. A scripted sampler answers: first a call, then text."""
 
 from __future__ import annotations
 
@@ -21,11 +22,18 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 from prefixgym.prompting.call_tree import CallTree  # noqa: E402
 from prefixgym.prompting.chat_format import ChatMLFormat  # noqa: E402
 from prefixgym.prompting.tokenizer import load_tokenizer  # noqa: E402
+from prefixgym.prompting.tool_syntax import (  # noqa: E402
+    HermesSyntax,
+    Olmo3Syntax,
+    ToolCallSyntax,
+)
 from prefixgym.serving.agent_gateway import AgentGateway  # noqa: E402
 
 MODEL = "policy"
 CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "6*7"}}</tool_call>'
 ANSWER = "It is 42."
+TEXT_ANSWER = {"content": ANSWER, "calls": []}
+REQUIRED_OPENING = '<tool_call>{"name": "'
 PARAMETERS = {"type": "object", "properties": {"expr": {"type": "string"}},
               "required": ["expr"]}
 CALC = {"type": "function", "function": {"name": "calc",
@@ -140,19 +148,25 @@ class Rollout:
         return self.gateway.close(self.key)
 
 
-@pytest.mark.parametrize(("first", "echo", "branch_rules"), [
-    (LANGGRAPH, LANGGRAPH_ECHO, []),
-    (PYDANTIC_AI, PYDANTIC_AI_ECHO, []),
-    (LITELLM, LITELLM_ECHO, []),
-    (SMOLAGENTS, SMOLAGENTS_ECHO, ["PG204"]),  # it rewrites the call it got as text
+SMOLAGENTS_REPLIES = (  # its tool_choice "required": each prompt ends with REQUIRED_OPENING
+    CALL.removeprefix(REQUIRED_OPENING),
+    'final_answer", "arguments": {"answer": "42"}}</tool_call>')
+
+
+@pytest.mark.parametrize(("first", "echo", "replies", "second_answer", "branch_rules"), [
+    (LANGGRAPH, LANGGRAPH_ECHO, (CALL, ANSWER), TEXT_ANSWER, []),
+    (PYDANTIC_AI, PYDANTIC_AI_ECHO, (CALL, ANSWER), TEXT_ANSWER, []),
+    (LITELLM, LITELLM_ECHO, (CALL, ANSWER), TEXT_ANSWER, []),
+    (SMOLAGENTS, SMOLAGENTS_ECHO, SMOLAGENTS_REPLIES,  # it rewrites the call it got as text
+     {"content": "", "calls": [("final_answer", {"answer": "42"})]}, ["PG204"]),
 ], ids=["langgraph", "pydantic-ai", "litellm", "smolagents"])
 def test_what_frameworks_send_is_answered_and_continues_one_sequence(
-        tokenizer, gateway, first, echo, branch_rules):
-    rollout = Rollout(tokenizer, gateway)
+        tokenizer, gateway, first, echo, replies, second_answer, branch_rules):
+    rollout = Rollout(tokenizer, gateway, replies)
     assert rollout.chat(first)["calls"] == [("calc", {"expr": "6*7"})]
     second = copy.deepcopy(first)
     second["messages"] += echo
-    assert rollout.chat(second) == {"content": ANSWER, "calls": []}
+    assert rollout.chat(second) == second_answer
     assert rollout.close() == []
     assert [b.rule for b in rollout.tree.branches] == branch_rules
     [prompt, later] = rollout.sampler.prompts
@@ -244,3 +258,102 @@ def test_a_malformed_body_fails_its_rollout_on_either_route(tokenizer, gateway):
                            headers={"content-type": "application/json"})
         assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
     assert [line[:4] for line in rollout.close()] == ["400:", "400:"]
+
+
+NAMED = {"type": "function", "function": {"name": "calc"}}
+NAMED_OPENING = '<tool_call>{"name": "calc", "arguments":'
+FORCED_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "6*7?"}],
+               "tools": [CALC]}
+
+
+@pytest.mark.parametrize(("choice", "opening"), [(NAMED, NAMED_OPENING),
+                                                 ("required", REQUIRED_OPENING)],
+                         ids=["named", "required"])
+def test_a_forced_tool_choice_ends_the_prompt_with_the_calls_opening(tokenizer, gateway,
+                                                                     choice, opening):
+    """The opening is prompt (in `prompt_token_ids`, never trained); the model samples the
+    rest; the program gets a call of the function, parsed from forced + sampled text."""
+    rollout = Rollout(tokenizer, gateway, replies=(CALL.removeprefix(opening),))
+    reply = rollout.post("chat/completions", {**FORCED_BODY, "tool_choice": choice})
+    assert reply.status_code == 200, reply.text
+    [choice_0] = reply.json()["choices"]
+    assert choice_0["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in choice_0["message"]["tool_calls"]] == [
+        {"name": "calc", "arguments": '{"expr": "6*7"}'}]
+    forced = tokenizer.encode(opening, add_special_tokens=False)
+    [prompt], [sampled] = rollout.sampler.prompts, rollout.sampler.sampled
+    assert prompt[-len(forced):] == forced and choice_0["prompt_token_ids"] == prompt
+    assert choice_0["token_ids"] == sampled
+    assert len(choice_0["logprobs"]["content"]) == len(sampled)
+    [seq] = rollout.tree.sequences()
+    assert seq.tokens[:len(prompt) + len(sampled)] == prompt + sampled
+    assert [t for t, m in zip(seq.tokens, seq.sampled_mask) if m] == sampled
+    assert not any(seq.sampled_mask[len(prompt) - len(forced):len(prompt)])
+    assert rollout.close() == [] and rollout.tree.forced_misses == 0
+
+
+def test_the_responses_apis_named_choice_is_forced_too(tokenizer, gateway):
+    rollout = Rollout(tokenizer, gateway, replies=(CALL.removeprefix(NAMED_OPENING),))
+    tool = {"type": "function", "name": "calc", "parameters": PARAMETERS}
+    reply = rollout.post("responses", {"model": MODEL, "input": "6*7?", "tools": [tool],
+                                       "tool_choice": {"type": "function", "name": "calc"}})
+    assert reply.status_code == 200, reply.text
+    [item] = reply.json()["output"]
+    assert (item["type"], item["name"], item["arguments"]) == \
+        ("function_call", "calc", '{"expr": "6*7"}')
+    forced = tokenizer.encode(NAMED_OPENING, add_special_tokens=False)
+    assert rollout.sampler.prompts[0][-len(forced):] == forced
+    assert rollout.close() == []
+
+
+def test_a_forced_reply_that_breaks_its_call_is_text_counted_and_continued(tokenizer, gateway):
+    broken = ' {"expr": 6*7}}</tool_call>'  # not JSON: the call does not parse
+    rollout = Rollout(tokenizer, gateway, replies=(broken, ANSWER))
+    body = {**FORCED_BODY, "tool_choice": NAMED}
+    first = rollout.chat(body)
+    assert first == {"content": NAMED_OPENING + broken, "calls": []}
+    assert rollout.tree.forced_misses == 1
+    body["messages"] = [*body["messages"], {"role": "assistant", "content": first["content"]},
+                        {"role": "user", "content": "Try again."}]
+    body["tool_choice"] = "auto"
+    assert rollout.chat(body) == TEXT_ANSWER
+    assert rollout.close() == [] and rollout.tree.branches == []
+    [seq] = rollout.tree.sequences()
+    assert [t for t, m in zip(seq.tokens, seq.sampled_mask) if m] == \
+        [t for ids in rollout.sampler.sampled for t in ids]
+
+
+class CannotForce(HermesSyntax):
+    """Hermes blocks, without a way to force one (the base class's answer)."""
+
+    name = "no_force"
+
+    def forced_opening(self, name):
+        return ToolCallSyntax.forced_opening(self, name)
+
+
+@pytest.mark.parametrize(("route", "fields", "syntax", "words"), [
+    ("chat/completions", {"tool_choice": "required"}, CannotForce(),
+     "tool_choice 'required' cannot be forced in the 'no_force' tool-call syntax"),
+    ("responses", {"tool_choice": "required"}, CannotForce(), "in the 'no_force' tool-call"),
+    ("chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f-1"}},
+                          "tools": [{"type": "function", "function": {"name": "f-1"}}]},
+     Olmo3Syntax(), "the function 'f-1' cannot be forced in the 'olmo3' tool-call syntax"),
+    ("chat/completions", {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     None, "'nope', which is not among the request's tools"),
+    ("chat/completions", {"tool_choice": "required", "tools": None}, None, "needs tools"),
+], ids=["chat", "responses", "unwritable-name", "unknown-function", "no-tools"])
+def test_a_tool_choice_that_cannot_be_forced_is_a_400_line(tokenizer, gateway, route, fields,
+                                                           syntax, words):
+    rollout = Rollout(tokenizer, gateway)
+    if syntax is not None:
+        rollout.tree.syntax = syntax
+    body = ({"model": MODEL, "input": "6*7?", "tools": [{"type": "function", "name": "calc"}]}
+            if route == "responses" else FORCED_BODY)
+    reply = rollout.post(route, {**body, **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert words in error["message"] and "\n" not in error["message"], error
+    assert error["param"] == "tool_choice"
+    [line] = rollout.close()
+    assert line.startswith("400: ") and rollout.sampler.prompts == []

@@ -90,6 +90,35 @@ def test_tools_reach_the_template_and_tool_turns_render(server):
     assert reply.status_code == 200, reply.text
 
 
+@pytest.mark.parametrize(("choice", "opening"), [
+    ({"type": "function", "function": {"name": "add"}}, '<tool_call>{"name": "add", "arguments":'),
+    ("required", '<tool_call>{"name": "'),
+], ids=["named", "required"])
+def test_a_forced_tool_choice_ends_the_prompt_and_the_next_call_continues(server, client,
+                                                                         choice, opening):
+    """The call's opening in the model's syntax ends the prompt (never in `token_ids`);
+    the reply is read after it (the tiny model's random weights seldom finish the call:
+    then the text is the opening + what it sampled), and a client that sends the reply
+    back continues the same tokens."""
+    tok = server.service.tokenizer
+    ask = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 8, "seed": 3,
+           "extra_body": {"return_token_ids": True}}
+    auto = client.chat.completions.create(**ask).choices[0].model_extra["prompt_token_ids"]
+    first = client.chat.completions.create(**ask, tool_choice=choice).choices[0]
+    prompt, sampled = first.model_extra["prompt_token_ids"], first.model_extra["token_ids"]
+    assert prompt == auto + tok.encode(opening, add_special_tokens=False)
+    if first.message.tool_calls:
+        assert choice == "required" or first.message.tool_calls[0].function.name == "add"
+        sent_back = first.message.model_dump(exclude_none=True)
+    else:
+        assert first.message.content.startswith(opening)
+        sent_back = {"role": "assistant", "content": first.message.content}
+    history = [*MESSAGES, sent_back, {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(**{**ask, "messages": history, "max_tokens": 2})
+    later = second.choices[0].model_extra["prompt_token_ids"]
+    assert later[:len(prompt) + len(sampled)] == prompt + sampled
+
+
 def test_tool_call_blocks_become_openai_tool_calls():
     text = ('Let me add. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
             '<tool_call>not json</tool_call>')
@@ -119,6 +148,10 @@ def test_tool_call_blocks_become_openai_tool_calls():
      "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400,
      "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
+     "tool_choice"),                                                      # no tools to call
+    ({"messages": MESSAGES, "tools": TOOLS,
+      "tool_choice": {"type": "function", "function": {"name": "mul"}}}, 400, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x" * 70_000}]}, 413, None),  # body too large
     ([{"role": "user", "content": "hi"}], 400, None),                     # not an object
 ])

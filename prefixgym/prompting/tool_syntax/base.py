@@ -2,7 +2,9 @@
 a reply, and `ToolCallSyntax`, whose `parse` splits a reply into content and calls.
 
 A family overrides two methods: `find_calls` says where its calls lie in a reply's text
-(and what they hold), `format` writes calls back as the model would have. `parse` is
+(and what they hold), `format` writes calls back as the model would have; and
+`forced_opening`, the start of a call a server writes for the model when a request's
+`tool_choice` demands one (None, the default: this family cannot be made to call). `parse` is
 written once, here, from `find_calls`, so that
 `parse(format(content, calls)) == (content.strip(), calls)` holds for every family that
 keeps its `find_calls` and `format` in step. This module knows no family and no markers.
@@ -62,3 +64,12 @@ class ToolCallSyntax:
     def format(self, content: str, calls: Sequence[ParsedCall]) -> str:
         """The assistant text the model writes for `content` (stripped) and `calls`."""
         raise NotImplementedError
+
+    def forced_opening(self, name: str | None) -> str | None:
+        """The text a reply is made to begin with so that it writes a call: `format("",
+        [call of name])` up to and including the name and the start of its arguments,
+        or, for `name` None (any tool), up to where the name goes. It ends where the
+        model's own next token would begin (no trailing space), and `parse` reads the
+        call once the model has written the rest. None: this syntax cannot force that
+        call (a name it cannot write, or no way to force at all)."""
+        return None

@@ -26,6 +26,9 @@ _HARMONY_CALL = re.compile(
 )
 
 
+_HARMONY_NAME = re.compile(r"[^\s<]+")
+
+
 @dataclass(frozen=True)
 class GptOssSyntax(ToolCallSyntax):
     """Harmony messages addressed `to=functions.NAME`, in either header order.
@@ -52,6 +55,14 @@ class GptOssSyntax(ToolCallSyntax):
             text += (f"<|channel|>commentary to=functions.{call.name} <|constrain|>json"
                      f"<|message|>{json.dumps(call.arguments, ensure_ascii=False)}<|call|>")
         return text
+
+    def forced_opening(self, name: str | None) -> str | None:
+        # The generation prompt ends with `<|start|>assistant`: the call is its first message.
+        if name is None:
+            return "<|channel|>commentary to=functions."
+        if not _HARMONY_NAME.fullmatch(name):
+            return None  # a space or `<` would end the recipient early
+        return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
 
 
 def _loads(text: str) -> Any:  # any JSON value, or None when text is not JSON

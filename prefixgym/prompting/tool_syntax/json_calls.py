@@ -35,7 +35,8 @@ MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
 GRANITE_TOOL_CALL = "<|tool_call|>"
 PHI4_MINI_TOOL_CALL_END = "<|/tool_call|>"
-_MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?")
+_MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+_MISTRAL_NAMED = re.compile(rf"({_MISTRAL_NAME.pattern})(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?")
 _DECODER = json.JSONDecoder()
 
 
@@ -71,6 +72,10 @@ class HermesSyntax(ToolCallSyntax):
         else:
             blocks = [f"{TOOL_CALL_OPEN}\n{_call_json(c)}\n{TOOL_CALL_CLOSE}" for c in calls]
         return "\n".join(_nonempty(content) + blocks)
+
+    def forced_opening(self, name: str | None) -> str | None:
+        newline = "" if self.compact else "\n"
+        return f"{TOOL_CALL_OPEN}{newline}{_json_opening(name, 'arguments')}"
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,9 @@ class Llama3JsonSyntax(ToolCallSyntax):
         )
         # Llama templates drop content beside a call; the tag keeps it apart when given.
         return f"{content.strip()}{PYTHON_TAG}{body}" if content.strip() else body
+
+    def forced_opening(self, name: str | None) -> str | None:
+        return _json_opening(name, "parameters")
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,15 @@ class MistralSyntax(ToolCallSyntax):
             body = f"{MISTRAL_TOOL_CALLS} [{', '.join(_call_json(c) for c in calls)}]"
         return content.strip() + body
 
+    def forced_opening(self, name: str | None) -> str | None:
+        if not self.args_form:
+            return f"{MISTRAL_TOOL_CALLS} [{_json_opening(name, 'arguments')}"
+        if name is None:
+            return MISTRAL_TOOL_CALLS
+        if not _MISTRAL_NAME.fullmatch(name):
+            return None  # `find_calls` could not read the name back
+        return f"{MISTRAL_TOOL_CALLS}{name}{MISTRAL_ARGS}"
+
 
 @dataclass(frozen=True)
 class GraniteSyntax(ToolCallSyntax):
@@ -181,6 +198,9 @@ class GraniteSyntax(ToolCallSyntax):
             return content.strip()
         body = ", ".join(_call_json(c) for c in calls)
         return f"{content.strip()}{GRANITE_TOOL_CALL}[{body}]{self.end}"
+
+    def forced_opening(self, name: str | None) -> str | None:
+        return f"{GRANITE_TOOL_CALL}[{_json_opening(name, 'arguments')}"
 
 
 @dataclass(frozen=True)
@@ -231,6 +251,13 @@ def _call_list(
 def _call_json(call: ParsedCall) -> str:
     """`{"name": ..., "arguments": ...}` as a template's `tojson` writes it."""
     return json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+
+
+def _json_opening(name: str | None, arguments_key: str) -> str:
+    """`{"name": "` (any tool), or `{"name": "f", "<arguments_key>":` (f's call)."""
+    if name is None:
+        return '{"name": "'
+    return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{arguments_key}":'
 
 
 def _nonempty(content: str) -> list[str]:

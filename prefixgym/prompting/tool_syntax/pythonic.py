@@ -14,6 +14,7 @@ import ast
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from keyword import iskeyword
 from typing import Any, ClassVar
 
 from prefixgym.prompting.tool_syntax.base import CallSpan, ParsedCall, ToolCallSyntax
@@ -54,6 +55,14 @@ class Olmo3Syntax(ToolCallSyntax):
             f"{c.name}({', '.join(f'{k}={_json(v)}' for k, v in c.arguments.items())})"
             for c in calls)
         return f"{content.strip()}{FUNCTION_CALLS_OPEN}{body}{FUNCTION_CALLS_CLOSE}"
+
+    def forced_opening(self, name: str | None) -> str | None:
+        if name is None:
+            return FUNCTION_CALLS_OPEN
+        if not all(part.isidentifier() and not iskeyword(part)
+                   for part in name.split(".")):
+            return None  # `find_calls` reads (dotted) Python names only
+        return f"{FUNCTION_CALLS_OPEN}{name}("
 
 
 # Each try parses the block again; a reply that repeats the tag must not cost n^2.
