@@ -93,12 +93,18 @@ def forced_program(base_url, api_key, model, task):
     return float("42" in (message.content or ""))
 
 
-def test_a_forced_tool_choice_keeps_one_sequence_and_trains_only_the_sampled_ids(tokenizer,
-                                                                                 gateway):
-    fmt = ChatMLFormat(tokenizer)
+@pytest.mark.parametrize("through_template", [False, True], ids=["builtin", "hf-template"])
+def test_a_forced_tool_choice_keeps_one_sequence_and_trains_only_the_sampled_ids(
+        tokenizer, gateway, through_template):
+    if through_template:  # the same format as a tokenizer's template, rendered turn by turn
+        tokenizer = load_tokenizer(ASSETS_DIR)
+        fmt = HFTemplateFormat(tokenizer)
+    else:
+        fmt = ChatMLFormat(tokenizer)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     sampler = ScriptedSampler(
-        tokenizer, lambda i: tool_reply(i).removeprefix(FORCED_OPENINGS[min(i, 2)]), fmt.im_end)
-    group = run_one(rollouts_for(tokenizer, gateway, forced_program), sampler,
+        tokenizer, lambda i: tool_reply(i).removeprefix(FORCED_OPENINGS[min(i, 2)]), end)
+    group = run_one(rollouts_for(tokenizer, gateway, forced_program, chat_format=fmt), sampler,
                     {"question": "What is 6*7?"})
     [traj] = group.trajectories
     assert traj.error is None and traj.total_reward == 1.0
