@@ -103,7 +103,16 @@ def thread_counts() -> tuple[int, ...]:
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
-    return _mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+    """`weight` reordered into oneDNN's layout, on one thread: the reorder, a copy, ran
+    2-5x slower on 2 threads than on 1 (2026-12-07, Xeon, 2 cores: 120 of SmolLM2's
+    linears 0.33-0.39 s on 1, 0.96-1.8 s on 2), and a publish is mostly reorders.
+    The same bits either way (it moves values, it adds none)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
