@@ -103,10 +103,11 @@ def thread_counts() -> tuple[int, ...]:
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` reordered into oneDNN's layout, on one thread: the reorder, a copy, ran
-    2-5x slower on 2 threads than on 1 (2026-12-07, Xeon, 2 cores: 120 of SmolLM2's
-    linears 0.33-0.39 s on 1, 0.96-1.8 s on 2), and a publish is mostly reorders.
-    The same bits either way (it moves values, it adds none)."""
+    """`weight` reordered into oneDNN's layout, on one thread. The reorder is a copy; in
+    a process whose OpenMP started with its default wait policy (torch imported before
+    prefixgym, which sets `OMP_WAIT_POLICY=PASSIVE`), 120 of SmolLM2's linears took
+    0.96-1.8 s on 2 threads and 0.33-0.39 s on 1 (2026-12-07, Xeon, 2 cores); under
+    PASSIVE, 0.17-0.29 s either way. The same bits (it moves values, it adds none)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
