@@ -20,6 +20,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # device "auto" means the test device (every process a test starts inherits it): the CPU,
 # or PREFIXGYM_TEST_DEVICE (cuda, mps) to run the engine and parity tests there
 os.environ["PREFIXGYM_DEVICE"] = os.environ.get("PREFIXGYM_TEST_DEVICE", "cpu")
+# per-machine caches (the packed weights' thread checks, GGUF conversions) go to the
+# checkout's .test-cache, not the user's ~/.cache, unless PREFIXGYM_CACHE_DIR says where
+os.environ.setdefault("PREFIXGYM_CACHE_DIR",
+                      os.path.join(os.path.dirname(os.path.dirname(__file__)), ".test-cache"))
 
 import gymnasium as gym  # noqa: E402
 import pytest  # noqa: E402
