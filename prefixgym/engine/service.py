@@ -198,8 +198,10 @@ class EngineService:
             self._version = self._last_version_id
             self._inference_model = snapshot
         # Release what earlier versions and steps left: a version that no client holds is
-        # freed only with the reference cycles it sits in, which wait for the collector's
-        # oldest generation, and freed tensors stay resident in malloc's arenas. Without
+        # freed with the last reference to it (a finished request drops its samples, which
+        # pointed back at it and held its model), or with any reference cycle it still
+        # sits in, which waits for the collector's oldest generation; and freed tensors
+        # stay resident in malloc's arenas. Without
         # both, full GRPO on SmolLM2-135M grew its peak ~0.5 GB a step (docs/benchmarks.md,
         # "Memory per GRPO step"). A full collection costs ~170 ms a publish in this
         # process whatever the model (tiny's publish: 28 -> 255 ms), so it runs only for a

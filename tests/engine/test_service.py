@@ -133,6 +133,26 @@ def test_the_engine_alone_knows_ids_only() -> None:
         assert cut.stop_reason == "stop"
 
 
+def test_a_version_that_sampled_is_freed_without_the_collector() -> None:
+    """A finished request lets go of its samples (which point back at it), so a version
+    that sampled and that no client holds goes when its last reference does: a model
+    too small for the publish's full collection frees it all the same."""
+    gc.disable()
+    try:
+        with LocalService("tiny", seed=0) as svc:
+            trainer = svc.create_training_client()
+            versions = []
+            for seed in range(3):
+                sampler = trainer.save_weights_and_get_sampling_client()
+                versions.append(weakref.ref(sampler._model))
+                sampler.sample([1, 2, 3, 4, 5], num_samples=2,
+                               sampling_params=SamplingParams(max_tokens=4, seed=seed)).result()
+                del sampler
+            assert [v() is None for v in versions] == [True, True, False]  # the newest stays
+    finally:
+        gc.enable()
+
+
 def test_a_publish_lets_the_previous_version_go_and_trims_malloc(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A publish frees every older version that no client holds (its packed weights with

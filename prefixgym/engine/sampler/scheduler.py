@@ -367,6 +367,7 @@ class Scheduler:
                 self._ledger.add(response.usage)
             self.counters["requests_completed"] += 1
             req.future.set_result(response)
+            req.sequences = []  # (they point back at it: no cycle keeps its model alive)
 
     def fail(self, requests: list[Request], error: BaseException) -> None:
         """Fail these requests with `error`, wherever they are, and free what they hold
@@ -381,6 +382,7 @@ class Scheduler:
             if not req.future.done():  # (a batch failed after postprocess finished some)
                 self.counters["requests_failed"] += 1
                 req.future.set_exception(error)
+            req.sequences = []
         self.waiting = deque(r for r in self.waiting if r not in failed)
         chunks = ([r for r in chunk if r not in failed] for chunk in self._chunks)
         self._chunks = deque(chunk for chunk in chunks if chunk)
