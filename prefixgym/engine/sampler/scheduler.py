@@ -70,9 +70,9 @@ _CALL_COST_TOKENS = 64  # a forward call's fixed cost, in padded positions
 class Batch:
     """One forward. Prefill: `requests`, row r computing `tokens[r]` (prompt[starts[r]:])
     of request r into `tables[r]`; `seqs` are all their samples and those of the
-    requests joined to them, sampled from row `source_rows`. Decode: one row per running sequence of `seqs`. Before the forward the
-    runner zeroes `new_blocks` and makes `tail_copies`; after it, `fork_copies` ((src,
-    dst, positions))."""
+    requests joined to them, sampled from row `source_rows`. Decode: one row per running
+    sequence of `seqs`. Before the forward the runner zeroes `new_blocks` and makes
+    `tail_copies`; after it, `fork_copies` ((src, dst, positions))."""
 
     kind: str  # "prefill" or "decode"
     model: Transformer
