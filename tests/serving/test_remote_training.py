@@ -1,6 +1,6 @@
 """`prefixgym train --sampler-url`: rollouts and evaluation go to the HTTP server, which
 receives every update and answers only from it (async LoRA against prefixgym serve and
-a real vLLM)."""
+a real vLLM; an agent program's calls too)."""
 
 from __future__ import annotations
 
@@ -104,3 +104,46 @@ def test_train_sends_the_api_key_from_the_environment(start_server, tmp_path: Pa
         assert server.service.weights_version == 1  # the starting weights arrived
     finally:
         service.close()
+
+
+AGENT = '''
+from openai import OpenAI
+
+def agent(base_url, api_key, model, task):
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": task["question"]}]
+    reply = client.chat.completions.create(model=model, messages=messages)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                 {"role": "user", "content": "Once more."}]
+    again = client.chat.completions.create(model=model, messages=messages)
+    return float(again.choices[0].token_ids[0] % 2)
+'''
+
+
+def test_an_agent_run_samples_on_the_remote_server(start_server, tmp_path: Path,
+                                                   numerics) -> None:
+    """--agent with --sampler-url: every call of the program is sampled by the server,
+    which holds the trainer's newest weights, and its second call reads the first from
+    the server's prefix cache."""
+    pytest.importorskip("openai")
+    server = start_server(LocalService(model="tiny", seed=5))  # not the trainer's weights
+    (tmp_path / "agent.py").write_text(AGENT)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"question": f"{i} + {i}?"}) + "\n" for i in range(3)))
+    config = TrainConfig(out=str(tmp_path / "run"), agent=f"{tmp_path / 'agent.py'}:agent",
+                         tasks=str(tasks), sft_steps=0, steps=2, groups_per_step=2,
+                         group_size=2, eval_episodes=2, eval_every=2, max_tokens=4,
+                         compute_dtype=numerics.name, progress=False,
+                         sampler_url=[server.url + "/v1"])
+    run, service = build_run(config)
+    result = run.run()
+    served = server.service.usage()
+    assert served.sampled_tokens > 0 and result.usage.sampled_tokens == served.sampled_tokens
+    assert served.prefill_cached_tokens > 0  # second calls extend the first, token for token
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    steps = [r for r in lines if r["phase"] == "grpo"]
+    assert [r["sampler/version_lag"] for r in steps] == [0.0, 0.0]
+    assert all(r["episodes/failed"] == 0 and not r.get("agent/branches") for r in steps)
+    trained = service.train_model.state_dict()
+    for name, value in server.service.train_model.state_dict().items():
+        assert bool((value == trained[name]).all()), name

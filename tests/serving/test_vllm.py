@@ -2,8 +2,9 @@
 full weights reloaded in place through vLLM's development routes and LoRA adapters
 through its runtime adapter routes, both sampled on-policy; the served weights equal
 the trainer's; a resumed run unloads the adapters its first process left; vLLM's
-prefix cache reports hits. (Async LoRA against vLLM: test_remote_training.py; two
-servers under torchrun with one killed: test_scale_out.py.)"""
+prefix cache reports hits; an agent program's calls (--agent) sample there on-policy.
+(Async LoRA against vLLM: test_remote_training.py; two servers under torchrun with one
+killed: test_scale_out.py.)"""
 
 from __future__ import annotations
 
@@ -123,3 +124,36 @@ def test_a_lora_run_samples_on_policy_from_vllm_and_resumes(vllm, tmp_path: Path
     with OpenAISamplingClient(vllm.url) as client:
         resumed = client.loaded_adapters()
     assert len(resumed) == 2 and not set(resumed) & set(adapters)
+
+
+AGENT = '''
+from openai import OpenAI
+
+def agent(base_url, api_key, model, task):
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": task}]
+    reply = client.chat.completions.create(model=model, messages=messages)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                 {"role": "user", "content": "Once more."}]
+    again = client.chat.completions.create(model=model, messages=messages)
+    return float(sum(again.choices[0].token_ids) % 7)  # (rewards that differ in a group)
+'''
+
+
+def test_an_agent_program_samples_on_policy_from_vllm(vllm, tmp_path: Path) -> None:
+    """--agent with --sampler-url: the program's calls go through the gateway to vLLM,
+    which holds the trainer's weights; the recorded tokens train on-policy."""
+    pytest.importorskip("openai")
+    (tmp_path / "agent.py").write_text(AGENT)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(f"Say something about {i}.") + "\n" for i in range(3)))
+    out = tmp_path / "run"
+    run, service = build_run(config_for(out, vllm.url, agent=f"{tmp_path / 'agent.py'}:agent",
+                                        tasks=str(tasks), checkpoint_every=10))
+    run.run()
+    steps = grpo_records(out)
+    assert [r["sampler/version_lag"] for r in steps] == [0.0, 0.0]
+    assert all(r["episodes/failed"] == 0 for r in steps)
+    trained = [r for r in steps if r["datums/count"] > 0]  # (a group of equal rewards skips)
+    assert trained and all(r["sampler/max_logprob_gap"] < 1e-3 for r in trained)
+    service.close()
