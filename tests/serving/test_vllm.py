@@ -2,7 +2,8 @@
 full weights reloaded in place through vLLM's development routes and LoRA adapters
 through its runtime adapter routes, both sampled on-policy; the served weights equal
 the trainer's; a resumed run unloads the adapters its first process left; vLLM's
-prefix cache reports hits; an agent program's calls (--agent) sample there on-policy.
+prefix cache reports hits; an agent program's calls (--agent) sample there on-policy,
+and `prefixgym proxy` in front of it records what it sampled.
 (Async LoRA against vLLM: test_remote_training.py; two servers under torchrun with one
 killed: test_scale_out.py.)"""
 
@@ -157,3 +158,37 @@ def test_an_agent_program_samples_on_policy_from_vllm(vllm, tmp_path: Path) -> N
     trained = [r for r in steps if r["datums/count"] > 0]  # (a group of equal rewards skips)
     assert trained and all(r["sampler/max_logprob_gap"] < 1e-3 for r in trained)
     service.close()
+
+
+def test_the_proxy_records_what_vllm_sampled(vllm, tmp_path: Path) -> None:
+    """`prefixgym proxy --upstream <vLLM>`: a program's two calls are recorded as the ids
+    vLLM returned, the second prompt extending the first prompt and reply token for
+    token."""
+    openai = pytest.importorskip("openai")
+    from prefixgym.cli.proxy import ProxyConfig, build_proxy
+
+    record = tmp_path / "sessions.jsonl"
+    proxy = build_proxy(ProxyConfig(upstream=vllm.url, port=0, record=str(record),
+                                    max_tokens=8))
+    proxy.start()
+    try:
+        client = openai.OpenAI(base_url=proxy.gateway.url + "/v1", api_key="none",
+                               max_retries=0)
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Name a colour."}]
+        choices = []
+        for turn in range(2):
+            reply = client.chat.completions.create(model=model, messages=messages)
+            choices.append(reply.choices[0])
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": f"Another one ({turn})."}]
+    finally:
+        proxy.stop()  # (ends the session: its sequence is written)
+    [line] = [json.loads(x) for x in record.read_text().splitlines()]
+    sampled = [c.model_extra["token_ids"] for c in choices]
+    prompts = [c.model_extra["prompt_token_ids"] for c in choices]
+    tokens, mask = line["tokens"], line["sampled_mask"]
+    assert [t for t, m in zip(tokens, mask) if m] == [t for ids in sampled for t in ids]
+    assert prompts[1][:len(prompts[0]) + len(sampled[0])] == prompts[0] + sampled[0]
+    for turn, ids in zip(line["turns"], sampled):
+        assert tokens[turn["reply_start"]:turn["reply_end"]] == ids
