@@ -3,6 +3,16 @@ reasoning models' templates do (Qwen3, QwQ, DeepSeek-R1 distills): ChatML whose 
 assistant turns lose their `<think>` block once a later user message follows, and
 whose generation prompt, with `enable_thinking` false, opens an empty think block."""
 
+_QWEN3_GENERATION_PROMPT = (
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+"""Qwen3's generation prompt: an empty think block when `enable_thinking` is false."""
+
 QWEN3_LIKE = (
     "{%- set ns = namespace(last_user=-1) -%}"
     "{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
@@ -14,12 +24,7 @@ QWEN3_LIKE = (
     "{%- endif -%}"
     "{{- '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- endif -%}"
-    "{%- endif -%}"
+    + _QWEN3_GENERATION_PROMPT
 )
 
 # Granite-3.1-like: append-only as it stands, but its `controls` switch, passed, is printed
@@ -92,10 +97,5 @@ QWEN3_LATEST_THINK = (
     "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- endif -%}"
-    "{%- endif -%}"
+    + _QWEN3_GENERATION_PROMPT
 )
