@@ -282,7 +282,7 @@ def remote_clients(config: TrainConfig, service: LocalService, training: Trainin
     starting weights are pushed now, so a server that cannot read them fails here."""
     from prefixgym.serving.openai_client import OpenAISamplingClient
     from prefixgym.serving.pool import SamplerPool
-    from prefixgym.serving.weight_sync import RemoteWeightSync
+    from prefixgym.serving.weight_sync import KEEP_VERSIONS, RemoteWeightSync
 
     api_key = os.environ.get(API_KEY_VARIABLE) or "EMPTY"
     pool = SamplerPool([OpenAISamplingClient(url, tokenizer=service.tokenizer,
@@ -292,7 +292,8 @@ def remote_clients(config: TrainConfig, service: LocalService, training: Trainin
     sync = RemoteWeightSync(
         training, pool, Path(config.out) / "sampler_weights",
         write_weights=weights_writer(mode, training), token=shared_token(ranks), mode=mode,
-        is_main=ranks.is_main, barrier=ranks.barrier)
+        is_main=ranks.is_main, barrier=ranks.barrier,
+        keep_versions=max(KEEP_VERSIONS, config.staleness + 1))  # newest + the K behind it
     first = sync.save_weights_and_get_sampling_client()
     return Clients(sync, first, service.tokenizer, service.usage,
                    sampler_metrics=pool.metrics, ranks=ranks, seconds=service.seconds)

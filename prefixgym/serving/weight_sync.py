@@ -8,8 +8,9 @@ publishes version n (1, 2, ...) under the label "<run token>-<n>":
   2) push them to every live server of the pool: full weights through
      `/update_weights_from_disk` (SGLang, prefixgym serve) with `weight_version`
      = label, or vLLM's in-place reload (`OpenAISamplingClient.update_weights_from_disk`); adapters through `/v1/load_lora_adapter` with `lora_name` = label,
-     unloading the adapter published two versions before (the one before stays
-     loaded for async sampling). Before its first adapter a process unloads those an
+     unloading the adapter published `keep_versions` versions before (the K before
+     the newest stay loaded for samplers up to K versions behind: --max-staleness K
+     keeps K + 1, at least 2). Before its first adapter a process unloads those an
      earlier process of the same run left loaded (a resumed or restarted run; its
      labels differ, so it would never unload them by name): the adapters whose path,
      as /v1/models lists it, lies under `weights_dir`. A server that cannot be reached is marked down and
@@ -18,7 +19,8 @@ publishes version n (1, 2, ...) under the label "<run token>-<n>":
   3) wait at `barrier` (torchrun: every rank, after rank 0 pushed), then return the
      pool pinned to the label: its samples come from these weights or are refused.
 Only the main rank writes and pushes; every rank returns the same pinned view.
-Older weight directories are deleted once two newer ones exist.
+Older weight directories are deleted once `keep_versions` newer ones exist (vLLM
+reloads an adapter it evicted from its path).
 
 A server holds one full-weights version at a time, so with full weights a version
 must not be pushed while samples of the previous one are still wanted (async
@@ -41,6 +43,7 @@ from prefixgym.serving.pool import PinnedSampler, SamplerPool
 from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 
 KEEP_VERSIONS = 2
+"""The default: the newest version and the one before it (--async)."""
 
 
 class RemoteWeightSync:
@@ -48,11 +51,14 @@ class RemoteWeightSync:
         self, training: TrainingClient, pool: SamplerPool, weights_dir: str | os.PathLike[str],
         write_weights: Callable[[Path], object], token: str,
         mode: Literal["full", "lora"] = "full", is_main: bool = True,
-        barrier: Callable[[], None] | None = None,
+        barrier: Callable[[], None] | None = None, keep_versions: int = KEEP_VERSIONS,
     ) -> None:
         """`write_weights(dir)` writes the current weights (full: an HF checkpoint; lora:
         a PEFT adapter) into `dir`; `token` makes this run's labels unique (the same on
-        every rank)."""
+        every rank); `keep_versions`: the adapters (and directories) kept, the newest
+        included."""
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions must be at least 1, got {keep_versions}")
         self.training = training
         self.pool = pool
         self.weights_dir = Path(weights_dir)
@@ -61,6 +67,7 @@ class RemoteWeightSync:
         self.mode = mode
         self.is_main = is_main
         self.barrier = barrier
+        self.keep_versions = keep_versions
         self.published = 0
 
     def label(self, version: int) -> str:
@@ -111,8 +118,8 @@ class RemoteWeightSync:
                     if version == 1:
                         self._unload_leftovers(client)
                     client.load_lora_adapter(label, where)
-                    if version > KEEP_VERSIONS:
-                        client.unload_lora_adapter(self.label(version - KEEP_VERSIONS))
+                    if version > self.keep_versions:
+                        client.unload_lora_adapter(self.label(version - self.keep_versions))
             except ValueError as e:  # the server answered: it cannot use these weights
                 raise ValueError(f"the sampling server {client.root_url} cannot load the "
                                  f"published weights: {e}") from None
@@ -130,6 +137,6 @@ class RemoteWeightSync:
                 client.unload_lora_adapter(name)
 
     def _drop_old(self, version: int) -> None:
-        old = version - KEEP_VERSIONS
+        old = version - self.keep_versions
         if old >= 1:
             shutil.rmtree(self.weights_dir / f"v{old:06d}", ignore_errors=True)

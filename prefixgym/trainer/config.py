@@ -234,7 +234,8 @@ class TrainConfig:
     (0: synchronous; 1: --async). A step whose samples are more than K versions old is
     dropped and counted (episodes/stale); staleness/<lag> counts the episodes trained at
     each lag. Each version sampled from stays in memory until its steps are sampled; with
-    --sampler-url at most 1 (a server keeps the previous adapter only)."""
+    --sampler-url the servers keep the newest K + 1 LoRA adapters loaded (full weights:
+    K = 0 only, a server holds one version)."""
     deterministic: bool = True
     """Fix every batch the engine runs by the rollout schedule (each turn of all live
     episodes is one round, run alone, in episode order), so that a run's results depend
@@ -327,9 +328,6 @@ class TrainConfig:
         self._check_off_policy()
         if self.max_staleness < 0:
             raise ValueError(f"--max-staleness must be >= 0, got {self.max_staleness}")
-        if self.sampler_url and self.staleness > 1:
-            raise ValueError(f"--max-staleness {self.max_staleness} with --sampler-url: a server "
-                             "keeps the newest adapter and the one before it, so at most 1")
         _require_one_of("--lr-schedule", self.lr_schedule, LR_SCHEDULES)
         _require_one_of("--sft-lr-schedule", self.sft_lr_schedule, LR_SCHEDULES)
         if not 0 <= self.sft_warmup < 1:

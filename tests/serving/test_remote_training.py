@@ -4,6 +4,7 @@ a real vLLM; an agent program's calls too)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,7 +14,10 @@ from numerics import tiny_logprob_atol
 from prefixgym.cli.train import build_run
 from prefixgym.local_service import LocalService
 from prefixgym.serving.config import ServeConfig
+from prefixgym.serving.openai_client import OpenAISamplingClient
+from prefixgym.trainer import run as run_module
 from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.grpo import StepPipeline
 
 
 def test_train_samples_on_the_remote_server(start_server, tmp_path: Path, numerics) -> None:
@@ -46,6 +50,7 @@ def test_train_samples_on_the_remote_server(start_server, tmp_path: Path, numeri
 
 @pytest.mark.parametrize(("flag", "message"), [({"async_mode": True}, "LoRA"),
                                                ({"max_staleness": 1}, "LoRA"),
+                                               ({"max_staleness": 2}, "LoRA"),
                                                ({"kl_coef": 0.1}, "in-process")])
 def test_remote_sync_refuses_what_needs_older_versions(flag, message, tmp_path: Path) -> None:
     config = TrainConfig(out=str(tmp_path), sampler_url=["http://127.0.0.1:9/v1"], **flag)
@@ -87,6 +92,60 @@ def test_a_lora_run_pushes_adapters_and_samples_one_version_behind(base_server_u
     assert pushed and all((tmp_path / "sampler_weights" / p / "adapter_config.json").is_file()
                           for p in pushed)
 
+
+
+class _ChecksOneLess(StepPipeline):
+    """Samples up to K steps ahead but checks against K - 1: forced staleness, as a
+    sampler fleet that ran further ahead than the trainer allows."""
+
+    def take(self, sampler, step, last_step):
+        result, weights = super().take(sampler, step, last_step)
+        return result, dataclasses.replace(weights, max_staleness=self._ahead - 1)
+
+
+@pytest.mark.parametrize(("base_server_url", "forced"), [
+    ("prefixgym", False), ("prefixgym", True),
+    pytest.param("vllm", False, marks=[pytest.mark.vllm, pytest.mark.xdist_group("vllm")])],
+    indirect=["base_server_url"])
+def test_a_lora_run_at_staleness_two(base_server_url: str, tmp_path: Path, numerics,
+                                     monkeypatch: pytest.MonkeyPatch, forced: bool) -> None:
+    """--max-staleness 2 with --sampler-url: the server keeps the newest three adapters
+    loaded (vLLM, started with --max-loras 2, reloads an evicted one from its
+    directory), every sample carries the label of the adapter that drew it (none is
+    refused), and steps train two versions behind; forced further behind than allowed,
+    they are dropped and counted."""
+    if forced:
+        monkeypatch.setattr(run_module, "StepPipeline", _ChecksOneLess)
+    config = TrainConfig(out=str(tmp_path), env="tests/Lengthy-v0", sft_steps=0, steps=5,
+                         groups_per_step=2, group_size=2, eval_episodes=2, eval_every=10,
+                         checkpoint_every=10, max_tokens=4, progress=False,
+                         sampler_url=[base_server_url + "/v1"], lora_rank=4, max_staleness=2,
+                         compute_dtype=numerics.name)
+    run, service = build_run(config)
+    run.run()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    steps = [r for r in lines if r["phase"] == "grpo"]
+    # step 1 waits for step 0's weights (a checkpoint point), steps 2 and 3 start
+    # sampling when step 1 trains, step 4 when step 2 does
+    assert [r["sampler/version_lag"] for r in steps] == [0.0, 0.0, 1.0, 2.0, 2.0]
+    token = run.training.token  # the run's labels: <token>-<version>
+    published = run.training.published
+    with OpenAISamplingClient(base_server_url) as client:  # the newest and the two before
+        assert set(client.loaded_adapters()) == {
+            f"{token}-{v}" for v in range(published - 2, published + 1)}
+    pushed = sorted(p.name for p in (tmp_path / "sampler_weights").iterdir())
+    assert pushed == [f"v{v:06d}" for v in range(published - 2, published + 1)]
+    for r in steps:
+        lag = int(r["sampler/version_lag"])
+        if forced and lag == 2:  # older than the K checked: dropped, counted
+            assert r["episodes/stale"] == r["episodes/off_policy"] == 4
+            assert r["staleness/2"] == 0 and "sampler/max_logprob_gap" not in r
+        else:
+            assert r["episodes/stale"] == r["episodes/off_policy"] == 0
+            assert r[f"staleness/{lag}"] == 4 and "sampler/kl_k3" in r
+    report = (tmp_path / "report.md").read_text()
+    assert "## Staleness" in report
+    assert ("8 episodes were dropped" in report) == forced
 
 
 def test_train_sends_the_api_key_from_the_environment(start_server, tmp_path: Path,
