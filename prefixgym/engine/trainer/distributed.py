@@ -171,7 +171,7 @@ class DistributedTrainingClient(Generic[SamplerT]):
         # 5) the merged output
         outputs = [(r, ForwardBackwardOutput.model_validate(o[1]))
                    for r, (o, _) in enumerate(gathered) if o[1] is not None]
-        merged = _merge(outputs, shards, len(datums))
+        merged = merge_rank_outputs(outputs, shards, len(datums))
         others = sum((out.usage for r, out in outputs if r != self.rank), Usage())
         self.client.ledger.add(others)
         return merged
@@ -199,13 +199,18 @@ class DistributedTrainingClient(Generic[SamplerT]):
                 at += n
 
     def _broadcast_parameters(self) -> None:
-        with torch.no_grad():
-            for p in self.client.model.parameters():
-                dist.broadcast(p.data, src=dist.get_global_rank(self.group, 0)
-                               if self.group is not None else 0, group=self.group)
+        broadcast_parameters(self.client.model, self.group)
 
 
-def _merge(outputs: list[tuple[int, ForwardBackwardOutput]], shards: list[list[int]],
+def broadcast_parameters(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Give every rank of `group` the first rank's parameters, in place."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.broadcast(p.data, src=src, group=group)
+
+
+def merge_rank_outputs(outputs: list[tuple[int, ForwardBackwardOutput]], shards: list[list[int]],
            n: int) -> ForwardBackwardOutput:
     """The single-process output: rank r's j-th datum is datum shards[r][j]."""
     loss_fn_outputs: list[dict[str, list[float]]] = [{} for _ in range(n)]

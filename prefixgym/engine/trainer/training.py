@@ -128,6 +128,16 @@ class TrainingClient(Generic[SamplerT]):
         return self._update.step
 
     @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates."""
+        return self._params
+
+    @property
+    def state_module(self) -> torch.nn.Module:
+        """The module whose tensors `save_state` writes and `load_state` reads."""
+        return self._state_module
+
+    @property
     def nonfinite_update(self) -> str:
         """What an update with a non-finite gradient norm does: "skip" or "error"."""
         return self._update.nonfinite_update
