@@ -6,7 +6,8 @@ For each turn k of a probe, rendered with its setting at a fixed clock:
      the reply;
   3) (c) P_k + S_k + end of turn is a prefix of the next generation prompt, where
      S_k is the separator + the text the model sampled (`Reply.sampled`): once with
-     the reply ending on its end-of-turn token, once ending without it and closed
+     the reply ending on its end-of-turn token (`stop_token`: the closing's, or EOS
+     where the closing is text without one), once ending without it and closed
      by the template's closing. Separator and closing are read off a plain reply
      under the same setting (`Shape`), never off the reply being checked, so a
      template that trims or rewrites that reply is caught.
@@ -94,6 +95,20 @@ class _Turn:
             return None
         head = self.prompt + self.sampled
         return len(head) if self.history.startswith(head) else None
+
+
+def stop_token(turn: _Turn, eos: str) -> str | None:
+    """The token the model stops a reply on: the closing's end-of-turn token; EOS when
+    the closing is text that holds none (a template that writes ' ' or '\\n\\n' after a
+    reply, as single-turn QA templates do: the model still stopped on EOS, which the
+    next prompt must then keep); None when not known (an empty closing, where the next
+    message's header may be the stop token, or a tool call, whose stop is the template's)."""
+    if turn.closing is None:
+        return eos or None
+    token = end_of_turn_token(turn.closing, eos)
+    if token is None and turn.closing and turn.reply.sampled is not None:
+        return eos or None
+    return token
 
 
 def read_shape(prompt: str, history: str, sampled: str) -> Shape | None:
@@ -244,7 +259,7 @@ class Prober:
             if turn.sampled is None:
                 continue
             # 3) (c) prompt + sampled reply + end of turn is a prefix of the next prompt
-            eot = end_of_turn_token(turn.closing, eos) if turn.closing is not None else (eos or None)
+            eot = stop_token(turn, eos)
             endings: list[tuple[str | None, str, str]] = []  # (eot token, closing text, clause)
             if eot is not None:
                 endings.append((eot, eot, f"the reply ends on its end-of-turn token {eot!r}"))

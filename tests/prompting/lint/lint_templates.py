@@ -149,3 +149,15 @@ TOOLS_IN_LAST_USER = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+# Question-answer style, as single-turn VQA templates write it: 'Question: q Answer: a ',
+# the reply followed by a space and no end-of-turn token, so the EOS the model stopped
+# on is not in the next prompt.
+QA_WITHOUT_END_OF_TURN = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{- 'Answer: ' + m.content + ' ' }}"
+    "{%- elif m.role == 'system' %}{{- m.content + ' ' }}"
+    "{%- else %}{{- 'Question: ' + m.content + ' ' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'Answer:' }}{%- endif %}"
+)

@@ -108,6 +108,22 @@ def test_space_before_eos_fires_pg112_for_a_reply_ending_on_eos() -> None:
     assert report_of(T.SENTENCEPIECE_SPACE, eos="</s>", bos="<s>").findings == []
 
 
+def test_reply_closed_by_text_without_an_end_of_turn_token_ends_on_eos() -> None:
+    # 'Answer: a ' then the next question: no token closes the reply, so the model stopped
+    # on EOS, and the next prompt does not hold it (the probes used to check only the
+    # reply closed by the template's ' ', as if nothing had been sampled to stop it)
+    report = report_of(T.QA_WITHOUT_END_OF_TURN, eos="</s>")
+    assert not report.append_only
+    assert [f.rule for f in report.findings] == ["PG103"]
+    pg103 = report.findings[0]
+    assert "probe 'plain'" in pg103.location and "reply ending on '</s>'" in pg103.location
+    assert pg103.expected is not None and pg103.actual is not None and pg103.caret is not None
+    assert pg103.expected[pg103.caret:] == "</s>"
+    assert pg103.actual[pg103.caret:].startswith(" Question: And 3 + 3?")
+    # without an EOS there is no token known to stop on: the template's closing stands
+    assert report_of(T.QA_WITHOUT_END_OF_TURN, eos="").append_only
+
+
 def test_trimmed_reply_fires_pg112_only_for_replies_with_whitespace_around() -> None:
     report = report_of(T.TRIMS_REPLY)
     assert [f.rule for f in report.findings] == ["PG112"]
