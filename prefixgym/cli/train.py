@@ -6,7 +6,8 @@ OpenAI-compatible servers, which then receive every update: `serving.weight_sync
 the envs from `--env`/`--env-kwargs`, then `trainer.run.Run` with all of them.
 Under torchrun (WORLD_SIZE > 1: `torchrun --nproc-per-node N -m prefixgym train ...`)
 it joins the process group (gloo: the engine trains on CPU), wraps the training
-client in `DistributedTrainingClient`, and hands the run its `Ranks`.
+client in `DistributedTrainingClient` (`FSDPTrainingClient` with `--fsdp`), and hands
+the run its `Ranks`.
 With `--backend tinker` the hosted service's clients stand behind our protocols
 (`prefixgym.tinker.backend`) instead of a LocalService.
 """
@@ -164,10 +165,20 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
             options=options)
     else:
         training = service.create_training_client(options)
-    if ranks.world > 1:
+    if ranks.world > 1 and config.fsdp:
+        from prefixgym.engine.trainer.fsdp import FSDPTrainingClient
+
+        sharded = FSDPTrainingClient(training)  # type: ignore[arg-type]
+        # the ranks waiting for rank 0's checkpoint help it gather the optimizer's state
+        ranks = dataclasses.replace(ranks, barrier=sharded.barrier)
+        training = sharded
+    elif ranks.world > 1:
         from prefixgym.engine.trainer.distributed import DistributedTrainingClient
 
         training = DistributedTrainingClient(training)  # type: ignore[arg-type]
+    elif config.fsdp:
+        print("--fsdp: one process, nothing to shard (run under torchrun with 2 or more "
+              "ranks to shard)", file=sys.stderr)
     clients = Clients(training, service.create_sampling_client(), service.tokenizer,
                       service.usage, ranks=ranks, seconds=service.seconds)
     if config.sampler_url:  # rollouts and evaluation on remote servers (docs/scaling.md)

@@ -41,7 +41,7 @@ RESUMABLE_CHANGES = (
     "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
     "num_threads", "device", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
     "recompute_activations", "eval_on_start", "keep_checkpoints", "prices", "price_model",
-    "trace", "checkpoint_optimizer",
+    "trace", "checkpoint_optimizer", "fsdp",
 )
 """Fields a resumed run may set differently from the run it continues. `steps` extends
 (or shortens) a run; with the cosine schedule the remaining steps then follow the new
@@ -49,7 +49,7 @@ length. `sampler_url` moves sampling to another server, whose weights are its ow
 `num_threads` changes no fp32 bits (MKL's strict mode, docs/architecture.md
 "Determinism"; bf16 rounds by thread count, and a resume that changes it says so);
 `device` moves the run (its numbers round otherwise there, which a resume says);
-`share_prefixes` changes how the same sums are computed, not what;
+`share_prefixes` and `fsdp` change how the same sums are computed, not what;
 `recompute_activations` changes only what is kept for backward (bit-for-bit the same).
 `eval_on_start` only matters to a new run (a resumed one has evaluated already);
 `prices` and `price_model` only price the report; `trace` only writes what was sampled.
@@ -277,6 +277,12 @@ class TrainConfig:
     """Keep only each transformer block's input for backward and run the block again
     there: far less activation memory for about a third more training compute; the
     same gradients (docs/lora.md, "Memory")."""
+    fsdp: bool = False
+    """Under torchrun, shard the trained weights, their gradients and AdamW's state over
+    the ranks (FSDP2) instead of holding them whole on each (DDP), for a model whose
+    training state outgrows one device; every rank still holds the whole weights once,
+    for sampling (docs/scaling.md). Checkpoints are the same either way: a run resumes
+    with or without it, on any number of ranks."""
     num_threads: int = 0
     """torch threads (0 = torch's default)."""
     device: str = "auto"
@@ -334,6 +340,9 @@ class TrainConfig:
             raise ValueError(f"--sft-warmup must be in [0, 1), got {self.sft_warmup}")
         self.sft_stages = _checked_stages(self.sft_stages, self.sft_steps)
         _require_one_of("--backend", self.backend, BACKENDS)
+        if self.fsdp and self.backend != "local":
+            raise ValueError("--fsdp shards the built-in engine's training over torchrun "
+                             "ranks; --backend tinker trains on the hosted service")
         if self.backend == "tinker" and self.sampler_url:
             raise ValueError("--sampler-url and --backend tinker do not go together: the "
                              "hosted service samples")
