@@ -30,7 +30,10 @@ whole; `load_state` reads them on every rank and takes its shard. Rank 0 *leads*
 everything that only it does but every rank must take part in (gathering the
 optimizer's state for a save): it broadcasts what comes next, and the other ranks,
 waiting in `barrier` (or `save_state`, which is `barrier` there), follow. Calls block
-and must be made in the same order on every rank. Knows nothing of envs or samplers.
+and must be made in the same order on every rank. A failure that validation cannot
+foresee (out of memory) inside one rank's forward or backward leaves the ranks'
+collectives unmatched: they wait until the process group's timeout ends the job.
+Knows nothing of envs or samplers.
 """
 
 from __future__ import annotations
@@ -223,7 +226,7 @@ class FSDPTrainingClient(Generic[SamplerT]):
         device = self.client.model.output_weight.device
         chunks = make_chunks(mine, self.client.options.max_tokens_per_forward, device) \
             if mine else []
-        rounds = torch.tensor([len(chunks)])
+        rounds = torch.tensor([len(chunks)], device=device)  # (NCCL reduces device tensors)
         dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
         saved = [p.grad for p in self._params]
         for p in self._params:
