@@ -2,8 +2,9 @@
 
 Runs a pilot of the run (`trainer.estimate.pilot_config`: a few warm-start and GRPO
 steps, one evaluation batch) as `prefixgym train` would, in DIR/pilot (or a temporary
-directory), then prints tokens, seconds and money per part of the configured run with
-the pilot's spread as an interval, and the assumptions; with `--out DIR` also writes
+directory), then prints per part of the configured run its tokens before sharing (what the hosted
+service bills), tokens computed, seconds and money, each between a low and a high bound
+with what each assumes (`trainer.estimate_bounds`); with `--out DIR` also writes
 DIR/estimate.json. Imports torch only once the flags are parsed.
 """
 
@@ -22,20 +23,24 @@ from prefixgym.cli.errors import error_line
 from prefixgym.cli.train_args import parse_train_config
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.estimate import ASSUMPTIONS, PILOT_GRPO_STEPS, PILOT_SFT_STEPS, Estimate
+from prefixgym.trainer.estimate_bounds import MAX_LOAD_PER_CORE
 
 ESTIMATE_DESCRIPTION = (
     "What `prefixgym train` with these flags will cost: tokens, seconds and money per part "
-    "of the run (warm start, GRPO, evaluations), extrapolated from a pilot of a few of its "
-    "steps run here. --out DIR writes DIR/estimate.json (the pilot runs in DIR/pilot). "
+    "of the run (warm start, GRPO, evaluations), each a low and a high bound and the "
+    "assumption behind each, extrapolated from a pilot of a few of its steps run here. --out DIR writes DIR/estimate.json (the pilot runs in DIR/pilot). "
     "Its own flags: --pilot-sft-steps N (warm-start steps of the pilot, default "
     f"{PILOT_SFT_STEPS}; 'all': the run's, for a GRPO phase sampled from the policy the run "
-    f"will have) and --pilot-steps N (its GRPO steps, default {PILOT_GRPO_STEPS}).")
+    f"will have), --pilot-steps N (its GRPO steps, default {PILOT_GRPO_STEPS}) and "
+    "--max-load L (the highest load average the seconds' high bound allows for; default "
+    f"{MAX_LOAD_PER_CORE:g} per core).")
 
 
 @dataclass(frozen=True)
 class PilotSize:
     sft_steps: int | None  # None: the run's own
     steps: int
+    max_load: float | None = None  # None: MAX_LOAD_PER_CORE a core
 
 
 def parse_estimate(argv: list[str]) -> tuple[TrainConfig, PilotSize, bool]:
@@ -44,13 +49,17 @@ def parse_estimate(argv: list[str]) -> tuple[TrainConfig, PilotSize, bool]:
     pilot = argparse.ArgumentParser(prog="prefixgym estimate", add_help=False)
     pilot.add_argument("--pilot-sft-steps", default=str(PILOT_SFT_STEPS))
     pilot.add_argument("--pilot-steps", type=int, default=PILOT_GRPO_STEPS)
+    pilot.add_argument("--max-load", type=float, default=None)
     sizes, rest = pilot.parse_known_args(argv)
     config = parse_train_config(rest, "prefixgym estimate", ESTIMATE_DESCRIPTION)
     sft = sizes.pilot_sft_steps
     if not (sft == "all" or sft.isdigit() and int(sft) > 0) or sizes.pilot_steps < 1:
         pilot.error("--pilot-sft-steps must be a positive integer or 'all', and "
                     "--pilot-steps a positive integer")
-    return (config, PilotSize(None if sft == "all" else int(sft), sizes.pilot_steps),
+    if sizes.max_load is not None and not sizes.max_load > 0:
+        pilot.error("--max-load must be a positive load average")
+    return (config, PilotSize(None if sft == "all" else int(sft), sizes.pilot_steps,
+                              sizes.max_load),
             any(a == "--out" or a.startswith("--out=") for a in rest))
 
 
@@ -77,15 +86,17 @@ def run_estimate(config: TrainConfig, size: PilotSize, out_given: bool) -> int:
     if estimate.prices is not None:
         print(f"\nmoney at the rates of {estimate.prices.model} ({estimate.price_note}); "
               f"source: {estimate.prices.source}")
-    print("\nassumptions:")
+    print(f"\nthe pilot ran at a load average of {pilot['load']:.1f} on {pilot['cores']} "
+          f"cores; the high bounds allow for {pilot['max_load']:g} (--max-load); "
+          "assumptions:")
     for line in ASSUMPTIONS:
         print(f"- {line}")
     if pilot["sft_steps"] < config.sft_steps:
         warm = next(p for p in estimate.parts if p.name == "warm_start")
         print(f"\nnote: GRPO and the evaluations were sampled from a policy warmed for "
               f"{pilot['sft_steps']} of the run's {config.sft_steps} warm-start steps (it won "
-              f"{pilot['success']:.0%} of its last evaluation's episodes): a policy further "
-              "trained usually plays shorter episodes. For their cost from the run's own "
+              f"{pilot['success']:.0%} of its last evaluation's episodes), so their high "
+              "bounds share only as much as that policy did. For bounds from the run's own "
               "warm start, add --pilot-sft-steps all (the pilot then runs the whole warm "
               f"start, about {warm.seconds[0]:,.0f} s).")
     if out is not None:
@@ -100,6 +111,7 @@ def pilot_and_extrapolate(config: TrainConfig, size: PilotSize, pilot_dir: Path)
     from prefixgym.cli.train import build_run
     from prefixgym.pricing import run_prices
     from prefixgym.trainer.estimate import TRACE, extrapolate, pilot_config
+    from prefixgym.trainer.estimate_bounds import load_factors
     from prefixgym.trainer.report import MetricsLog
 
     prices, note = run_prices(config.model, config.price_model, config.prices)
@@ -110,9 +122,11 @@ def pilot_and_extrapolate(config: TrainConfig, size: PilotSize, pilot_dir: Path)
     run, _ = build_run(pilot)
     run.run()
     wall = time.perf_counter() - t0
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1  # the pilot's last minute
+    factors = load_factors(load, cores, size.max_load)
     records = MetricsLog(pilot_dir / "metrics.jsonl").read()
     trace = MetricsLog(pilot_dir / TRACE).read()  # JSON lines, read alike
-    parts = extrapolate(config, records, trace)
+    parts = extrapolate(config, records, trace, factors)
     in_parts = sum(float(r.get("time/step_s", 0.0)) + float(r.get("time/eval_s", 0.0))
                    for r in records)
     evals = [r for r in records if r.get("phase") == "eval"]
@@ -120,4 +134,6 @@ def pilot_and_extrapolate(config: TrainConfig, size: PilotSize, pilot_dir: Path)
         "sft_steps": pilot.sft_steps, "steps": pilot.steps, "evaluations": len(evals),
         "eval_episodes": pilot.eval_episodes, "wall_s": round(wall, 1),
         "success": float(evals[-1]["eval/success"]) if evals else 0.0,
-        "dir": os.fspath(pilot_dir)}, prices=prices, price_note=note)
+        "load": round(load, 2), "cores": cores,
+        "max_load": size.max_load or MAX_LOAD_PER_CORE * cores,
+        "dir": os.fspath(pilot_dir)}, prices=prices, price_note=note, load=factors)

@@ -1,14 +1,15 @@
-"""What a run will cost, from a short pilot of it: tokens, seconds and money per part.
+"""What a run will cost, from a short pilot of it: tokens, seconds and money per part,
+each a low and a high bound with the assumption behind each, the estimate between.
 
 1) `pilot_config`: the run cut short (a few warm-start and GRPO steps, one evaluation
    batch per evaluation), which `prefixgym estimate` runs like any other.
-2) `extrapolate`: per part of the run (warm start, GRPO, evaluations) the pilot's mean
-   per unit (a step; an evaluation episode) times the units the configured run has,
-   with the pilot's cheapest and dearest unit scaled alike as the interval; the rest
-   of the wall time (start-up, checkpoints, the report) as the pilot's.
+2) `extrapolate`: per part of the run (warm start, GRPO, evaluations), from the
+   pilot's units (a step; an evaluation: its first batch, then the second's rate) and
+   its trace, the tokens before sharing (what the hosted service bills), the tokens
+   computed and the seconds, each as (estimate, low, high); `estimate_bounds` says
+   how each bound is drawn. A part the pilot ran in full is exact.
 3) `Estimate.to_json`: estimate.json; `Estimate.table`: what the command prints.
-The assumptions each part rests on are in `ASSUMPTIONS` and printed with it. Knows
-metrics records, the config and prices; nothing of engines.
+Knows metrics records, trace lines, the config and prices; nothing of engines.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ from pathlib import Path
 
 from prefixgym.pricing import Prices, money
 from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.estimate_bounds import (
+    MAX_LOAD_PER_CORE,
+    Part,
+    Unit,
+    Z,
+    eval_part,
+    exact_part,
+    grpo_part,
+    scaled,
+    shape_of,
+    warm_start_part,
+)
 from prefixgym.trainer.evaluate import EVAL_WIDTH
 from prefixgym.trainer.report import usage_of
 from prefixgym.types import JSONObject, Usage
@@ -31,22 +44,21 @@ PILOT_EVAL_EPISODES = 2 * EVAL_WIDTH
 so a run's evaluation costs the first batch plus the later ones at the second's rate."""
 TRACE = "trace.jsonl"
 """The pilot's trace in its directory: where the evaluations' batches are told apart."""
-TERMS = ("prefill_computed", "prefill_cached", "sampled", "train_computed", "train_shared")
 ASSUMPTIONS = (
-    "warm start: every step costs what the pilot's did on average (its episodes are the "
-    "expert's, whatever the weights: this part is the most exact)",
-    "GRPO: every step costs what the pilot's first steps did. The tokens it processes "
-    "(without sharing) hold steady, but a policy that sharpens samples more alike within "
-    "a group, and the cache and training then compute fewer of them (on the default run "
-    "step 59 computed 54% of step 0's): tokens computed err high the more GRPO learns, "
-    "and so do the later evaluations' tokens computed",
-    "the pilot's warm start is short, so its GRPO and evaluation episodes come from a "
-    "policy less trained than the run's: their lengths and turns may differ",
-    "evaluations: each costs its first batch of episodes as the pilot's did, and every "
-    "later episode what the pilot's second batch did per episode; the same at every "
-    "evaluation of the run",
-    "seconds: as on this machine now, under its current load; the rest of the wall time "
-    "(start-up, checkpoints, the report) as in the pilot",
+    "a part the pilot ran in full (all its units, from the same weights) is exact; "
+    "every other part is a low and a high bound, each with its own assumption, and "
+    "the estimate halfway between",
+    "warm start: its episodes are the expert's whatever the weights, so the pilot's "
+    f"steps are a sample of the run's: {Z:g} standard errors of the total either side",
+    "GRPO and evaluations: the policy the run trains is not the pilot's. Its episodes "
+    "may cost anything from the pilot's cheapest group to its dearest (tokens before "
+    "sharing); it may share as little as the pilot's policy did, every group trained "
+    "(high), or, sharpened to entropy zero, compute each group's later prompts and "
+    "training positions once for its G samples (low)",
+    "seconds: the pilot's per unit, in proportion to the bounds of the tokens computed, "
+    "from alone on the machine (low) to the load average --max-load (default "
+    f"{MAX_LOAD_PER_CORE:g} per core; high), the estimate at the pilot's load; the rest "
+    "of the wall time (start-up, checkpoints, the report) as in the pilot's",
 )
 
 
@@ -77,55 +89,6 @@ def evaluations_in(config: TrainConfig) -> int:
     return int(bool(config.eval_on_start)) + int(config.sft_steps > 0) + grpo
 
 
-@dataclass(frozen=True)
-class Part:
-    """One part of the run: `units` of `unit` at the pilot's mean usage and seconds per
-    unit; the interval scales the pilot's cheapest and dearest unit alike."""
-
-    name: str
-    label: str
-    units: int
-    unit: str
-    usage: Usage
-    low: Usage
-    high: Usage
-    seconds: tuple[float, float, float]
-    """(estimate, low, high)."""
-
-    def to_json(self, prices: Prices | None) -> JSONObject:
-        out: JSONObject = {
-            "units": self.units, "unit": self.unit,
-            "tokens_computed": self.usage.computed_tokens,
-            "tokens_computed_interval": [self.low.computed_tokens, self.high.computed_tokens],
-            "tokens_without_sharing": self.usage.tokens_without_sharing,
-            **{term: getattr(self.usage, f"{term}_tokens") for term in TERMS},
-            "seconds": round(self.seconds[0], 1),
-            "seconds_interval": [round(self.seconds[1], 1), round(self.seconds[2], 1)],
-        }
-        if prices is not None:
-            out["cost"] = round(self.usage.cost(prices).total, 6)
-            out["cost_interval"] = [round(self.low.cost(prices).total, 6),
-                                    round(self.high.cost(prices).total, 6)]
-        return out
-
-
-def _scaled(usage: Usage, factor: float) -> Usage:
-    return Usage(**{k: round(getattr(usage, k) * factor) for k in Usage.model_fields})
-
-
-def _part(name: str, label: str, units: int, unit: str, samples: Sequence[tuple[Usage, float]],
-          ) -> Part:
-    """`samples`: (usage, seconds) of one pilot unit each."""
-    n = len(samples)
-    mean = Usage.total(u for u, _ in samples)
-    cheapest = min(samples, key=lambda s: s[0].computed_tokens)[0]
-    dearest = max(samples, key=lambda s: s[0].computed_tokens)[0]
-    seconds = [s for _, s in samples]
-    return Part(name, label, units, unit, _scaled(mean, units / n), _scaled(cheapest, units),
-                _scaled(dearest, units),
-                (sum(seconds) / n * units, min(seconds) * units, max(seconds) * units))
-
-
 def eval_batches(trace: Sequence[JSONObject]) -> dict[int, list[Usage]]:
     """Each evaluation's usage per batch of `EVAL_WIDTH` episodes, from a run's trace
     (its episodes' group ids are `eval<k>/<episode>`)."""
@@ -143,44 +106,60 @@ def eval_batches(trace: Sequence[JSONObject]) -> dict[int, list[Usage]]:
 
 
 def _evaluation(config: TrainConfig, record: JSONObject, batches: list[Usage] | None,
-                ) -> tuple[Usage, float]:
+                ) -> Unit:
     """One evaluation of the run (its `eval_episodes`) from one of the pilot's: its first
     batch as it was, each later episode at the second batch's rate (the pilot's rate
     per episode without a trace)."""
     played, episodes = int(record["eval/episodes"]), config.eval_episodes
-    seconds = float(record["time/eval_s"]) / played * episodes
-    if not batches:
-        return _scaled(usage_of(record), episodes / played), seconds
+    factor = episodes / played  # seconds: at the pilot's rate per episode
     first = min(episodes, EVAL_WIDTH)
-    if len(batches) < 2 or episodes <= first:
-        return _scaled(batches[0], first / min(played, EVAL_WIDTH)), seconds
-    second = played - EVAL_WIDTH
-    return batches[0] + _scaled(batches[1], (episodes - first) / second), seconds
+    if not batches:
+        usage = scaled(usage_of(record), factor)
+    elif len(batches) < 2 or episodes <= first:
+        usage = scaled(batches[0], first / min(played, EVAL_WIDTH))
+    else:
+        usage = batches[0] + scaled(batches[1], (episodes - first) / (played - EVAL_WIDTH))
+    return Unit.of(record, usage, factor)
+
 
 
 def extrapolate(config: TrainConfig, records: Sequence[JSONObject],
-                trace: Sequence[JSONObject] = ()) -> list[Part]:
-    """The parts of the run of `config` from the metrics `records` of its pilot (and
-    its trace, which tells an evaluation's batches apart)."""
+                trace: Sequence[JSONObject] = (), load: tuple[float, float] = (1.0, 1.0),
+                ) -> list[Part]:
+    """The parts of the run of `config` from the metrics `records` of its pilot, its
+    trace (an evaluation's batches, the GRPO groups' spread and first turns) and `load`
+    (`estimate_bounds.load_factors`: how much faster and slower than the pilot's the
+    run's seconds may be)."""
     def of(phase: str) -> list[JSONObject]:
         return [r for r in records if r.get("phase") == phase]
 
     parts = []
     sft, grpo, evals = of("sft"), of("grpo"), of("eval")
+    shape = shape_of(trace)
+    # GRPO (and every evaluation) exact only from the run's own weights and steps
+    grpo_in_full = len(sft) >= config.sft_steps and len(grpo) >= config.steps
     if config.sft_steps and sft:
-        parts.append(_part("warm_start", f"warm start ({config.sft_steps} steps)",
-                           config.sft_steps, "step",
-                           [(usage_of(r), float(r["time/step_s"])) for r in sft]))
+        parts.append(warm_start_part(
+            config, [Unit.of(r) for r in sft], load))
     if config.steps and grpo:
-        parts.append(_part("grpo", f"GRPO ({config.steps} steps)", config.steps, "step",
-                           [(usage_of(r), float(r["time/step_s"])) for r in grpo]))
+        label, samples = f"GRPO ({config.steps} steps)", [
+            Unit.of(r) for r in grpo]
+        parts.append(exact_part("grpo", label, config.steps, "step", samples, load)
+                     if grpo_in_full else grpo_part(config, label, samples, grpo, shape, load))
     n_evals = evaluations_in(config)
     by_batch = eval_batches(trace)
     played = [(i, r) for i, r in enumerate(evals) if r.get("eval/episodes")]
     if n_evals and played:
-        parts.append(_part("eval", f"evaluations ({n_evals} x {config.eval_episodes} "
-                           "episodes)", n_evals, "evaluation",
-                           [_evaluation(config, r, by_batch.get(i)) for i, r in played]))
+        label = f"evaluations ({n_evals} x {config.eval_episodes} episodes)"
+        samples = [_evaluation(config, r, by_batch.get(i)) for i, r in played]
+        if (grpo_in_full and len(played) == n_evals
+                and config.eval_episodes <= PILOT_EVAL_EPISODES):
+            parts.append(exact_part("eval", label, n_evals, "evaluation", samples, load))
+        else:
+            same = int(bool(config.eval_on_start)) + int(
+                bool(config.sft_steps) and len(sft) >= config.sft_steps)
+            parts.append(eval_part(config, label, n_evals, samples, min(same, len(samples)),
+                                   shape, load))
     return parts
 
 
@@ -193,6 +172,8 @@ class Estimate:
     pilot: JSONObject
     prices: Prices | None = None
     price_note: str = ""
+    load: tuple[float, float] = (1.0, 1.0)
+    """How much faster (alone on the machine) and slower than the pilot the run may be."""
 
     def total(self, pick: Callable[[Part], Usage]) -> Usage:
         return Usage.total(pick(p) for p in self.parts)
@@ -200,21 +181,26 @@ class Estimate:
     @property
     def seconds(self) -> list[float]:
         """The whole run's (estimate, low, high): the parts' and the rest."""
-        return [sum(p.seconds[i] for p in self.parts) + self.rest_s for i in range(3)]
+        rest = (self.rest_s, self.rest_s * self.load[0], self.rest_s * self.load[1])
+        return [sum(p.seconds[i] for p in self.parts) + rest[i] for i in range(3)]
 
     def to_json(self) -> JSONObject:
         seconds = self.seconds
-        usage = self.total(lambda p: p.usage)
+        usage, low, high = (self.total(lambda p: p.usage), self.total(lambda p: p.low),
+                            self.total(lambda p: p.high))
         total: JSONObject = {
             "tokens_computed": usage.computed_tokens,
-            "tokens_computed_interval": [self.total(lambda p: p.low).computed_tokens,
-                                         self.total(lambda p: p.high).computed_tokens],
+            "tokens_computed_interval": [low.computed_tokens, high.computed_tokens],
             "tokens_without_sharing": usage.tokens_without_sharing,
+            "tokens_without_sharing_interval": [low.tokens_without_sharing,
+                                                high.tokens_without_sharing],
             "seconds": round(seconds[0], 1),
             "seconds_interval": [round(seconds[1], 1), round(seconds[2], 1)],
         }
         if self.prices is not None:
             total["cost"] = round(usage.cost(self.prices).total, 6)
+            total["cost_interval"] = [round(low.cost(self.prices).total, 6),
+                                      round(high.cost(self.prices).total, 6)]
         out: JSONObject = {
             "parts": {p.name: p.to_json(self.prices) for p in self.parts},
             "rest_seconds": round(self.rest_s, 1), "total": total, "pilot": self.pilot,
@@ -226,30 +212,45 @@ class Estimate:
         return out
 
     def table(self) -> str:
-        """The estimate as aligned text: one row per part, then the whole run."""
+        """The estimate as aligned text: per part, its tokens before sharing (what the
+        hosted service bills), tokens computed, seconds (and money), each low, estimate
+        and high with its width; what each bound assumes; then the whole run."""
         cur = self.prices.currency if self.prices else "USD"
 
-        def row(label: str, usage: Usage, low: Usage, high: Usage,
-                seconds: Sequence[float]) -> list[str]:
-            cells = [label, f"{usage.tokens_without_sharing:,}", f"{usage.computed_tokens:,}",
-                     f"{low.computed_tokens:,}-{high.computed_tokens:,}",
-                     *(f"{getattr(usage, f'{t}_tokens'):,}" for t in TERMS[:4]),
-                     f"{seconds[0]:,.0f} ({seconds[1]:,.0f}-{seconds[2]:,.0f})"]
+        def rows(label: str, usage: Usage, low: Usage, high: Usage,
+                 seconds: Sequence[float]) -> list[list[str]]:
+            figures: list[tuple[str, float, float, float]] = [
+                ("before sharing (billed)", low.tokens_without_sharing,
+                 usage.tokens_without_sharing, high.tokens_without_sharing),
+                ("tokens computed", low.computed_tokens, usage.computed_tokens,
+                 high.computed_tokens),
+                ("seconds", seconds[1], seconds[0], seconds[2])]
+            out = [[label if i == 0 else "", what, f"{lo:,.0f}", f"{mid:,.0f}", f"{hi:,.0f}",
+                    _width(lo, mid, hi)] for i, (what, lo, mid, hi) in enumerate(figures)]
             if self.prices is not None:
-                cells.append(money(usage.cost(self.prices).total, cur))
-            return cells
+                money_of = [u.cost(self.prices).total for u in (low, usage, high)]
+                out.append(["", "cost", *(money(m, cur) for m in money_of),
+                            _width(money_of[0], money_of[1], money_of[2])])
+            return out
 
-        head = ["part", "without sharing", "tokens computed", "interval", "prefill computed",
-                "prefill cached",
-                "sampled", "train computed", "seconds (interval)"]
-        if self.prices is not None:
-            head.append("cost")
-        rows = [head] + [row(p.label, p.usage, p.low, p.high, p.seconds) for p in self.parts]
-        rest = ["the rest (start-up, checkpoints, report)", *[""] * 7, f"{self.rest_s:,.0f}"]
-        rows.append(rest + ([""] if self.prices is not None else []))
-        rows.append(row("whole run", self.total(lambda p: p.usage), self.total(lambda p: p.low),
-                        self.total(lambda p: p.high), self.seconds))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                           for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-        return "\n".join(lines)
+        table = [["part", "", "low", "estimate", "high", "width"]]
+        notes: list[str] = []
+        for p in self.parts:
+            table += rows(p.label, p.usage, p.low, p.high, p.seconds)
+            notes += [f"{p.label}, low: {p.why[0]}", f"{p.label}, high: {p.why[1]}"]
+        table.append(["the rest (start-up, checkpoints, report)", "seconds",
+                      f"{self.rest_s * self.load[0]:,.0f}", f"{self.rest_s:,.0f}",
+                      f"{self.rest_s * self.load[1]:,.0f}", ""])
+        table += rows("whole run", self.total(lambda p: p.usage),
+                      self.total(lambda p: p.low), self.total(lambda p: p.high), self.seconds)
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in table]
+        return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+
+
+def _width(low: float, mid: float, high: float) -> str:
+    """The interval as +-% of the estimate (its larger side)."""
+    if mid <= 0:
+        return ""
+    return f"+-{max(high - mid, mid - low) / mid:.0%}"

@@ -18,6 +18,15 @@ from prefixgym.trainer.estimate import (
     extrapolate,
     pilot_config,
 )
+from prefixgym.trainer.estimate_bounds import (
+    all_groups_trained,
+    collapsed,
+    load_factors,
+    midpoint,
+    sampled_total,
+    scaled,
+    shape_of,
+)
 from prefixgym.trainer.report import MetricsLog, usage_of
 from prefixgym.types import Usage
 
@@ -48,6 +57,8 @@ def test_evaluations_are_counted_as_a_run_makes_them() -> None:
 
 
 def test_each_part_is_the_pilots_mean_per_unit_times_the_runs_units() -> None:
+    """Without a trace: the warm start a sampled total, GRPO and the evaluations
+    between the collapse (entropy zero) and the pilot's sharing, the estimate halfway."""
     def step(phase: str, computed: int, seconds: float, **more: float) -> dict:
         return {"phase": phase, "tokens/prefill_computed": computed, "tokens/sampled": 10,
                 "tokens/train_computed": 5, "time/step_s": seconds, **more}
@@ -55,17 +66,106 @@ def test_each_part_is_the_pilots_mean_per_unit_times_the_runs_units() -> None:
     records = [step("sft", 0, 1.0), step("sft", 20, 3.0),
                step("grpo", 100, 2.0), step("grpo", 300, 4.0),
                {**step("eval", 400, 0.0), "eval/episodes": 4, "time/eval_s": 8.0}]
-    config = TrainConfig(sft_steps=10, steps=6, eval_every=3, eval_episodes=100)
+    config = TrainConfig(sft_steps=10, steps=6, eval_every=3, eval_episodes=100,
+                         group_size=4)
     parts = {p.name: p for p in extrapolate(config, records)}
     sft, grpo, ev = parts["warm_start"], parts["grpo"], parts["eval"]
     assert sft.usage.prefill_computed_tokens == 100 and sft.usage.sampled_tokens == 100
-    assert sft.seconds == (20.0, 10.0, 30.0)  # mean 2 s, cheapest and dearest step alike
-    assert grpo.usage.computed_tokens == 6 * (200 + 15)
-    assert (grpo.low.computed_tokens, grpo.high.computed_tokens) == (6 * 115, 6 * 315)
+    # seconds: mean 2 s a step, sd sqrt(2): 3 * sqrt(2) * sqrt(10 + 100 / 2) either side,
+    # none below 0
+    half = 3 * 2 ** 0.5 * 60 ** 0.5
+    assert sft.seconds == pytest.approx((20.0, 0.0, 20.0 + half))
+    # GRPO, a mean step of 200 prefill computed, 10 sampled, 5 train computed: high is
+    # that; low computes the prefill (no first turn in the trace) and training once for
+    # a group of 4: 50 + 10 + 1 (5 / 4 rounded)
+    assert (grpo.low.computed_tokens, grpo.high.computed_tokens) == (6 * 61, 6 * 215)
+    assert grpo.usage.computed_tokens == 6 * (61 + 215) // 2
+    assert grpo.low.tokens_without_sharing == grpo.high.tokens_without_sharing  # no trace
+    # seconds: no pass timed, so the mean step's 3 s whatever the tokens
+    assert grpo.seconds == pytest.approx((18.0, 18.0, 18.0))
     # evaluations: after the warm start, at steps 3 and 6, of 100 episodes at the
     # pilot's rate per episode (no trace to tell its batches apart)
-    assert ev.units == 3 and ev.usage.prefill_computed_tokens == 300 * 100
+    assert ev.units == 3 and ev.high.prefill_computed_tokens == 300 * 100
+    assert ev.low.prefill_computed_tokens == 300 * 100 // 4
     assert ev.seconds[0] == pytest.approx(300 * 2.0)
+    for part in parts.values():
+        assert part.low.computed_tokens <= part.usage.computed_tokens <= part.high.computed_tokens
+        assert part.seconds[1] <= part.seconds[0] <= part.seconds[2]
+        assert part.why[0] and part.why[1] and not part.exact
+
+
+def test_bounds_by_hand() -> None:
+    # a sampled total: 4 units like [9, 11]: 40 +- 3 * sqrt(2) * sqrt(4 + 16 / 2)
+    mid, low, high = sampled_total([9.0, 11.0], 4)
+    assert (mid, low, high) == pytest.approx((40.0, 40 - 14.6969, 40 + 14.6969), abs=1e-3)
+    assert sampled_total([0.0, 10.0], 1)[1] == 0.0  # never below zero
+    # entropy zero: a group of 4 computes its later prompts and training once
+    usage = Usage(prefill_computed_tokens=100, prefill_cached_tokens=50, sampled_tokens=40,
+                  train_computed_tokens=80, train_shared_tokens=20)
+    low = collapsed(usage, first_turn_prefill=20, group_size=4)
+    assert (low.prefill_computed_tokens, low.prefill_cached_tokens) == (20 + 20, 110)
+    assert (low.sampled_tokens, low.train_computed_tokens, low.train_shared_tokens) == (
+        40, 20, 80)
+    assert low.tokens_without_sharing == usage.tokens_without_sharing == 290
+    # every group trained: 4 of 16 skipped in the pilot, so 16/12 of its training
+    high = all_groups_trained(usage, skipped=4, groups=16)
+    assert (high.train_computed_tokens, high.train_shared_tokens) == (107, 27)
+    assert high.prefill_computed_tokens == 100
+    # seconds: load 6 on 2 cores had a third of the processor; up to 8
+    assert load_factors(6.0, 2) == pytest.approx((1 / 3, 4 / 3))
+    assert load_factors(1.0, 2, max_load=3.0) == pytest.approx((1.0, 1.5))
+    assert load_factors(20.0, 2) == pytest.approx((0.1, 1.0))  # above it: the pilot is high
+
+
+def test_a_traces_groups_bound_the_volume_and_first_turns_stay_computed() -> None:
+    def line(group: str, turn: int, computed: int, cached: int, sampled: int) -> dict:
+        return {"group_id": group, "turn": turn, "usage": {
+            "prefill_computed_tokens": computed, "prefill_cached_tokens": cached,
+            "sampled_tokens": sampled}}
+
+    trace = [line("step0/g0", 0, 10, 0, 4), line("step0/g0", 1, 6, 10, 4),  # 34 tokens
+             line("step0/g1", 0, 10, 0, 2),                                  # 12
+             line("eval0/0", 0, 8, 0, 1), line("eval0/0", 1, 24, 8, 1)]
+    shape = shape_of(trace)
+    assert (shape.volume_low, shape.volume_high) == pytest.approx((12 / 23, 34 / 23))
+    assert shape.first_turn_prefill == 20 and shape.eval_first_turn_share == 0.25
+    records = [{"phase": "grpo", "tokens/prefill_computed": 26, "tokens/prefill_cached": 10,
+                "tokens/sampled": 10, "tokens/train_computed": 40, "tokens/train_shared": 8,
+                "groups/skipped": 1.0, "time/step_s": 10.0, "time/prefill_s": 2.0,
+                "time/decode_s": 3.0, "time/forward_backward_s": 4.0}]
+    config = TrainConfig(sft_steps=0, steps=10, groups_per_step=2, group_size=2,
+                         eval_every=100)
+    [grpo] = [p for p in extrapolate(config, records, trace, load=(0.5, 2.0))
+              if p.name == "grpo"]
+    # low: prefill 20 + 6 / 2 = 23, sampled 10, train 40 / 2 = 20, all at 12/23 the volume
+    low = Usage(prefill_computed_tokens=23, prefill_cached_tokens=13, sampled_tokens=10,
+                train_computed_tokens=20, train_shared_tokens=28)
+    assert grpo.low == scaled(scaled(low, 12 / 23), 10)
+    # high: both groups trained (one skipped: twice the training), at 34/23 the volume
+    high = Usage(prefill_computed_tokens=26, prefill_cached_tokens=10, sampled_tokens=10,
+                 train_computed_tokens=80, train_shared_tokens=16)
+    assert grpo.high == scaled(scaled(high, 34 / 23), 10)
+    assert grpo.usage == midpoint(grpo.low, grpo.high)
+    # seconds: the rest (1 s) fixed, prefill, decode and training in proportion to
+    # their tokens; low alone (0.5x), high at the highest load (2x)
+    def seconds(u: Usage) -> float:
+        return 10 * (1 + 2 * u.prefill_computed_tokens / 260 + 3 * u.sampled_tokens / 100
+                     + 4 * u.train_computed_tokens / 400)
+
+    assert grpo.seconds[1] == pytest.approx(seconds(grpo.low) * 0.5, rel=0.02)
+    assert grpo.seconds[2] == pytest.approx(seconds(grpo.high) * 2.0, rel=0.02)
+
+
+def test_warm_start_stages_are_extrapolated_each_from_its_own_pilot_steps() -> None:
+    config = TrainConfig(sft_steps=300, steps=0, sft_stages=[{"steps": 250}, {"steps": 50}])
+    pilot = pilot_config(config, "p")
+    assert [s["steps"] for s in pilot.sft_stages] == [17, 3]
+    records = [{"phase": "sft", "tokens/train_computed": 10 if i < 17 else 40,
+                "tokens/train_shared": 5, "time/step_s": 1.0} for i in range(20)]
+    [sft] = extrapolate(config, records)
+    assert sft.usage.train_computed_tokens == 250 * 10 + 50 * 40
+    assert sft.low.computed_tokens == sft.high.computed_tokens == 4500  # no spread
+    assert sft.low.tokens_without_sharing == 300 * 5 + 4500
 
 
 def test_an_evaluation_is_its_first_batch_and_later_episodes_at_the_second_batchs_rate(
@@ -112,19 +212,26 @@ def test_a_pilot_that_covers_the_run_predicts_its_tokens_exactly(tmp_path: Path,
                                                   + actual.train_tokens)
         assert part["prefill_cached"] == actual.prefill_cached_tokens
         assert part["train_shared"] == actual.train_shared_tokens
-        low, high = part["tokens_computed_interval"]
-        assert low <= part["tokens_computed"] <= high
+        # the pilot ran every part in full: exact, the intervals one point
+        assert part["exact"] and part["tokens_computed_interval"] == [
+            actual.computed_tokens] * 2
+        assert part["tokens_without_sharing_interval"] == [part["tokens_without_sharing"]] * 2
+        low, high = part["seconds_interval"]
+        assert low <= part["seconds"] <= high
     total = estimate["total"]
     assert total["tokens_computed"] == result.usage.computed_tokens
     prices, _ = run_prices("tiny")
     assert total["cost"] == pytest.approx(result.usage.cost(prices).total, abs=1e-6)
     assert estimate["prices"]["model"] == prices.model and estimate["assumptions"]
+    assert estimate["pilot"]["cores"] >= 1 and estimate["pilot"]["load"] >= 0
 
 
 def test_estimate_refuses_resume_and_bad_pilot_sizes(capsys) -> None:
     assert cli_main(["estimate", "--resume"]) == 2
     assert capsys.readouterr().err.strip() == (
         "prefixgym estimate: --resume: estimate prices a run from its start; run it without")
-    with pytest.raises(SystemExit) as e:
-        cli_main(["estimate", "--pilot-sft-steps", "some"])
-    assert e.value.code == 2
+    for bad in (["--pilot-sft-steps", "some"], ["--max-load", "0"], ["--max-load", "x"]):
+        with pytest.raises(SystemExit) as e:
+            cli_main(["estimate", *bad])
+        assert e.value.code == 2
+        assert len(capsys.readouterr().err.strip().splitlines()[-1]) < 200
