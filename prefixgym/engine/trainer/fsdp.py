@@ -47,6 +47,7 @@ from typing import Any, Generic
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -71,12 +72,16 @@ __all__ = ["FSDPTrainingClient", "shard_model"]
 
 
 def shard_model(model: Transformer) -> Transformer:
-    """A copy of `model` with its parameters sharded over the default process group:
-    each block one FSDP unit, the rest the root's; gradients summed across ranks."""
+    """A copy of `model` with its parameters sharded over the default process group, on
+    the model's device: each block one FSDP unit, the rest the root's; gradients summed
+    across ranks. (FSDP2's own default mesh is CUDA's wherever a GPU is visible, which
+    would move a CPU model there.)"""
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     sharded = copy.deepcopy(model)
     for block in sharded.layers:
-        fully_shard(block)
-    fully_shard(sharded)
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
     for module in sharded.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum, as the losses are
