@@ -188,7 +188,9 @@ class FSDPTrainingClient(Generic[SamplerT]):
         if not with_optimizer or "optimizer" not in state:
             self._update.load(None, 0)
             return APIFuture.completed(0)
-        self._update.load(self._sharded_optimizer_state(state["optimizer"]), int(state["step"]))
+        saved = state["optimizer"]  # (None: saved before the first update)
+        self._update.load(None if saved is None else self._sharded_optimizer_state(saved),
+                          int(state["step"]))
         restore_rng_state(state["rng"])
         return APIFuture.completed(self._update.step)
 
@@ -198,17 +200,13 @@ class FSDPTrainingClient(Generic[SamplerT]):
         if self.is_main:
             self._lead(("barrier", None))
             return
-        while True:
+        kind, detail = self._receive()
+        if kind == "save":
+            if detail:  # with the optimizer's state
+                self._gathered_optimizer_state()
             kind, detail = self._receive()
-            if kind == "barrier":
-                return
-            if kind == "save":
-                if detail:
-                    self._gathered_optimizer_state()
-                kind, detail = self._receive()
-                if kind == "failed":
-                    raise ValueError(f"rank 0 did not save the checkpoint: {detail}")
-                return
+            if kind == "failed":
+                raise ValueError(f"rank 0 did not save the checkpoint: {detail}")
 
     # -- the steps ------------------------------------------------------------------
 

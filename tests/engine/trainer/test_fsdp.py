@@ -192,6 +192,16 @@ def test_bad_datum_raises_and_keeps_accumulated_gradients(one_rank_group: None) 
     trainer.client.close()
 
 
+def test_a_state_saved_before_any_update_loads_at_step_0(one_rank_group: None,
+                                                        tmp_path: Path) -> None:
+    trainer = FSDPTrainingClient(TrainingClient(load_model("tiny", seed=0)))
+    trainer.save_state(tmp_path / "ckpt")
+    assert trainer.load_state(tmp_path / "ckpt").result() == 0
+    trainer.forward_backward(make_datums(1), "cross_entropy").result()
+    assert trainer.optim_step(ADAM).result().metrics["step"] == 1
+    trainer.client.close()
+
+
 def test_needs_a_process_group() -> None:
     with pytest.raises(RuntimeError, match="init_distributed"):
         FSDPTrainingClient(TrainingClient(load_model("tiny", seed=0)))
