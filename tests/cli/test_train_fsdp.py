@@ -20,7 +20,8 @@ from prefixgym.envs.base import AgentEnv, Outcome
 
 TRAIN = ["--sft-steps", "0", "--groups-per-step", "2", "--group-size", "2",
          "--max-tokens", "4", "--eval-episodes", "2", "--checkpoint-every", "1",
-         "--compute-dtype", "float32", "--num-threads", "1", "--no-progress", "--lr", "0.05"]
+         "--compute-dtype", "float32", "--num-threads", "1", "--no-progress", "--lr", "0.05",
+         "--device", "cpu"]  # (gloo)
 ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
 
 

@@ -60,7 +60,7 @@ def make_client(kind: str, seed: int, plain: bool = False) -> TrainingClient:
     `plain`: the forward FSDP runs (no prefix sharing, no chunked head)."""
     options = TrainerOptions(compute_dtype=NUMERICS.dtype, share_prefixes=not plain,
                              chunked_head=not plain)
-    service = LocalService(model=load_model("tiny", seed=seed), seed=seed)
+    service = LocalService(model=load_model("tiny", seed=seed), seed=seed, device="cpu")  # gloo
     if kind == "lora":
         return service.create_lora_training_client(rank=4, seed=seed, options=options)
     return service.create_training_client(options)
