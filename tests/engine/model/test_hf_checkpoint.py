@@ -66,6 +66,27 @@ def test_logits_match_transformers(case: str, tmp_path: Path) -> None:
     assert all(p.requires_grad for p in ours.parameters())
 
 
+def test_back_to_back_parts_are_one_view_of_the_file(tmp_path: Path) -> None:
+    save_hf(tmp_path, "llama", attention_bias=True)
+    file = tmp_path / "model.safetensors"
+    stored = load_file(str(file))
+    ours = load_model(str(tmp_path))
+    for i, block in enumerate(ours.layers):
+        hf = f"model.layers.{i}."
+        gate_up = block.mlp.w_gate_up.weight
+        assert torch.equal(gate_up, torch.cat([stored[hf + "mlp.gate_proj.weight"],
+                                               stored[hf + "mlp.up_proj.weight"]]))
+        assert gate_up.untyped_storage().nbytes() == file.stat().st_size  # no copy
+        for kind in ("weight", "bias"):  # k_proj sorts first: not in our order, copied
+            qkv = getattr(block.attn.wqkv, kind)
+            assert torch.equal(qkv, torch.cat([stored[f"{hf}self_attn.{m}_proj.{kind}"]
+                                               for m in "qkv"]))
+            assert qkv.untyped_storage().nbytes() == qkv.nbytes
+    converted = load_model(str(tmp_path), dtype=torch.bfloat16)  # a copy, converted
+    assert torch.equal(converted.layers[0].mlp.w_gate_up.weight, torch.cat(
+        [stored[f"model.layers.0.mlp.{m}_proj.weight"] for m in ("gate", "up")]).bfloat16())
+
+
 def test_bfloat16_load_is_finite_and_close(tmp_path: Path) -> None:
     save_hf(tmp_path, "qwen2")
     ref = load_model(str(tmp_path))
