@@ -290,3 +290,20 @@ def test_addition_without_an_integer_is_invalid_and_ends_the_episode() -> None:
     assert not info["is_success"]
     with pytest.raises(ValueError, match="max_value"):
         Addition(max_value=0)
+
+
+def test_addition_of_three_numbers_asks_them_all_and_says_so() -> None:
+    env = Addition(terms=3, max_value=9)
+    (message,), _ = env.reset(seed=4)
+    numbers = [int(n) for n in message["content"].removeprefix("What is ").rstrip("?")
+               .split(" + ")]
+    assert len(numbers) == 3 and all(1 <= n <= 9 for n in numbers)
+    assert env.prompt()[0].startswith("Add the numbers.")
+    assert Addition().prompt()[0].startswith("Add the two numbers.")  # (unchanged at 2)
+    _, r, terminated, _, info = env.step(f"{' + '.join(map(str, numbers))} = {sum(numbers)}")
+    assert (r, terminated, info["is_success"]) == (1.0, True, True)
+    # two terms ask what they asked before `terms` existed: the same draws
+    assert Addition(terms=2).reset(seed=4)[0][0]["content"] == "What is 72 + 94?"
+    for bad in (1, 9, True, 2.0):
+        with pytest.raises(ValueError, match="terms must be an int in 2..8"):
+            Addition(terms=bad)  # type: ignore[arg-type]
