@@ -33,6 +33,7 @@ from prefixgym.engine.device import resolve_device
 from prefixgym.engine.model import ModelConfig, Transformer, init_weights, load_model, peft_format
 from prefixgym.engine.model.lora import (
     LoraSpec,
+    SpareCopies,
     adapter_module,
     add_lora,
     frozen_copy,
@@ -108,6 +109,7 @@ class EngineService:
         self.engine = Engine(cfg, options, self.device, torch_dtype, decode=decode,
                              ledger=self.ledger, seed=seed)
         self._packer = WeightPacker(options.pack_weights)
+        self._spares = SpareCopies()  # a full publish's embedding copy, reused
         self._default_stop_ids = tuple(
             dict.fromkeys(int(i) for i in end_of_turn_ids if 0 <= int(i) < cfg.vocab_size))
         self._lock = threading.Lock()
@@ -164,7 +166,7 @@ class EngineService:
         the rest is copied by `frozen_copy`'s structure copy, not `copy.deepcopy` (on
         SmolLM2-135M the deep copy took 0.5-0.7 s of a 1.2 s publish)."""
         packed = self._packer.private_weights(self.train_model)
-        snapshot = (frozen_copy(self.train_model, share=packed) if packed
+        snapshot = (frozen_copy(self.train_model, share=packed, spares=self._spares) if packed
                     else self.train_model.clone_for_inference())
         return self._publish(snapshot, private=True)
 

@@ -17,7 +17,8 @@ decode) runs the adapter without knowing it.
    dtype; they run in the input's dtype.
 2) `frozen_copy` snapshots a model for sampling: tensors that do not require grad
    (a LoRA model's base weights, buffers) are shared, the others (the adapters, or
-   every weight of a fully trained model) are copied. `frozen_view` shares them all
+   every weight of a fully trained model) are copied, large ones into a freed
+   snapshot's tensors where `SpareCopies` kept one. `frozen_view` shares them all
    (the service's version 0, until a full training client unshares it).
 
 This module knows the model's module names and the `LoraSpec`; not optimizers,
@@ -26,7 +27,9 @@ files, or PEFT's names (that is `peft_format.py`).
 
 from __future__ import annotations
 
+import collections
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar, cast
@@ -40,8 +43,8 @@ from prefixgym.engine.model.families import module_shapes
 from prefixgym.engine.model.layers import Block, MixtureOfExperts
 
 __all__ = [
-    "ExpertLora", "LoraAdapter", "LoraLinear", "LoraSpec", "add_lora", "adapter_module", "frozen_copy",
-    "frozen_view", "lora_adapters",
+    "ExpertLora", "LoraAdapter", "LoraLinear", "LoraSpec", "SpareCopies", "add_lora",
+    "adapter_module", "frozen_copy", "frozen_view", "lora_adapters",
 ]
 
 Tensor = torch.Tensor
@@ -274,18 +277,70 @@ def frozen_view(model: Transformer) -> Transformer:
     return _share_all(model).eval()
 
 
-def frozen_copy(model: Transformer, share: Iterable[torch.Tensor] = ()) -> Transformer:
+def frozen_copy(model: Transformer, share: Iterable[torch.Tensor] = (),
+                spares: SpareCopies | None = None) -> Transformer:
     """A frozen, eval-mode copy for sampling: tensors that do not require grad are
     shared, the others copied (a LoRA model's publish copies its adapters only), but
     for those in `share`, which the copy holds on `model`'s storage as new frozen
-    Parameters: a full publish packs those at once, so a copy made first is waste."""
+    Parameters: a full publish packs those at once, so a copy made first is waste.
+    `spares`: where large copies go (into a freed snapshot's tensors)."""
     shared = {id(p) for p in share}
+    copies: list[Tensor] = []
 
     def param(p: nn.Parameter) -> nn.Parameter:
         if id(p) in shared:
             return nn.Parameter(p.detach(), requires_grad=False)
         if not p.requires_grad:
             return p
-        return nn.Parameter(p.detach().clone(), requires_grad=False)
+        copies.append(p.detach().clone() if spares is None else spares.copy(p.detach()))
+        return nn.Parameter(copies[-1], requires_grad=False)
 
-    return _copy_structure(model, param).eval()
+    snapshot = _copy_structure(model, param).eval()
+    if spares is not None:
+        spares.keep(snapshot, copies)
+    return snapshot
+
+
+SPARE_MIN_BYTES = 32 << 20
+"""Copies of at least this size are reused (`SpareCopies`): glibc maps every allocation
+above 32 MiB (its largest mmap threshold) afresh and unmaps it when freed, so each full
+publish of SmolLM2-135M touched a new 113 MB embedding copy (~1 ms a MiB on a VM);
+smaller ones come back from malloc's arenas."""
+
+
+class SpareCopies:
+    """Large copies of `frozen_copy`, written into a freed snapshot's tensor of the same
+    shape where one is kept: when a snapshot is freed (no client holds its version any
+    more; views of its tensors, as a packed layer's bias, go with it), its copies
+    become spares; one snapshot's worth is kept.
+
+    No lock: spares come back when a snapshot is freed, maybe inside `copy` on the same
+    thread; list and dict operations are atomic, and a race keeps one spare too many,
+    which is harmless."""
+
+    def __init__(self) -> None:
+        self._spares: dict[tuple[object, ...], list[Tensor]] = {}
+        self._most: dict[tuple[object, ...], int] = {}
+
+    @staticmethod
+    def _key(tensor: Tensor) -> tuple[object, ...]:
+        return tuple(tensor.shape), tensor.dtype, tensor.device
+
+    def copy(self, tensor: Tensor) -> Tensor:
+        spares = self._spares.get(self._key(tensor)) if tensor.nbytes >= SPARE_MIN_BYTES \
+            else None
+        return spares.pop().copy_(tensor) if spares else tensor.clone()
+
+    def keep(self, snapshot: nn.Module, copies: list[Tensor]) -> None:
+        """The large ones of `copies` (`snapshot`'s) become spares once it is freed."""
+        large = [t for t in copies if t.nbytes >= SPARE_MIN_BYTES]
+        for key, count in collections.Counter(map(self._key, large)).items():
+            self._most[key] = max(self._most.get(key, 0), count)
+        if large:
+            weakref.finalize(snapshot, self._give_back, large).atexit = False
+
+    def _give_back(self, tensors: list[Tensor]) -> None:
+        for tensor in tensors:
+            spares = self._spares.setdefault(self._key(tensor), [])
+            if len(spares) < self._most.get(self._key(tensor), 0):
+                spares.append(tensor)

@@ -11,12 +11,9 @@ gradient), so sampler and trainer logprobs differ by float noise, as across batc
 
 1) `PackedLinear`: y = x W^T + b on W packed by `torch.ops.mkldnn._reorder_linear_weight`.
    A *private* one (a full publish's snapshot, which no one else holds; its head too)
-   packs at once and keeps no dense weight: no memory added (but for an untied head,
-   whose dense matrix stays the model's `output`). It packs into a *spare* where one
-   fits: the packed tensor of a private layer freed since (a version no client holds
-   any more), kept by `WeightPacker` (one model's worth), so a publish in steady state
-   writes into memory it already has (fresh memory is ~1 ms a MiB on a VM). A *shared* one (version 0, a LoRA model's
-   frozen base: the trainer's own tensors) keeps the dense weight, packs at its first
+   packs at once and keeps no dense weight: no memory added (but for the head, whose
+   dense matrix stays the model's `output` or embedding). A *shared* one (version 0,
+   a LoRA model's frozen base: the trainer's own tensors) keeps the dense weight, packs at its first
    forward and again whenever the weight changed in place (its version counter), so it
    never serves stale weights; it is made once per weight and reused by every model
    that shares that weight (one packed copy: the memory of the linear weights once more).
@@ -45,7 +42,6 @@ Knows the model's modules; nothing of the sampler.
 
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
 import json
@@ -106,20 +102,15 @@ def thread_counts() -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(cpus.bit_length()) if 1 << i < cpus} | {cpus}))
 
 
-def _packed(weight: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-    """`weight` reordered into oneDNN's layout, on one thread; into `into` (a packed
-    tensor of the same shape and dtype that no one reads any more) when given. The
-    reorder is a copy; in a process whose OpenMP started with its default wait policy
-    (torch imported before prefixgym, which sets `OMP_WAIT_POLICY=PASSIVE`), 120 of
-    SmolLM2's linears took 0.96-1.8 s on 2 threads and 0.33-0.39 s on 1 (2026-12-07,
-    Xeon, 2 cores); under PASSIVE, 0.17-0.29 s either way. Into a spare, they took
-    0.32-0.36 s where fresh ones took 0.7-0.87 s (a busy machine): fresh memory costs
-    ~1 ms a MiB on a VM. The same bits either way (it moves values, it adds none)."""
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` reordered into oneDNN's layout, on one thread. The reorder is a copy; in
+    a process whose OpenMP started with its default wait policy (torch imported before
+    prefixgym, which sets `OMP_WAIT_POLICY=PASSIVE`), 120 of SmolLM2's linears took
+    0.96-1.8 s on 2 threads and 0.33-0.39 s on 1 (2026-12-07, Xeon, 2 cores); under
+    PASSIVE, 0.17-0.29 s either way. The same bits (it moves values, it adds none)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        if into is not None:  # (oneDNN reorders a plain copy into `into`'s layout)
-            return into.copy_(weight.detach().to_mkldnn())
         return _mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
     finally:
         torch.set_num_threads(before)
@@ -133,14 +124,13 @@ def _apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
 class PackedLinear(nn.Module):
     """`nn.Linear`'s forward on a packed weight, for inference (see the module doc)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, shared: bool,
-                 into: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, shared: bool) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias_tensor = None if bias is None else bias.detach()
         self.source: torch.Tensor | None = weight.detach() if shared else None
         """The dense weight a shared layer follows (None: private, packed for good)."""
-        self._packed: torch.Tensor | None = None if shared else _packed(weight, into)
+        self._packed: torch.Tensor | None = None if shared else _packed(weight)
         self._seen = -1  # the source's version counter when last packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -253,10 +243,6 @@ class WeightPacker:
         self._shared: weakref.WeakValueDictionary[tuple[object, ...], PackedLinear] = (
             weakref.WeakValueDictionary())
         self._lock = threading.Lock()
-        self._spares: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
-        """Packed tensors of private layers that were freed, by shape and dtype, at
-        most `_most` of each: a full publish packs into them (step 1)."""
-        self._most: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
 
     def pack(self, model: Transformer, shared: bool) -> Transformer:
         """`model` (an inference copy, changed in place) with its block linears and its
@@ -272,13 +258,10 @@ class WeightPacker:
                         setattr(parent, name, self._layer(layer, shared) or layer)
                     elif isinstance(base, nn.Linear):
                         setattr(layer, "base", self._layer(base, True) or base)
+        # a private model's tied head packs at once too: its publish carries it, not the
+        # version's first sample (the embedding stays, for the lookup)
         head = model.output if model.output is not None else model.tok_embeddings
         model.head_linear = self._layer(head, shared)
-        if not shared:  # keep the spares of one such model: the next publish's
-            counts = collections.Counter(_spare_key(m._packed) for m in packed_layers(model)
-                                         if m._packed is not None and m.source is None)
-            for key, count in counts.items():
-                self._most[key] = max(self._most.get(key, 0), count)
         # every matmul of its decode step runs wide (`_apply`, attention), so the rest
         # may run on one thread: not where a linear stayed on `F.linear`, nor a mixture
         model.narrow_steps = model.head_linear is not None and not any(
@@ -313,7 +296,7 @@ class WeightPacker:
         weight = layer.weight
         bias = layer.bias if isinstance(layer, nn.Linear) else None
         if not shared:
-            return self._private(weight, bias)
+            return PackedLinear(weight, bias, shared=False)
         key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype,
                None if bias is None else bias.data_ptr())
         with self._lock:
@@ -321,29 +304,6 @@ class WeightPacker:
             if packed is None:
                 packed = self._shared[key] = PackedLinear(weight, bias, shared=True)
             return packed
-
-    def _private(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
-        """A private layer, packed into a spare where one fits (step 1); its packed
-        tensor becomes a spare again when the layer is freed."""
-        key = _spare_key(weight)
-        spares = self._spares.get(key, [])
-        layer = PackedLinear(weight, bias, shared=False, into=spares.pop() if spares else None)
-        assert layer._packed is not None  # (a private layer packs at once)
-        weakref.finalize(layer, self._give_back, key, layer._packed).atexit = False
-        return layer
-
-    def _give_back(self, key: tuple[tuple[int, ...], torch.dtype], packed: torch.Tensor
-                   ) -> None:
-        """Keep a freed private layer's packed tensor for the next publish. No lock: it
-        runs when the layer is freed, maybe inside `_layer` on this thread (list and dict
-        operations are atomic; a race keeps one spare too many, which is harmless)."""
-        spares = self._spares.setdefault(key, [])
-        if len(spares) < self._most.get(key, 0):
-            spares.append(packed)
-
-
-def _spare_key(weight: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    return tuple(weight.shape), weight.dtype
 
 
 def packed_layers(model: nn.Module) -> list[PackedLinear]:
