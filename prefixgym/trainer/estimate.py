@@ -21,15 +21,21 @@ from pathlib import Path
 from prefixgym.pricing import Prices, money
 from prefixgym.trainer.config import TrainConfig
 from prefixgym.trainer.estimate_bounds import (
+    LENGTH_SLACK,
     MAX_LOAD_PER_CORE,
-    Part,
     Unit,
     Z,
+    expert_length,
+    grpo_length,
+    scaled,
+    shape_of,
+)
+from prefixgym.trainer.estimate_parts import (
+    Part,
     eval_part,
     exact_part,
     grpo_part,
-    scaled,
-    shape_of,
+    stages,
     warm_start_part,
 )
 from prefixgym.trainer.evaluate import EVAL_WIDTH
@@ -51,10 +57,12 @@ ASSUMPTIONS = (
     "warm start: its episodes are the expert's whatever the weights, so the pilot's "
     f"steps are a sample of the run's: {Z:g} standard errors of the total either side",
     "GRPO and evaluations: the policy the run trains is not the pilot's. Its episodes "
-    "may cost anything from the pilot's cheapest group to its dearest (tokens before "
-    "sharing); it may share as little as the pilot's policy did, every group trained "
-    "(high), or, sharpened to entropy zero, compute each group's later prompts and "
-    "training positions once for its G samples (low)",
+    "are as long as the pilot policy's or as the experts' the warm start imitates, or "
+    f"between, give or take {LENGTH_SLACK:.0%} (samples and datum positions in "
+    "proportion, prompts with the square); it "
+    "may share as little as the pilot's policy did and train every group (high), or, "
+    "converged to entropy zero, compute each group's later prompts once for its G "
+    "samples and train nothing, every group's rewards equal (low)",
     "seconds: the pilot's per unit, in proportion to the bounds of the tokens computed, "
     "from alone on the machine (low) to the load average --max-load (default "
     f"{MAX_LOAD_PER_CORE:g} per core; high), the estimate at the pilot's load; the rest "
@@ -135,7 +143,12 @@ def extrapolate(config: TrainConfig, records: Sequence[JSONObject],
 
     parts = []
     sft, grpo, evals = of("sft"), of("grpo"), of("eval")
-    shape = shape_of(trace)
+    experts, start = [], 0
+    for n, _ in stages(config, len(sft)) if sft else []:
+        experts.append(expert_length(sft[start:start + n], config.sft_episodes_per_step))
+        start += n
+    shape = shape_of(trace, grpo_length(grpo, config.groups_per_step, config.group_size),
+                     experts)
     # GRPO (and every evaluation) exact only from the run's own weights and steps
     grpo_in_full = len(sft) >= config.sft_steps and len(grpo) >= config.steps
     if config.sft_steps and sft:

@@ -21,6 +21,10 @@ from prefixgym.trainer.estimate import (
 from prefixgym.trainer.estimate_bounds import (
     all_groups_trained,
     collapsed,
+    converged,
+    expert_length,
+    grpo_length,
+    lengthened,
     load_factors,
     midpoint,
     sampled_total,
@@ -57,17 +61,18 @@ def test_evaluations_are_counted_as_a_run_makes_them() -> None:
 
 
 def test_each_part_is_the_pilots_mean_per_unit_times_the_runs_units() -> None:
-    """Without a trace: the warm start a sampled total, GRPO and the evaluations
-    between the collapse (entropy zero) and the pilot's sharing, the estimate halfway."""
+    """Without a trace or an expert's lengths: the warm start a sampled total, GRPO and
+    the evaluations between a converged policy and the pilot's, the estimate halfway."""
     def step(phase: str, computed: int, seconds: float, **more: float) -> dict:
         return {"phase": phase, "tokens/prefill_computed": computed, "tokens/sampled": 10,
-                "tokens/train_computed": 5, "time/step_s": seconds, **more}
+                "tokens/train_computed": 4, "time/step_s": seconds, **more}
 
-    records = [step("sft", 0, 1.0), step("sft", 20, 3.0),
+    records = [step("sft", 0, 1.0, **{"tokens/train_computed": 0}),
+               step("sft", 20, 3.0, **{"tokens/train_computed": 0}),
                step("grpo", 100, 2.0), step("grpo", 300, 4.0),
                {**step("eval", 400, 0.0), "eval/episodes": 4, "time/eval_s": 8.0}]
     config = TrainConfig(sft_steps=10, steps=6, eval_every=3, eval_episodes=100,
-                         group_size=4)
+                         group_size=2)
     parts = {p.name: p for p in extrapolate(config, records)}
     sft, grpo, ev = parts["warm_start"], parts["grpo"], parts["eval"]
     assert sft.usage.prefill_computed_tokens == 100 and sft.usage.sampled_tokens == 100
@@ -75,21 +80,24 @@ def test_each_part_is_the_pilots_mean_per_unit_times_the_runs_units() -> None:
     # none below 0
     half = 3 * 2 ** 0.5 * 60 ** 0.5
     assert sft.seconds == pytest.approx((20.0, 0.0, 20.0 + half))
-    # GRPO, a mean step of 200 prefill computed, 10 sampled, 5 train computed: high is
-    # that; low computes the prefill (no first turn in the trace) and training once for
-    # a group of 4: 50 + 10 + 1 (5 / 4 rounded)
-    assert (grpo.low.computed_tokens, grpo.high.computed_tokens) == (6 * 61, 6 * 215)
-    assert grpo.usage.computed_tokens == 6 * (61 + 215) // 2
-    assert grpo.low.tokens_without_sharing == grpo.high.tokens_without_sharing  # no trace
+    # GRPO's mean step: 200 prefill computed, 10 sampled, 4 train computed. No expert
+    # measured, so episodes 0.9x to 1.1x the pilot's (LENGTH_SLACK). Low: the prefill
+    # computed once for the group of 2 (no first turn in the trace) and by 0.81, the
+    # samples by 0.9, nothing trained: 81 + 9. High: 242 + 11 + 4.
+    assert (grpo.low.computed_tokens, grpo.high.computed_tokens) == (6 * 90, 6 * 257)
+    assert grpo.usage == midpoint(grpo.low, grpo.high)
     # seconds: no pass timed, so the mean step's 3 s whatever the tokens
     assert grpo.seconds == pytest.approx((18.0, 18.0, 18.0))
     # evaluations: after the warm start, at steps 3 and 6, of 100 episodes at the
-    # pilot's rate per episode (no trace to tell its batches apart)
-    assert ev.units == 3 and ev.high.prefill_computed_tokens == 300 * 100
-    assert ev.low.prefill_computed_tokens == 300 * 100 // 4
+    # pilot's rate per episode (no trace to tell its batches apart): 10,000 prefill
+    # computed, halved and by 0.81 (low), by 1.21 (high)
+    assert ev.units == 3 and ev.high.prefill_computed_tokens == 3 * 12100
+    assert ev.low.prefill_computed_tokens == 3 * 4050
     assert ev.seconds[0] == pytest.approx(300 * 2.0)
     for part in parts.values():
         assert part.low.computed_tokens <= part.usage.computed_tokens <= part.high.computed_tokens
+        assert (part.low.tokens_without_sharing <= part.usage.tokens_without_sharing
+                <= part.high.tokens_without_sharing)
         assert part.seconds[1] <= part.seconds[0] <= part.seconds[2]
         assert part.why[0] and part.why[1] and not part.exact
 
@@ -107,6 +115,13 @@ def test_bounds_by_hand() -> None:
     assert (low.sampled_tokens, low.train_computed_tokens, low.train_shared_tokens) == (
         40, 20, 80)
     assert low.tokens_without_sharing == usage.tokens_without_sharing == 290
+    # converged: that, and nothing trained; episodes twice as long: prompts 4x
+    done = converged(usage, first_turn_prefill=20, group_size=4, ratio=2.0)
+    assert (done.prefill_computed_tokens, done.prefill_cached_tokens) == (160, 440)
+    assert (done.sampled_tokens, done.train_computed_tokens, done.train_tokens) == (80, 0, 0)
+    longer = lengthened(usage, 2.0)
+    assert (longer.prefill_tokens, longer.sampled_tokens, longer.train_tokens) == (
+        600, 80, 200)
     # every group trained: 4 of 16 skipped in the pilot, so 16/12 of its training
     high = all_groups_trained(usage, skipped=4, groups=16)
     assert (high.train_computed_tokens, high.train_shared_tokens) == (107, 27)
@@ -117,43 +132,42 @@ def test_bounds_by_hand() -> None:
     assert load_factors(20.0, 2) == pytest.approx((0.1, 1.0))  # above it: the pilot is high
 
 
-def test_a_traces_groups_bound_the_volume_and_first_turns_stay_computed() -> None:
-    def line(group: str, turn: int, computed: int, cached: int, sampled: int) -> dict:
-        return {"group_id": group, "turn": turn, "usage": {
-            "prefill_computed_tokens": computed, "prefill_cached_tokens": cached,
-            "sampled_tokens": sampled}}
+def test_episode_lengths_bound_the_volume_and_first_turns_stay_computed() -> None:
+    # the experts' episodes: 100 and 150 positions; the pilot's GRPO: 250 positions
+    # over its one trained group of 2 episodes = 125
+    assert expert_length([{"tokens/train_computed": 300, "tokens/train_shared": 100}],
+                         4) == 100
+    grpo = [{"phase": "grpo", "tokens/prefill_computed": 26, "tokens/prefill_cached": 10,
+             "tokens/sampled": 10, "tokens/train_computed": 200, "tokens/train_shared": 50,
+             "groups/skipped": 1.0, "time/step_s": 10.0, "time/prefill_s": 2.0,
+             "time/decode_s": 3.0, "time/forward_backward_s": 4.0}]
+    assert grpo_length(grpo, groups=2, group_size=2) == 125
 
-    trace = [line("step0/g0", 0, 10, 0, 4), line("step0/g0", 1, 6, 10, 4),  # 34 tokens
-             line("step0/g1", 0, 10, 0, 2),                                  # 12
-             line("eval0/0", 0, 8, 0, 1), line("eval0/0", 1, 24, 8, 1)]
-    shape = shape_of(trace)
-    assert (shape.volume_low, shape.volume_high) == pytest.approx((12 / 23, 34 / 23))
+    def line(group: str, turn: int, computed: int) -> dict:
+        return {"group_id": group, "turn": turn, "usage": {"prefill_computed_tokens": computed}}
+
+    trace = [line("step0/g0", 0, 10), line("step0/g0", 1, 6), line("step0/g1", 0, 10),
+             line("eval0/0", 0, 8), line("eval0/0", 1, 24)]
+    shape = shape_of(trace, 125, [100, 150])
+    assert (shape.length_low, shape.length_high) == pytest.approx((0.8 * 0.9, 1.2 * 1.1))
     assert shape.first_turn_prefill == 20 and shape.eval_first_turn_share == 0.25
-    records = [{"phase": "grpo", "tokens/prefill_computed": 26, "tokens/prefill_cached": 10,
-                "tokens/sampled": 10, "tokens/train_computed": 40, "tokens/train_shared": 8,
-                "groups/skipped": 1.0, "time/step_s": 10.0, "time/prefill_s": 2.0,
-                "time/decode_s": 3.0, "time/forward_backward_s": 4.0}]
     config = TrainConfig(sft_steps=0, steps=10, groups_per_step=2, group_size=2,
                          eval_every=100)
-    [grpo] = [p for p in extrapolate(config, records, trace, load=(0.5, 2.0))
+    [part] = [p for p in extrapolate(config, grpo, trace, load=(0.5, 2.0))
               if p.name == "grpo"]
-    # low: prefill 20 + 6 / 2 = 23, sampled 10, train 40 / 2 = 20, all at 12/23 the volume
-    low = Usage(prefill_computed_tokens=23, prefill_cached_tokens=13, sampled_tokens=10,
-                train_computed_tokens=20, train_shared_tokens=28)
-    assert grpo.low == scaled(scaled(low, 12 / 23), 10)
-    # high: both groups trained (one skipped: twice the training), at 34/23 the volume
-    high = Usage(prefill_computed_tokens=26, prefill_cached_tokens=10, sampled_tokens=10,
-                 train_computed_tokens=80, train_shared_tokens=16)
-    assert grpo.high == scaled(scaled(high, 34 / 23), 10)
-    assert grpo.usage == midpoint(grpo.low, grpo.high)
+    mean = usage_of(grpo[0])
+    # no warm start measured here, so 0.9x to 1.1x the pilot's length
+    assert part.low == scaled(converged(mean, 20, 2, 0.9), 10)
+    assert part.high == scaled(lengthened(all_groups_trained(mean, 1.0, 2), 1.1), 10)
+    assert part.usage == midpoint(part.low, part.high)
     # seconds: the rest (1 s) fixed, prefill, decode and training in proportion to
     # their tokens; low alone (0.5x), high at the highest load (2x)
     def seconds(u: Usage) -> float:
         return 10 * (1 + 2 * u.prefill_computed_tokens / 260 + 3 * u.sampled_tokens / 100
-                     + 4 * u.train_computed_tokens / 400)
+                     + 4 * u.train_computed_tokens / 2000)
 
-    assert grpo.seconds[1] == pytest.approx(seconds(grpo.low) * 0.5, rel=0.02)
-    assert grpo.seconds[2] == pytest.approx(seconds(grpo.high) * 2.0, rel=0.02)
+    assert part.seconds[1] == pytest.approx(seconds(part.low) * 0.5, rel=0.02)
+    assert part.seconds[2] == pytest.approx(seconds(part.high) * 2.0, rel=0.02)
 
 
 def test_warm_start_stages_are_extrapolated_each_from_its_own_pilot_steps() -> None:
