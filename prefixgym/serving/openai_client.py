@@ -48,6 +48,8 @@ from prefixgym.types import (
     Usage,
 )
 
+KEEPALIVE_S = 2.0  # how long an idle connection is kept for the next request
+
 
 class OpenAISamplingClient:
     def __init__(
@@ -74,7 +76,11 @@ class OpenAISamplingClient:
         self._http = httpx.Client(
             base_url=self.base_url, timeout=timeout,
             headers={"Authorization": f"Bearer {api_key}"},
-            limits=httpx.Limits(max_connections=max_concurrency), transport=transport,
+            # idle connections dropped after 2 s, before uvicorn's 5 s (vLLM's and serve's
+            # default) closes them under a request
+            limits=httpx.Limits(max_connections=max_concurrency,
+                                keepalive_expiry=KEEPALIVE_S),
+            transport=transport,
         )
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_concurrency, thread_name_prefix="prefixgym-openai"
@@ -255,7 +261,7 @@ class OpenAISamplingClient:
         """POST `body` to the first of `routes` the server has (their answers are text)."""
         for route in routes:
             try:
-                reply = self._http.post(f"{self.root_url}{route}", json=body)
+                reply = self._send("POST", f"{self.root_url}{route}", body)
             except httpx.HTTPError as e:
                 raise ConnectionError(f"cannot reach the sampling server at {self.root_url}: "
                                       f"{e}") from e
@@ -319,15 +325,18 @@ class OpenAISamplingClient:
         text = str(choice.get("text") or "")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def _send(self, method: str, url: str, body: JSONObject | None) -> httpx.Response:
+        try:
+            return self._http.request(method, url, json=body)
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            # a kept-alive connection the server closed as the request went out on it
+            # (no answer, or a reset under load): once more, on a new connection
+            return self._http.request(method, url, json=body)
+
     def _call(self, method: str, path: str, body: JSONObject | None = None,
               absolute: bool = False) -> JSONObject:
         try:
-            try:
-                reply = self._http.request(method, path, json=body)
-            except httpx.RemoteProtocolError:
-                # a kept-alive connection the server closed as the request went out on it
-                # (uvicorn closes one idle for 5 s, as long as httpx keeps it): once more
-                reply = self._http.request(method, path, json=body)
+            reply = self._send(method, path, body)
         except httpx.HTTPError as e:
             raise ConnectionError(f"cannot reach the sampling server at {self.base_url}: "
                                   f"{e}") from e

@@ -199,22 +199,42 @@ def test_a_failed_vllm_reload_says_why_and_resumes() -> None:
     assert seen[-2:] == ["/collective_rpc", "/resume"]  # never labelled, not left paused
 
 
-def test_a_request_on_a_connection_the_server_closed_goes_out_once_more() -> None:
-    """uvicorn closes a kept-alive connection after 5 s idle, as long as httpx keeps it:
-    a request sent on it as it closes gets no answer (RemoteProtocolError); the client
-    sends it again, once."""
+@pytest.mark.parametrize("drop", [
+    httpx.RemoteProtocolError("Server disconnected without sending a response."),
+    httpx.ReadError("[Errno 104] Connection reset by peer"),
+], ids=["no-answer", "reset"])
+def test_a_request_on_a_connection_the_server_closed_goes_out_once_more(
+        drop: httpx.HTTPError) -> None:
+    """uvicorn closes a kept-alive connection after 5 s idle: a request sent on it as it
+    closes gets no answer, or, under load, a reset; the client sends it again, once."""
     answer = _fake_vllm(token_field=True, tokens_as_ids=False)
     calls: list[str] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         calls.append(request.url.path)
         if request.url.path.endswith("/completions") and len(calls) in (2, 4, 5):
-            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+            raise drop
         return answer.handle_request(request)
 
     with OpenAISamplingClient("http://fake", transport=httpx.MockTransport(handler)) as c:
         assert c.sample([1, 2, 3]).result().sequences[0].tokens == [10, 11]
         assert calls == ["/v1/models", "/v1/completions", "/v1/completions"]
-        with pytest.raises(ConnectionError, match="Server disconnected"):
+        with pytest.raises(ConnectionError, match=str(drop)[:12]):
             c.sample([1, 2, 3]).result()  # twice in a row: the server is gone
     assert len(calls) == 5
+
+
+def test_a_weight_route_on_a_reset_connection_goes_out_once_more() -> None:
+    """The admin routes (adapters, weights) take the same one retry as sampling."""
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if len(calls) == 1:
+            raise httpx.ReadError("[Errno 104] Connection reset by peer")
+        return httpx.Response(200, text="Success")
+
+    with OpenAISamplingClient("http://fake", model="m",
+                              transport=httpx.MockTransport(handler)) as c:
+        c.unload_lora_adapter("run-1")
+    assert calls == ["/v1/unload_lora_adapter", "/v1/unload_lora_adapter"]
