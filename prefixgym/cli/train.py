@@ -5,7 +5,8 @@ for training (and sampling, unless `--sampler-url` points rollouts and evaluatio
 OpenAI-compatible servers, which then receive every update: `serving.weight_sync`),
 the envs from `--env`/`--env-kwargs`, then `trainer.run.Run` with all of them.
 Under torchrun (WORLD_SIZE > 1: `torchrun --nproc-per-node N -m prefixgym train ...`)
-it joins the process group (gloo: the engine trains on CPU), wraps the training
+it joins the process group (NCCL where the ranks train on GPUs, one each; gloo on
+CPU), wraps the training
 client in `DistributedTrainingClient` (`FSDPTrainingClient` with `--fsdp`), and hands
 the run its `Ranks`.
 With `--backend tinker` the hosted service's clients stand behind our protocols
@@ -140,7 +141,8 @@ def build_run(config: TrainConfig, service: LocalService | None = None,
         return Run(config, tinker, make, pricing, with_agent(config, tinker, agent)), None
     service = service or LocalService(
         model=config.model, seed=config.seed, num_threads=config.num_threads or None,
-        device=config.device, sampler=SamplerOptions(deterministic=config.deterministic),
+        device=run_device(config.device),
+        sampler=SamplerOptions(deterministic=config.deterministic),
     )
     if is_pretrained_checkpoint(config.model):
         if template is not None:
@@ -310,15 +312,25 @@ def remote_clients(config: TrainConfig, service: LocalService, training: Trainin
                    sampler_metrics=pool.metrics, ranks=ranks, seconds=service.seconds)
 
 
+def run_device(device: str) -> torch.device:
+    """`--device` for this process: under torchrun, a GPU named without an index is the
+    rank's own (LOCAL_RANK)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return resolve_device(device)
+    from prefixgym.engine.trainer.distributed import rank_device
+
+    return rank_device(resolve_device(device))
+
+
 def torchrun_ranks(service: LocalService) -> Ranks:
     """This process's rank under torchrun (WORLD_SIZE > 1), else the only process."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return Ranks()
     import torch.distributed as dist
 
-    from prefixgym.engine.trainer.distributed import init_distributed
+    from prefixgym.engine.trainer.distributed import backend_for, init_distributed
 
-    rank, world = init_distributed("gloo")
+    rank, world = init_distributed(backend_for(service.device))
 
     def gather(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
         everyone: list[Any] = [None] * world  # all_gather_object fills in unpickled lists

@@ -64,6 +64,20 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def rank_device(device: torch.device) -> torch.device:
+    """This torchrun rank's device: a CUDA device named without an index is the rank's
+    own GPU (LOCAL_RANK), so N ranks on one machine use N GPUs; anything else as given."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def backend_for(device: torch.device) -> str:
+    """The process group's backend for ranks that train on `device`: NCCL on CUDA,
+    gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 class DistributedTrainingClient(Generic[SamplerT]):
     """Data parallelism over an initialised process group; see the module docstring."""
 

@@ -22,7 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for the 
 from numerics import from_environment, max_abs_logit  # noqa: E402
 
 from prefixgym.engine.model import load_model  # noqa: E402
-from prefixgym.engine.trainer.distributed import DistributedTrainingClient, init_distributed  # noqa: E402
+from prefixgym.engine.trainer.distributed import (  # noqa: E402
+    DistributedTrainingClient,
+    backend_for,
+    init_distributed,
+    rank_device,
+)
 from prefixgym.engine.trainer.options import TrainerOptions
 from prefixgym.engine.trainer.prefix_trie import shard_by_prefix  # noqa: E402
 from prefixgym.engine.trainer.training import TrainingClient  # noqa: E402
@@ -159,3 +164,14 @@ def test_needs_a_process_group() -> None:
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
+
+
+def test_each_rank_trains_on_its_own_gpu_with_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun, `--device cuda` is the rank's GPU (LOCAL_RANK) and the group NCCL;
+    an explicit index, or the CPU, stays as given (gloo). No GPU needed: names only."""
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert rank_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert rank_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert rank_device(torch.device("cpu")) == torch.device("cpu")
+    assert backend_for(torch.device("cuda", 3)) == "nccl"
+    assert backend_for(torch.device("cpu")) == "gloo"
