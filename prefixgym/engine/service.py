@@ -100,7 +100,7 @@ class EngineService:
             self.device = resolve_device(device)
             torch.empty(0, device=self.device)
         except (RuntimeError, AssertionError) as error:  # torch's words, in one line
-            raise ValueError(f"device {device!r} is not usable here: {error}") from error
+            raise ValueError(f"device {str(device)!r} is not usable here: {error}") from error
         self.train_model = _build_model(model, torch_dtype, seed).to(self.device)
         self.model_name = model if isinstance(model, str) else ""
         self._seed = seed
