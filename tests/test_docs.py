@@ -1,4 +1,4 @@
-"""The README's file map matches the tree, and the docs link only to files that exist."""
+"""The file map (docs/files.md) matches the tree, and the docs link only to files that exist."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def file_map() -> list[str]:
-    """The first word of every line of the README's file-map code block."""
-    text = (ROOT / "README.md").read_text()
+    """The first word of every line of docs/files.md's file-map code block."""
+    text = (ROOT / "docs" / "files.md").read_text()
     block = text.split("## File map", 1)[1].split("```", 2)[1]
     return [line.split()[0] for line in block.splitlines() if line.strip()]
 
