@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The two quick-start commands:
 #   ./run.sh train [ARGS]   set up .venv, then run `prefixgym train` (the main job)
-#   ./run.sh test  [ARGS]   set up .venv, then run the test suite
+#   ./run.sh test  [ARGS]   set up .venv, check the code (ruff, mypy), then run the test suite
 #   ./run.sh demo  [ARGS]   set up .venv, then run `prefixgym demo`
 #   ./run.sh vllm           build .venv-vllm only (`test` builds it too)
 #   ./run.sh real-models    fetch the real-model tests' GGUF files only (`test` does too)
@@ -99,6 +99,15 @@ for path in sys.argv[1:]: checkpoint_dir_of(path)' "$dir"/*.gguf
   echo "$want" > "$dir/.prefixgym-setup"
 }
 
+# ruff (pyproject's rule set) and mypy (strict on the package) before the tests: either
+# failing fails the test command, and so CI.
+checks() {
+  "$venv/bin/ruff" check --quiet prefixgym tests bench examples ||
+    { echo "run.sh: ruff found the problems above" >&2; exit 1; }
+  "$py" -m mypy ||
+    { echo "run.sh: mypy found the problems above" >&2; exit 1; }
+}
+
 # Spin-waiting OpenMP threads slow torch badly on a shared, busy CPU.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
@@ -111,7 +120,7 @@ case $cmd in
   # each one torch thread); tests go out in collection order, in ever smaller batches, to
   # whichever worker runs low, except each xdist_group, which one worker runs whole (the
   # real-vLLM tests share one server). A later -n wins: -n 0 runs in one process.
-  test)  setup; setup_vllm; setup_real_models; exec "$py" -m pytest -n 2 --dist loadgroup "$@" ;;
+  test)  setup; checks; setup_vllm; setup_real_models; exec "$py" -m pytest -n 2 --dist loadgroup "$@" ;;
   vllm)  setup_vllm ;;
   real-models) setup; setup_real_models ;;
   *) echo "usage: ./run.sh train|test|demo|vllm|real-models [ARGS]" >&2; exit 2 ;;
