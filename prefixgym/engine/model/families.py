@@ -85,14 +85,26 @@ class Family:
     (transformers' default for the family; Gemma 3 reads `sliding_window_pattern`)."""
     activation_field: str = "hidden_act"
     """The config field naming the MLP's activation."""
+    default_activation: str = "silu"
+    """The activation when config.json leaves `activation_field` out."""
+    softcaps: bool = False
+    """Whether its transformers code soft-caps attention and final logits
+    (`attn_logit_softcapping`, `final_logit_softcapping`); refused where not."""
     tied_by_default: bool = False
     """`tie_word_embeddings` when config.json leaves it out."""
     experts: str = ""
     """How its checkpoints store experts, if it has them ("" : it has none):
     "per_expert" (`mlp.gate` router, `mlp.experts.{e}.gate_proj.weight`, ... or stacked:
-    Qwen3-MoE) or "gpt_oss" (`mlp.router` with a bias, `mlp.experts.gate_up_proj` of
-    (E, C, 2F) with gate and up interleaved, `down_proj` (E, F, C), their biases; or
-    MXFP4 `_blocks` and `_scales` in their place)."""
+    Qwen3-MoE) or "interleaved" (gpt-oss: `mlp.router` with a bias,
+    `mlp.experts.gate_up_proj` of (E, C, 2F) with gate and up interleaved, `down_proj`
+    (E, F, C), their biases; or MXFP4 `_blocks` and `_scales` in their place)."""
+    quantization: str = ""
+    """The `quantization_config.quant_method` its checkpoints may carry ("mxfp4": gpt-oss's
+    experts); "": none, a quantized checkpoint is refused."""
+    plain: bool = False
+    """Whether a config of the shape fields and the q/k/v and output biases alone
+    describes it, so `hf_export` can write a config.json for a model that was not loaded
+    from one (a preset)."""
 
     def hf_modules(self, ours: str) -> tuple[str, ...]:
         """Our layer (one of LAYERS) -> its HF modules, in row order."""
@@ -168,8 +180,8 @@ _GEMMA_NORMS = ("input_layernorm", "pre_feedforward_layernorm", "post_attention_
 _OLMO_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
 
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", ("llama",), "LlamaForCausalLM", knobs=_biases),
-    Family("qwen2", ("qwen2",), "Qwen2ForCausalLM", **_QWEN_WINDOWS,
+    Family("llama", ("llama",), "LlamaForCausalLM", knobs=_biases, plain=True),
+    Family("qwen2", ("qwen2",), "Qwen2ForCausalLM", **_QWEN_WINDOWS, plain=True,
            knobs=lambda read: {"qkv_bias": True, "out_bias": False}),
     Family("qwen3", ("qwen3",), "Qwen3ForCausalLM", **_QWEN_WINDOWS,
            knobs=lambda read: {**_biases(read), "qk_norm": "head"}),
@@ -187,14 +199,16 @@ FAMILIES: tuple[Family, ...] = (
            experts="per_expert"),
     Family("granite", ("granite",), "GraniteForCausalLM", knobs=_granite),
     Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", knobs=_gpt_oss, windows="layer_types",
-           window_pattern=2, experts="gpt_oss"),
+           window_pattern=2, experts="interleaved", quantization="mxfp4"),
     Family("mistral", ("mistral",), "MistralForCausalLM", windows="all", knobs=_biases),
     Family("gemma2", ("gemma2",), "Gemma2ForCausalLM", norms=_GEMMA_NORMS, knobs=_gemma2,
-           windows="layer_types", window_pattern=2, activation_field="hidden_activation",
+           windows="layer_types", window_pattern=2, softcaps=True,
+           activation_field="hidden_activation", default_activation="gelu_pytorch_tanh",
            tied_by_default=True),
     Family("gemma3", ("gemma3_text",), "Gemma3ForCausalLM", norms=_GEMMA_NORMS,
-           knobs=_gemma3, windows="layer_types", window_pattern=6,
-           activation_field="hidden_activation", tied_by_default=True),
+           knobs=_gemma3, windows="layer_types", window_pattern=6, softcaps=True,
+           activation_field="hidden_activation", default_activation="gelu_pytorch_tanh",
+           tied_by_default=True),
 )
 
 

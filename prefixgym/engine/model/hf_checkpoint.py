@@ -208,7 +208,7 @@ def _state_dict_from_hf(
             sd[ours + norm + ".weight"] = get(hf + hf_norm + ".weight", C)
         moe = config.is_moe(i)
         if moe:
-            experts = _gpt_oss_experts if family_named(config.family).experts == "gpt_oss" \
+            experts = _gpt_oss_experts if family_named(config.family).experts == "interleaved" \
                 else _experts
             sd.update(experts(index, prefix + hf + "mlp.", ours + "mlp.", config, dtype))
         if config.attention_sinks:

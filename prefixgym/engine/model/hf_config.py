@@ -49,7 +49,7 @@ _UNSUPPORTED = {  # field -> (its value is a problem when, why)
     "use_bidirectional_attention": (lambda v: bool(v), "bidirectional attention"),
 }
 _SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
-"""Read by the Gemma knobs; refused in every other family."""
+"""Read by the knobs of a family with `Family.softcaps` (Gemma's); refused in the others."""
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -111,15 +111,14 @@ def config_from_hf(
     quant = cfg.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        if not (family.experts == "gpt_oss" and method == "mxfp4"):
+        if not (family.quantization and method == family.quantization):
             raise read.error(f"quantization_config (quant_method {method!r}): quantized "
                              f"checkpoints are not supported (gpt-oss's MXFP4 experts are)")
-    gemma = family.name.startswith("gemma")
-    for key in () if gemma else _SOFTCAPS:
+    for key in () if family.softcaps else _SOFTCAPS:
         if cfg.get(key) is not None:
             raise read.error(f"{key}={cfg[key]!r}: soft-capping is not supported for "
                              f"{family.name} checkpoints")
-    act = cfg.get(family.activation_field, "gelu_pytorch_tanh" if gemma else "silu")
+    act = cfg.get(family.activation_field, family.default_activation)
     if act not in _ACTIVATIONS:
         raise read.error(f"unsupported {family.activation_field} {act!r}; supported: "
                          f"{', '.join(_ACTIVATIONS)}")

@@ -54,15 +54,16 @@ def hf_config(model: Transformer) -> dict[str, object]:
                     cfg.hidden_dim), max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta,
         norm_eps=cfg.norm_eps, tie_embeddings=cfg.tie_embeddings, qkv_bias=cfg.qkv_bias,
         out_bias=cfg.out_bias, head_dim_override=cfg.head_dim_override,
-        family=cfg.family) == cfg and cfg.family in ("llama", "qwen2")
+        family=cfg.family) == cfg and family_named(cfg.family).plain
     if not plain:
         raise ValueError(f"this {cfg.family} model has no config.json to write back (it was "
                          "not loaded from a checkpoint directory), and a Llama/Qwen2 one "
                          "would not describe it")
     qwen2 = cfg.qkv_bias and not cfg.out_bias
+    family = family_named("qwen2" if qwen2 else "llama")
     out: dict[str, object] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen2 else "llama",
+        "architectures": [family.architecture],
+        "model_type": family.model_types[0],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.hidden_dim,
@@ -94,7 +95,7 @@ def hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]
             out[hf + hf_norm + ".weight"] = sd[ours + norm + ".weight"]
         moe = cfg.is_moe(i)
         if moe:
-            experts = _gpt_oss_experts if family_named(cfg.family).experts == "gpt_oss" \
+            experts = _gpt_oss_experts if family_named(cfg.family).experts == "interleaved" \
                 else _experts
             out.update(experts(sd, ours + "mlp.", hf + "mlp.", cfg))
         if cfg.attention_sinks:

@@ -87,7 +87,7 @@ def _expert_tensors(adapter: ExpertLora, interleaved: bool) -> dict[str, tuple[T
 
 
 def _interleaved(model: Transformer) -> bool:
-    return family_named(model.config.family).experts == "gpt_oss"
+    return family_named(model.config.family).experts == "interleaved"
 
 
 def save_adapter(directory: str | os.PathLike[str], model: Transformer, spec: LoraSpec,
