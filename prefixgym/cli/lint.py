@@ -23,6 +23,7 @@ from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import json_object
 from prefixgym.pricing import Prices, money, run_prices
 from prefixgym.prompting.findings import Finding, LintInputError, filter_findings, parse_codes
+from prefixgym.prompting.lint.cache_sim import DEFAULT_BLOCK_SIZE
 from prefixgym.prompting.lint.config import LintConfig, load_config
 from prefixgym.prompting.lint.report import (
     Report,
@@ -185,7 +186,7 @@ def fix_lines(fixed: TemplateFix, out: str) -> list[str]:
     return lines
 
 
-def lint_env(env_id: str, episodes: int = 3, block_size: int = 16,
+def lint_env(env_id: str, episodes: int = 3, block_size: int = DEFAULT_BLOCK_SIZE,
              tokenizer: PreTrainedTokenizerBase | None = None,
              env_kwargs: JSONObject | None = None) -> EnvReport:
     """Play `episodes` expert episodes of `env_id` (seeds 0..n-1) and lint their prompts."""

@@ -12,9 +12,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per simulated block unless a caller or `[tool.prefixgym.lint]` says otherwise."""
+DEFAULT_CAPACITY_TOKENS = 1 << 20
+"""Tokens the simulated cache holds before it evicts, by default."""
+
 
 class SimulatedPrefixCache:
-    def __init__(self, block_size: int = 16, capacity_tokens: int = 1 << 20) -> None:
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
+                 capacity_tokens: int = DEFAULT_CAPACITY_TOKENS) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if capacity_tokens < block_size:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefixgym.prompting.findings import LintInputError, parse_codes
+from prefixgym.prompting.lint.cache_sim import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS
 
 
 @dataclass
@@ -24,9 +25,9 @@ class LintConfig:
     """Rule codes or prefixes to report (empty: all)."""
     ignore: list[str] = field(default_factory=list)
     """Rule codes or prefixes never to report."""
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     """Tokens per block of the simulated prefix cache."""
-    capacity_tokens: int = 1 << 20
+    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS
     """Tokens the simulated prefix cache holds before it evicts."""
     source: str | None = None
     """The pyproject.toml these values came from, if any."""
@@ -74,7 +75,7 @@ def load_config(start: Path | None = None) -> LintConfig:
     return LintConfig(
         select=select,
         ignore=ignore,
-        block_size=_int(table, "block-size", 16, path),
-        capacity_tokens=_int(table, "capacity-tokens", 1 << 20, path),
+        block_size=_int(table, "block-size", DEFAULT_BLOCK_SIZE, path),
+        capacity_tokens=_int(table, "capacity-tokens", DEFAULT_CAPACITY_TOKENS, path),
         source=str(path),
     )

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from prefixgym.prompting.conversation import Conversation
 from prefixgym.prompting.divergence import common_prefix_len
 from prefixgym.prompting.findings import Finding, LintInputError
+from prefixgym.prompting.lint.cache_sim import DEFAULT_BLOCK_SIZE
 from prefixgym.prompting.lint.trace import TraceReport, analyze_trace
 from prefixgym.prompting.lint.trace_file import TraceRequest
 from prefixgym.types import JSONObject
@@ -51,7 +52,7 @@ def conversation_requests(label: str, conv: Conversation, first_line: int) -> li
 
 
 def lint_conversations(
-    target: str, conversations: Sequence[tuple[str, Conversation]], block_size: int = 16,
+    target: str, conversations: Sequence[tuple[str, Conversation]], block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> EnvReport:
     """Lint finished conversations, each with a label (e.g. "seed 3")."""
     if not conversations:

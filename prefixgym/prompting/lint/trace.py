@@ -21,13 +21,16 @@ from itertools import pairwise
 
 from prefixgym.prompting.divergence import common_prefix_len, first_divergence, volatile_kind
 from prefixgym.prompting.findings import Finding
-from prefixgym.prompting.lint.cache_sim import SimulatedPrefixCache
+from prefixgym.prompting.lint.cache_sim import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CAPACITY_TOKENS,
+    SimulatedPrefixCache,
+)
 from prefixgym.prompting.lint.trace_file import TraceRequest
 from prefixgym.types import JSONObject
 
 # Where the first user turn starts in common chat formats: before it lies the fixed prefix.
 USER_TURN = re.compile(r"<\|im_start\|>user|<\|start_header_id\|>user|<start_of_turn>user|\[INST\]|<\|user\|>")
-STRUCTURAL_RULES = {"PG201", "PG202", "PG203", "PG204"}
 OBSERVED_COUNTS = ("prefill_computed_tokens", "prefill_cached_tokens", "sampled_tokens")
 
 
@@ -246,7 +249,8 @@ class _Analyzer:
                        "reprefilled_tokens": (len(members) - 1) * len(prompt)}))
 
 
-def analyze_trace(requests: list[TraceRequest], block_size: int = 16, capacity_tokens: int = 1 << 20,
+def analyze_trace(requests: list[TraceRequest], block_size: int = DEFAULT_BLOCK_SIZE,
+                  capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
                   decode: TokenDecoder | None = None, target: str = "<trace>") -> TraceReport:
     """Replay `requests` and report predicted/observed hit rates and every cache-unfriendly pattern."""
     # 1) replay through the simulated cache
