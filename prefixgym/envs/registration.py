@@ -82,7 +82,7 @@ def make_env(spec: str, kwargs: EnvKwargs | None = None) -> AnyEnv:
             except (gym.error.NameNotFound, gym.error.NamespaceNotFound,
                     gym.error.VersionNotFound):
                 raise ValueError(_unknown_id(spec)) from None
-        module = _import(source, spec)
+        module = import_source(source)
         target = getattr(module, name, None)
         if isinstance(target, type):
             if not issubclass(target, gym.Env):
@@ -127,8 +127,10 @@ def make_agent_env(spec: str, kwargs: EnvKwargs | None = None) -> gym.Env[Observ
     return env
 
 
-def _import(source: str, spec: str) -> ModuleType:
-    """A module by name (the working directory importable too) or a `.py` file by path."""
+def import_source(source: str) -> ModuleType:
+    """The module a `module:name` or `path/to/file.py:name` spec's left side names: a
+    module by name (the working directory importable too) or a `.py` file by path;
+    ValueError for one that does not exist."""
     if source.endswith(".py"):
         return _import_file(Path(source))
     cwd = os.getcwd()
@@ -143,12 +145,6 @@ def _import(source: str, spec: str) -> ModuleType:
                 "installed packages); for a file, write path/to/file.py:Class"
             ) from None
         raise  # the module exists but imports something missing: its own error
-
-
-def import_source(source: str) -> ModuleType:
-    """The module a `module:name` or `path/to/file.py:name` spec's left side names (the
-    working directory importable too); ValueError for one that does not exist."""
-    return _import(source, source)
 
 
 def located(error: Exception) -> str:

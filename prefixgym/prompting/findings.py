@@ -1,8 +1,9 @@
 """The linter's vocabulary: rule codes, severities and the `Finding` record.
 
 PG1xx rules are about chat templates, PG2xx about rollout traces, PG3xx about
-environments. This module only names and filters findings; it does not know how
-they are detected or printed.
+environments. What each rule means and how to fix it is docs/lint-rules.md, one
+section per rule (a test keeps the two lists equal). This module only names and
+filters findings; it does not know how they are detected or printed.
 """
 
 from __future__ import annotations
@@ -20,55 +21,32 @@ class Rule:
     code: str
     name: str
     severity: Severity
-    summary: str
 
 
 RULES: dict[str, Rule] = {
     r.code: r
     for r in [
-        Rule("PG101", "reasoning-stripped", "error",
-             "the template drops the reasoning block of assistant turns from the history"),
-        Rule("PG102", "system-moved", "error",
-             "the system prompt moves (or disappears) as the conversation grows"),
-        Rule("PG103", "end-of-turn-changed", "error",
-             "an assistant turn ends differently once it is in the history"),
-        Rule("PG104", "eos-in-history", "error",
-             "the template appends an EOS token to a rendered history"),
-        Rule("PG105", "whitespace-changed", "error",
-             "whitespace differs between a prompt and its continuation"),
-        Rule("PG106", "system-role-refused", "error",
-             "the template raises on a system message"),
-        Rule("PG107", "history-rewritten", "error",
-             "an earlier part of the conversation renders differently later on"),
-        Rule("PG108", "reads-current-date", "warning",
-             "the template renders the current date, which changes the prefix daily"),
-        Rule("PG109", "probe-failed", "warning",
-             "the template raised on a probe conversation, which was not checked"),
-        Rule("PG110", "token-boundary-merge", "warning",
-             "the text extends the previous prompt but its tokens do not"),
-        Rule("PG111", "reasoning-opener-dropped", "error",
-             "the generation prompt opens a reasoning block that the history does not keep"),
-        Rule("PG112", "reply-whitespace-changed", "error",
-             "the history renders a reply with other whitespace than was sampled"),
-        Rule("PG113", "render-limit", "error",
-             "rendering a probe exceeded the time, memory or output limit (a runaway "
-             "template)"),
-        Rule("PG201", "retokenized-history", "error",
-             "history was re-tokenized: same text, different token ids"),
-        Rule("PG202", "fixed-prefix-changed", "error",
-             "the system prompt or tool definitions changed"),
-        Rule("PG203", "volatile-prefix", "error",
-             "volatile content (a timestamp, UUID or counter) sits in the prefix"),
-        Rule("PG204", "history-edited", "error",
-             "history was edited or truncated between turns"),
-        Rule("PG205", "prompt-logprobs-bypass", "warning",
-             "include_prompt_logprobs=True requests bypass the prefix cache"),
-        Rule("PG206", "group-split", "warning",
-             "members of one group were sent as separate requests, not num_samples"),
-        Rule("PG301", "env-prefix-varies", "error",
-             "the env's fixed prefix (system prompt + tools) differs across seeds"),
-        Rule("PG302", "env-not-append-only", "error",
-             "an env conversation's prompt does not extend the previous prompt + reply"),
+        Rule("PG101", "reasoning-stripped", "error"),
+        Rule("PG102", "system-moved", "error"),
+        Rule("PG103", "end-of-turn-changed", "error"),
+        Rule("PG104", "eos-in-history", "error"),
+        Rule("PG105", "whitespace-changed", "error"),
+        Rule("PG106", "system-role-refused", "error"),
+        Rule("PG107", "history-rewritten", "error"),
+        Rule("PG108", "reads-current-date", "warning"),
+        Rule("PG109", "probe-failed", "warning"),
+        Rule("PG110", "token-boundary-merge", "warning"),
+        Rule("PG111", "reasoning-opener-dropped", "error"),
+        Rule("PG112", "reply-whitespace-changed", "error"),
+        Rule("PG113", "render-limit", "error"),
+        Rule("PG201", "retokenized-history", "error"),
+        Rule("PG202", "fixed-prefix-changed", "error"),
+        Rule("PG203", "volatile-prefix", "error"),
+        Rule("PG204", "history-edited", "error"),
+        Rule("PG205", "prompt-logprobs-bypass", "warning"),
+        Rule("PG206", "group-split", "warning"),
+        Rule("PG301", "env-prefix-varies", "error"),
+        Rule("PG302", "env-not-append-only", "error"),
     ]
 }
 
