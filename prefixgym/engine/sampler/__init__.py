@@ -2,7 +2,7 @@
 
 `kv_pool.py` (the KV blocks), `prefix_cache.py` (block manager and prefix index),
 `requests.py` (request state and limits), `scheduler.py` (prefill or decode batches,
-stops, retirement), `runner.py` (a batch through the model), `token_sampler.py`
+stops, retirement), `batch.py` (a batch's rows and tables), `runner.py` (a batch through the model), `token_sampler.py`
 (greedy, temperature, top-k, top-p), `threads.py` (thread counts by timing),
 `engine.py` (the engine thread: schedule, run, postprocess) and `sampling.py` (the
 `SamplingClient` users hold). It imports the model wing, never the trainer's.

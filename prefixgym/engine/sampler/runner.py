@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 
 from prefixgym.engine.model.wide_ops import narrow
+from prefixgym.engine.sampler.batch import Batch, Output
 from prefixgym.engine.sampler.kv_pool import DecodeView, DecodeWorkspace, KVPool, PagedView
 from prefixgym.engine.sampler.requests import Request
-from prefixgym.engine.sampler.scheduler import Batch, Output
 from prefixgym.engine.sampler.shared_keys import SharedPlan, SharedSegments
 from prefixgym.engine.sampler.threads import ThreadTuner, size_bucket
 from prefixgym.engine.sampler.token_sampler import RowParams, sample_tokens

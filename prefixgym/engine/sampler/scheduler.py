@@ -23,11 +23,11 @@ Its samples keep their own generators, seeded from its own seed, so what it draw
 depends on its seed and the shared logits only; its usage counts its whole prompt as
 cached. (An engine without its prefix cache joins none: it is the peer that computes
 every prompt.) The wave is prefilled in chunks of similar uncached length
-(prompt-logprob and zero-token requests alone). A request's G samples share its
-prompt's full blocks; each gets its own copy of a part-filled last block. With sliding
-windows (`release_window`: the widest, when some blocks can be freed), each decode
-step first drops what no window reads (block_tables.py, which also keeps a hybrid
-model's table per group of layers).
+(prompt-logprob and zero-token requests alone), each laid out by batch.py. A
+request's G samples share its prompt's full blocks; each gets its own copy of a
+part-filled last block. With sliding windows (`release_window`: the widest, when some
+blocks can be freed), each decode step first drops what no window reads
+(block_tables.py, which also keeps a hybrid model's table per group of layers).
 
 Errors travel: `fail(requests, error)` fails those requests' futures and frees what
 they hold; `handling` names the requests the step in progress touches (the batch's,
@@ -43,11 +43,17 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.sampler import block_tables
 from prefixgym.engine.sampler.admission import AdmissionOrder
+from prefixgym.engine.sampler.batch import (
+    Batch,
+    Output,
+    decode_batch,
+    prefill_batch,
+    prefill_chunks,
+)
 from prefixgym.engine.sampler.cache_integrity import check_prefix_cache
 from prefixgym.engine.sampler.prefix_cache import Match, PrefixCache
 from prefixgym.engine.sampler.requests import (
@@ -61,44 +67,6 @@ from prefixgym.engine.sampler.requests import (
     reads_cache,
 )
 from prefixgym.engine.usage import UsageLedger
-from prefixgym.types import TopkLogprobs
-
-_CALL_COST_TOKENS = 64  # a forward call's fixed cost, in padded positions
-
-
-@dataclass(eq=False)
-class Batch:
-    """One forward. Prefill: `requests`, row r computing `tokens[r]` (prompt[starts[r]:])
-    of request r into `tables[r]`; `seqs` are all their samples and those of the
-    requests joined to them, sampled from row `source_rows`. Decode: one row per running
-    sequence of `seqs`. Before the forward the runner zeroes `new_blocks` and makes
-    `tail_copies`; after it, `fork_copies` ((src, dst, positions))."""
-
-    kind: str  # "prefill" or "decode"
-    model: Transformer
-    version: int
-    seqs: list[Continuation] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
-    window_tables: list[list[list[int]]] = field(default_factory=list)  # per windowed group
-    starts: list[int] = field(default_factory=list)
-    tokens: list[list[int]] = field(default_factory=list)
-    requests: list[Request] = field(default_factory=list)
-    source_rows: list[int] = field(default_factory=list)
-    new_blocks: list[int] = field(default_factory=list)
-    tail_copies: list[tuple[int, int, int]] = field(default_factory=list)
-    fork_copies: list[tuple[int, int, int]] = field(default_factory=list)
-    prompt_logprobs: bool = False
-
-
-@dataclass
-class Output:
-    """What the runner computed: one token and logprob per sequence of the batch, and
-    for a prompt-scoring prefill its request's prompt logprobs and top-k."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    prompt_logprobs: list[float | None] | None = None
-    topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
 
 
 class Scheduler:
@@ -171,7 +139,10 @@ class Scheduler:
         self._turn += 1
         version = versions[self._turn % len(versions)]
         self.handling = [s.request for s in self.running[version]]
-        return self._decode_batch(version)
+        batch, dropped = decode_batch(self.cache, self.running[version], version,
+                                      self.groups, self.release_window)
+        self.counters["window_dropped_blocks"] += dropped
+        return batch
 
     def _match(self, req: Request) -> Match:
         """The cached prefix `req` would take (none when it scores its whole prompt)."""
@@ -238,7 +209,7 @@ class Scheduler:
             single = [r for r in wave if r.include_prompt_logprobs or r.params.max_tokens == 0]
             together = sorted((r for r in wave if r not in single),
                               key=lambda r: (r.version, len(r.prompt) - r.num_cached_tokens))
-            self._chunks.extend([[r] for r in single] + _chunks(together, self.max_prefill_tokens))
+            self._chunks.extend([[r] for r in single] + prefill_chunks(together, self.max_prefill_tokens))
 
     def _join(self, leader: Request, req: Request) -> bool:
         """Admit `req` (the queue's head) onto `leader`'s prefill, if the blocks its
@@ -257,48 +228,7 @@ class Scheduler:
         return True
 
     def _prefill_batch(self, reqs: list[Request]) -> Batch:
-        bs = self.cache.block_size
-        batch = Batch("prefill", reqs[0].model, reqs[0].version, requests=reqs,
-                      prompt_logprobs=reqs[0].include_prompt_logprobs)
-        for r, req in enumerate(reqs):
-            P, first = len(req.prompt), req.sequences[0]
-            n_hit = len(first.table)
-            for _ in range(-(-P // bs) - n_hit):
-                block_tables.new_block(self.cache, first, batch.new_blocks)
-            for src, table in zip(req.tail_pin, first.group_tables):
-                batch.tail_copies.append((src, table[n_hit], req.num_cached_tokens % bs))
-            batch.tables.append(first.table)
-            batch.starts.append(req.num_cached_tokens)
-            batch.tokens.append(req.prompt[req.num_cached_tokens :])
-            samples = req.sequences if req.params.max_tokens else req.sequences[:1]
-            for joined in req.joined:
-                if not joined.future.done():  # (failed while it waited)
-                    samples = samples + joined.sequences
-            for seq in samples:
-                if seq is not first:  # shares the full prompt blocks, copies a partial one
-                    block_tables.share_prompt(self.cache, first, seq, P, batch.new_blocks,
-                                              batch.fork_copies)
-                batch.seqs.append(seq)
-                batch.source_rows.append(r)
-        batch.window_tables = [[req.sequences[0].window_tables[g] for req in reqs]
-                               for g in range(self.groups - 1)]
-        return batch
-
-    def _decode_batch(self, version: int) -> Batch:
-        seqs = self.running[version]
-        batch = Batch("decode", seqs[0].request.model, version, seqs)
-        bs = self.cache.block_size
-        for seq in seqs:
-            if self.release_window:
-                self.counters["window_dropped_blocks"] += block_tables.drop_outside_window(
-                    self.cache, seq, self.release_window)
-            if seq.kv_len == len(seq.table) * bs:  # its next position starts a block
-                block_tables.new_block(self.cache, seq, batch.new_blocks)
-            batch.tables.append(seq.table)
-            batch.starts.append(seq.kv_len)
-            batch.tokens.append(seq.tokens[-1:])
-        batch.window_tables = [[s.window_tables[g] for s in seqs] for g in range(self.groups - 1)]
-        return batch
+        return prefill_batch(self.cache, reqs, self.groups)
 
     # ---- postprocess -------------------------------------------------------------
 
@@ -408,23 +338,3 @@ class Scheduler:
             self.running.pop(version, None)
             self.cache.drop_version(version)
 
-
-def _chunks(reqs: list[Request], max_tokens: int) -> list[list[Request]]:
-    """Split requests sorted by (version, uncached length) into prefill batches of one
-    version: a new batch starts when padding it to the newcomer's length would cost more
-    than a call, or it would pass `max_tokens` padded positions."""
-    chunks: list[list[Request]] = []
-    current: list[Request] = []
-    width = 0
-    for req in reqs:
-        n = len(req.prompt) - req.num_cached_tokens
-        if current and (current[0].version != req.version
-                        or len(current) * (n - width) > _CALL_COST_TOKENS
-                        or (len(current) + 1) * n > max_tokens):
-            chunks.append(current)
-            current = []
-        current.append(req)
-        width = n
-    if current:
-        chunks.append(current)
-    return chunks
