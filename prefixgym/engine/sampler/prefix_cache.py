@@ -147,7 +147,7 @@ class PrefixCache:
             chain.append(entry)
             parent = entry.key
         if self.window_groups:
-            chain = self._window_hit(chain, limit)
+            chain = self._window_hit(chain)
             parent = chain[-1].key if chain else _ROOT
         found.blocks = [e.block for e in chain]
         n = found.num_tokens = len(found.blocks) * bs
@@ -176,7 +176,7 @@ class PrefixCache:
         windowed layer: keys (position - window, position]."""
         return max(0, position - self.window + 1) // self.block_size
 
-    def _window_hit(self, chain: list[Entry], limit: int) -> list[Entry]:
+    def _window_hit(self, chain: list[Entry]) -> list[Entry]:
         """The longest head of `chain` whose blocks in the window of the position after
         it all keep their window blocks (a tail can only lengthen that window's reach
         by a part block, whose window blocks the tail's own check asks for: a tail
