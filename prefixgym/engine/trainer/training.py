@@ -65,6 +65,7 @@ from prefixgym.engine.trainer.optimizer import AdamWUpdate, named
 from prefixgym.engine.trainer.options import TrainerOptions
 from prefixgym.engine.trainer.train_batch import PreparedDatum, prepare_request
 from prefixgym.engine.trainer.train_pass import PassOptions, autocast_for, run_pass
+from prefixgym.engine.trainer.weight_probe import require_samplable
 from prefixgym.engine.usage import UsageLedger
 from prefixgym.futures import APIFuture
 from prefixgym.protocols import SamplingClient
@@ -72,8 +73,6 @@ from prefixgym.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepO
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
-PROBE_TOKENS = 8
-"""Positions of the forward that saves and publishes check the weights with."""
 SamplerT = TypeVar("SamplerT", bound=SamplingClient)
 """What `publish` returns: the service's SamplingClient (this wing never imports it)."""
 
@@ -321,29 +320,9 @@ class TrainingClient(Generic[SamplerT]):
         return out
 
     def _checked(self, doing: str, then: Callable[[], T]) -> T:
-        """`then()`, once a forward of the weights on a few tokens gives finite logits
-        (what the sampler checks of every token it samples); ValueError "not <doing>:
-        ..." otherwise, naming a NaN or inf weight, or the largest one when all are
-        finite but too large to survive a forward (an update of learning rate 1e30).
-        Costs one forward of PROBE_TOKENS positions, about one decode step."""
-        config = self.model.config
-        n = min(PROBE_TOKENS, config.vocab_size, config.max_seq_len)
-        device = self.model.output_weight.device
-        ids = torch.linspace(0, config.vocab_size - 1, n, device=device).round().long()
-        with torch.no_grad(), autocast_for(self.model, self.options.compute_dtype)():
-            logits = self.model(ids.unsqueeze(0))
-        if not bool(torch.isfinite(logits).all()):
-            names = named(self.model, self._params)
-            bad = nonfinite_tensor(zip(names, self._params, strict=True))
-            if bad is not None:
-                raise ValueError(f"not {doing}: {bad} holds NaN or inf values")
-            with torch.no_grad():
-                size, name = max((float(p.abs().max()), n)
-                                 for n, p in zip(names, self._params, strict=True) if p.numel())
-            raise ValueError(
-                f"not {doing}: every weight is finite, but a forward of them overflows (its "
-                f"logits are not finite), so nothing could sample from them; the largest is "
-                f"{size:.3g}, in {name} (a learning rate too large?)")
+        """`then()`, once the weights pass `weight_probe.require_samplable` (ValueError
+        "not <doing>: ..." otherwise)."""
+        require_samplable(self.model, self._params, self.options.compute_dtype, doing)
         return then()
 
     def _save_state(self, path: str, with_optimizer: bool = True) -> None:
