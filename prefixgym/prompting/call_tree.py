@@ -4,7 +4,7 @@ A program over OpenAI's API sends its whole conversation with every call, as tex
 tree turns those calls back into the token sequences the sampler saw, so that what is
 trained is what was sampled (the seed's first rule: never re-tokenize history):
   1) a call is its tools and its messages (`CallMessage`, normalized from OpenAI's
-     shapes by `call_messages`);
+     shapes by `call_messages`, both in `call_messages.py`);
   2) `begin(call)` finds the node the call continues: a node is one sampled reply, keyed
      by the messages of the call that asked for it plus the reply message the program
      got back; the longest node whose key starts the call's messages (same tools) wins.
@@ -34,43 +34,26 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from prefixgym.prompting.call_messages import CallMessage, call_messages, reply_message
 from prefixgym.prompting.chat_format import ChatFormat, ChatMLFormat
 from prefixgym.prompting.conversation import Conversation
 from prefixgym.prompting.divergence import common_prefix_len, first_divergence, volatile_kind
-from prefixgym.prompting.tool_syntax import ParsedCall, ToolCallSyntax, syntax_for_template
+from prefixgym.prompting.tool_syntax import ToolCallSyntax, syntax_for_template
 from prefixgym.prompting.tools import Tool
 from prefixgym.types import JSONObject
 
-CALL_ROLES = ("system", "user", "assistant", "tool")
+__all__ = [  # the messages' names are call_messages.py's, imported from here too
+    "FORCED_CALL_MISSED", "Branch", "CallMessage", "CallTree", "Node", "Pending", "Reply",
+    "TrainedSequence", "call_messages", "reply_message", "tool_syntax_of",
+]
+
 FORCED_CALL_MISSED = "forced_call_missed"
 """A reply's `info` key: its call's opening was forced, and it still wrote no call."""
-
-
-@dataclass(frozen=True)
-class CallMessage:
-    """One message of a call, as the tree compares and renders it."""
-
-    role: str
-    content: str
-    name: str | None = None
-    """A tool result's tool name (resolved from its `tool_call_id`)."""
-    tool_calls: tuple[ParsedCall, ...] = ()
-
-    @property
-    def key(self) -> str:
-        """What makes two messages the same turn: role, text (an assistant's without the
-        whitespace around it, which clients trim), tool name, and each call's name and
-        arguments (call ids are the client's bookkeeping, never rendered here)."""
-        text = self.content.strip() if self.role == "assistant" else self.content
-        calls = [[c.name, c.arguments] for c in self.tool_calls]
-        return json.dumps([self.role, text, self.name, calls], sort_keys=True,
-                          ensure_ascii=False)
 
 
 @dataclass
@@ -334,65 +317,3 @@ def tool_syntax_of(chat_format: ChatFormat) -> ToolCallSyntax | None:
     if isinstance(chat_format, ChatMLFormat):
         return syntax_for_template(None, builtin=True)
     return syntax_for_template(getattr(chat_format, "chat_template", None))
-
-
-def call_messages(messages: Iterable[JSONObject]) -> list[CallMessage]:
-    """OpenAI chat messages as the tree reads them: `developer` is `system`, content
-    parts are joined, a tool result takes its tool's name from the call it answers, and
-    a call's `arguments` (a JSON string, or an object) become an object.
-    ValueError names the message at fault."""
-    out: list[CallMessage] = []
-    names: dict[str, str] = {}
-    for i, m in enumerate(messages):
-        role = "system" if m.get("role") == "developer" else m.get("role")
-        if role not in CALL_ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {CALL_ROLES}, got {role!r}")
-        calls = tuple(_parsed_call(c, f"messages[{i}].tool_calls[{k}]", names)
-                      for k, c in enumerate(m.get("tool_calls") or []))
-        name = m.get("name")
-        if role == "tool":
-            name = names.get(str(m.get("tool_call_id")), name)
-        out.append(CallMessage(str(role), _text(m.get("content")), name if role == "tool" else None,
-                               calls))
-    return out
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return "" if content is None else str(content)
-
-
-def _parsed_call(call: Any, where: str, names: dict[str, str]) -> ParsedCall:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name', "
-                         "'arguments'}}")
-    arguments = function.get("arguments") or {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            raise ValueError(f"{where}.function.arguments is not valid JSON") from None
-    if not isinstance(arguments, dict):
-        raise ValueError(f"{where}.function.arguments must be a JSON object")
-    if isinstance(call.get("id"), str):
-        names[call["id"]] = function["name"]
-    return ParsedCall(function["name"], arguments)
-
-
-def reply_message(text: str, syntax: ToolCallSyntax | None, with_tools: bool,
-                  split_reasoning: bool = True) -> tuple[CallMessage, str | None]:
-    """The assistant message a client gets for a sampled reply's text, and its reasoning:
-    a leading `<think>...</think>` block goes apart (vLLM's `reasoning_content`) unless
-    not `split_reasoning`, and with tools the calls written in the model's syntax
-    become `tool_calls`."""
-    reasoning = None
-    if split_reasoning and "</think>" in text:
-        head, _, text = text.partition("</think>")
-        reasoning, text = head.replace("<think>", "", 1).strip(), text.lstrip("\n")
-    calls: list[ParsedCall] = []
-    if with_tools and syntax is not None:
-        text, calls = syntax.parse(text)
-    return CallMessage("assistant", text, None, tuple(calls)), reasoning
-
