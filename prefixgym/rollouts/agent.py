@@ -5,7 +5,8 @@ An agent program is a function, sync or async, called with the keyword arguments
 to the model through `base_url` with any OpenAI client or agent framework and returns its
 reward: a number, or a dict of named numbers (summed with `AgentConfig.reward_weights`,
 1 for a name it does not give). A rollout succeeded when its `success` component, or
-without one its reward, is above 0.
+without one its reward, is above 0. How a program is loaded, called and read back is
+`agent_program.py`.
 
 A group: G rollouts of one task, at once (`AgentRollouts.run_groups`). Each rollout:
   1) opens a base URL of its own on the gateway, backed by a fresh `CallTree` (nothing
@@ -30,21 +31,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib.metadata
-import inspect
 import itertools
-import math
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from prefixgym.envs.base import agent_of
-from prefixgym.envs.registration import import_source, located, make_agent_env
 from prefixgym.futures import APIFuture
 from prefixgym.prompting.call_tree import FORCED_CALL_MISSED, Branch, CallTree, TrainedSequence
 from prefixgym.protocols import AgentGateway, SamplingClient
+from prefixgym.rollouts.agent_program import (
+    AgentProgram,
+    AgentTask,
+    EnvTasks,
+    load_agent,
+    reward_of,
+)
 from prefixgym.rollouts.agent_rounds import AgentRounds
 from prefixgym.rollouts.rollout import TraceWriter
 from prefixgym.rollouts.types import Trajectory, TrajectoryGroup, Turn
@@ -57,9 +58,16 @@ from prefixgym.types import (
     derived_seed,
 )
 
-PROGRAM_ARGS = ("base_url", "api_key", "model", "task")
-AGENT_ENTRY_POINTS = "prefixgym.agents"
-AgentTask = Any  # a JSON value (a line of --tasks), or whatever an iterable yields
+__all__ = [  # the program's contract is agent_program.py's, imported from here too
+    "AgentConfig",
+    "AgentProgram",
+    "AgentRollouts",
+    "AgentTask",
+    "EnvTasks",
+    "load_agent",
+    "record",
+    "reward_of",
+]
 
 
 @dataclass
@@ -74,137 +82,6 @@ class AgentConfig:
     the run, do not depend on timing."""
     reward_weights: dict[str, float] = field(default_factory=dict)
     """Weights of a dict reward's named components (1 for those not named)."""
-
-
-class AgentProgram:
-    """A user's program: which of `PROGRAM_ARGS` it takes, and how to call it."""
-
-    def __init__(self, fn: Callable[..., Any], name: str = "") -> None:
-        self.name = name or getattr(fn, "__qualname__", repr(fn))
-        if not callable(fn):
-            raise ValueError(f"agent {self.name} is not callable")
-        try:
-            params = inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            raise ValueError(f"agent {self.name}: cannot read its signature") from None
-        var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        unknown = [n for n, p in params.items() if n not in PROGRAM_ARGS
-                   and p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-        if unknown:
-            raise ValueError(f"agent {self.name} requires {unknown}; an agent is called with "
-                             f"the keyword arguments {', '.join(PROGRAM_ARGS)} (any of them)")
-        self.args = PROGRAM_ARGS if var_kw else tuple(n for n in PROGRAM_ARGS if n in params)
-        self.fn = fn
-        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None))
-
-    async def __call__(self, **kwargs: Any) -> Any:
-        given = {k: v for k, v in kwargs.items() if k in self.args}
-        if self.is_async:
-            return await self.fn(**given)
-        result = await _in_daemon_thread(self.fn, given)
-        if inspect.isawaitable(result):  # a sync function that returned a coroutine
-            return await result
-        return result
-
-
-async def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
-    """`fn(**kwargs)` in a daemon thread of its own: a program that never returns is
-    given up on at its timeout and left behind, never waited for at exit (as threads of
-    asyncio's default executor would be)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[Any] = loop.create_future()
-
-    def settle(value: Any, error: BaseException | None) -> None:
-        if done.done():  # timed out and cancelled meanwhile
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(value)
-
-    def target() -> None:
-        try:
-            value, error = fn(**kwargs), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting rollout
-            value, error = None, e
-        try:
-            loop.call_soon_threadsafe(settle, value, error)
-        except RuntimeError:  # the loop has closed: nobody waits for this program
-            pass
-
-    threading.Thread(target=target, name="agent-program", daemon=True).start()
-    return await done
-
-
-def load_agent(spec: str) -> AgentProgram:
-    """The program `spec` names: `path/to/file.py:fn`, `module:fn`, or the name of an
-    entry point in the `prefixgym.agents` group. ValueError when it cannot be loaded."""
-    source, _, name = spec.rpartition(":")
-    if not source:
-        found = [ep for ep in importlib.metadata.entry_points(group=AGENT_ENTRY_POINTS)
-                 if ep.name == spec]
-        if not found:
-            raise ValueError(f"--agent {spec!r}: write path/to/file.py:fn or module:fn, or name "
-                             f"an entry point of the {AGENT_ENTRY_POINTS!r} group")
-        try:
-            return AgentProgram(found[0].load(), spec)
-        except Exception as e:  # noqa: BLE001 - the program's module failed to import
-            raise ValueError(f"--agent {spec!r}: {located(e)}") from None
-    try:
-        module = import_source(source)
-    except ValueError as e:
-        raise ValueError(f"--agent {spec!r}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - the program's module failed to import
-        raise ValueError(f"--agent {spec!r}: importing {source} failed: {located(e)}") from None
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise ValueError(f"--agent {spec!r}: {source} has no {name!r}")
-    return AgentProgram(fn, spec)
-
-
-class EnvTasks:
-    """Tasks posed by an env's `reset(seed)` (`--tasks env`): the task of a seed is
-    {"env", "env_kwargs", "seed", "system", "tools", "messages"}: what the env says first,
-    its system prompt and tool schemas, and how to make it again, so that a program can
-    grade its answer with the env itself (`prefixgym.envs.make_env(task["env"],
-    task["env_kwargs"])`, `reset(seed=task["seed"])`, `step(reply)`)."""
-
-    def __init__(self, spec: str, kwargs: JSONObject) -> None:
-        self.spec, self.kwargs = spec, dict(kwargs)
-        self._env = make_agent_env(spec, self.kwargs)
-        self._lock = threading.Lock()
-
-    def __call__(self, seed: int) -> JSONObject:
-        with self._lock:
-            obs, _ = self._env.reset(seed=seed)
-            system, tools = agent_of(self._env).prompt()
-        return {"env": self.spec, "env_kwargs": self.kwargs, "seed": seed, "system": system,
-                "tools": [t.schema() for t in tools], "messages": [dict(m) for m in obs]}
-
-    def close(self) -> None:
-        self._env.close()
-
-
-def reward_of(result: Any, weights: Mapping[str, float]) -> tuple[float, dict[str, float]]:
-    """The program's return value as (reward, components); ValueError when it is none."""
-    if isinstance(result, bool) or not isinstance(result, (int, float, Mapping)):
-        raise ValueError(f"the program returned {_short(result)}, not a reward (a number, or "
-                         "a dict of named numbers)")
-    if not isinstance(result, Mapping):
-        components = {"reward": float(result)}
-        total = float(result)
-    else:
-        components = {}
-        for name, value in result.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"the program's reward component {name!r} is "
-                                 f"{_short(value)}, not a number")
-            components[str(name)] = float(value)
-        total = sum(v * weights.get(k, 1.0) for k, v in components.items())
-    if not math.isfinite(total):
-        raise ValueError(f"the program returned a reward that is not finite ({total})")
-    return total, components
 
 
 class AgentRollouts:
@@ -361,8 +238,3 @@ def _fill(traj: Trajectory, seq: TrainedSequence, seen: set[int]) -> None:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else "(no message)"
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
