@@ -52,6 +52,7 @@ from prefixgym.prompting.templates.render import (
 )
 from prefixgym.prompting.templates.switches import (
     DEFAULT,
+    Marker,
     Setting,
     reasoning_markers,
     switch_settings,
@@ -233,42 +234,13 @@ def probe_template(template_str: str, bos_token: str | None = None, eos_token: s
     prober = Prober(renderer, origin, markers, tokenizer, content)
     switches = [s for s in switch_settings(renderer.syntax_tree) if not _is_set(s, settings)]
     # 2) every probe
-    checked: list[str] = []
-    num_checked_by_default = 0
-    failures: dict[str, str] = {}
-    skipped: dict[str, str] = {}
-    limited: list[str] = []  # the probe that hit a render limit, then those never tried
-    for probe in probe_conversations(markers, switches):
-        if renderer.limit_hit is not None:
-            limited.append(probe.name)
-            continue
-        outcome = prober.run(probe)
-        if outcome == "checked":
-            checked.append(probe.name)
-            num_checked_by_default += probe.setting == DEFAULT
-        elif outcome == "failed" and renderer.limit_hit is not None:
-            limited.append(probe.name)
-        elif outcome == "failed":
-            (failures if probe.setting == DEFAULT else skipped)[probe.name] = prober.failed
+    run = _run_probes(prober, renderer, markers, switches)
     # 3) probes the template raised on, or that hit a render limit
     by_default = sorted({s.rule for s in prober.sightings
                          if s.setting == DEFAULT and s.rule in BREAK_RULES})
     at_settings = [s for s in prober.sightings if s.setting == DEFAULT]
     findings = _findings(at_settings, {DEFAULT: prober.seen[DEFAULT]})
-    if limited:
-        findings.append(Finding(
-            "PG113", f"rendering exceeded a limit ({renderer.limit_hit}): the template loops or "
-            f"grows its text without bound; {len(limited)} probe(s) were not checked",
-            f"{origin}: probe '{limited[0]}'", extra={"probes_not_checked": limited}))
-    for name, error in failures.items():
-        plain_name = name.removeprefix("system+")
-        if name.startswith("system+") and plain_name in checked:
-            findings.append(Finding("PG106", f"the template raises on a system message ({error}); "
-                                    "callers then fold the system prompt into a user turn, often the "
-                                    "last one", f"{origin}: probe '{name}'"))
-        else:
-            findings.append(Finding("PG109", f"the template raised, so this probe was not checked: "
-                                    f"{error}", f"{origin}: probe '{name}'"))
+    findings += _failure_findings(run, renderer, origin)
     findings = _first_per_rule(findings)
     # 4) the date
     date = _date_finding(renderer, origin, content)
@@ -281,19 +253,72 @@ def probe_template(template_str: str, bos_token: str | None = None, eos_token: s
     return TemplateReport(
         target=origin,
         append_only=(not any(f.rule in BREAK_RULES | {"PG113"} and f.severity == "error"
-                             for f in findings) and num_checked_by_default > 0),
+                             for f in findings) and run.num_checked_by_default > 0),
         findings=findings,
         reads_date=date is not None,
-        probes_checked=checked,
-        probes_skipped=skipped,
+        probes_checked=run.checked,
+        probes_skipped=run.skipped,
         breaks_by_default=by_default,
         closing=shape.closing if shape else None,
         separator=shape.separator if shape else "",
-        num_checked_by_default=num_checked_by_default,
+        num_checked_by_default=run.num_checked_by_default,
         settings=settings,
         switches=_switch_findings(prober.sightings, prober.seen, by_default, strict),
         content=content,
     )
+
+
+@dataclass
+class _ProbeRun:
+    """What step 2 saw: probes checked, failed (under the run's settings) or skipped (under
+    a switch setting), and those a render limit cut off."""
+
+    checked: list[str] = field(default_factory=list)
+    num_checked_by_default: int = 0
+    failures: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    limited: list[str] = field(default_factory=list)
+    """The probe that hit a render limit, then those never tried."""
+
+
+def _run_probes(prober: Prober, renderer: TemplateRenderer, markers: list[Marker],
+                switches: list[Setting]) -> _ProbeRun:
+    """Step 2: every probe through the prober, until a render hits a limit."""
+    run = _ProbeRun()
+    for probe in probe_conversations(markers, switches):
+        if renderer.limit_hit is not None:
+            run.limited.append(probe.name)
+            continue
+        outcome = prober.run(probe)
+        if outcome == "checked":
+            run.checked.append(probe.name)
+            run.num_checked_by_default += probe.setting == DEFAULT
+        elif outcome == "failed" and renderer.limit_hit is not None:
+            run.limited.append(probe.name)
+        elif outcome == "failed":
+            (run.failures if probe.setting == DEFAULT else run.skipped)[probe.name] = prober.failed
+    return run
+
+
+def _failure_findings(run: _ProbeRun, renderer: TemplateRenderer, origin: str) -> list[Finding]:
+    """Step 3: PG113 for a render limit, PG106 for a refused system message, PG109 for any
+    other probe the template raised on under the run's settings."""
+    findings: list[Finding] = []
+    if run.limited:
+        findings.append(Finding(
+            "PG113", f"rendering exceeded a limit ({renderer.limit_hit}): the template loops or "
+            f"grows its text without bound; {len(run.limited)} probe(s) were not checked",
+            f"{origin}: probe '{run.limited[0]}'", extra={"probes_not_checked": run.limited}))
+    for name, error in run.failures.items():
+        plain_name = name.removeprefix("system+")
+        if name.startswith("system+") and plain_name in run.checked:
+            findings.append(Finding("PG106", f"the template raises on a system message ({error}); "
+                                    "callers then fold the system prompt into a user turn, often the "
+                                    "last one", f"{origin}: probe '{name}'"))
+        else:
+            findings.append(Finding("PG109", f"the template raised, so this probe was not checked: "
+                                    f"{error}", f"{origin}: probe '{name}'"))
+    return findings
 
 
 def _is_set(setting: Setting, settings: Mapping[str, Any]) -> bool:
