@@ -6,13 +6,12 @@ RoPE and the family's knobs -- or one line naming the field we cannot honour.
 2) Fields no family here computes are refused when set: experts, MLP biases,
    bidirectional attention, activations other than SiLU and tanh GeLU, and soft-caps
    or windows in a family whose transformers code does not apply them the same way.
-3) The shape, with every field type-checked (a list where an int belongs is refused,
-   never coerced).
-4) RoPE, from transformers 5.x's `rope_parameters` or 4.x's `rope_scaling` and
-   top-level fields: plain, linear, dynamic, yarn, longrope, llama3; a partial rotary
-   width where the family's transformers code applies one; with one set of parameters
-   per layer kind (5.x's {"full_attention": ..., "sliding_attention": ...}, 4.x's
-   `rope_local_base_freq`), the windowed layers' own plain RoPE base.
+3) The shape, with every field type-checked (hf_fields.py: a list where an int
+   belongs is refused, never coerced).
+4) RoPE (hf_rope.py), from transformers 5.x's `rope_parameters` or 4.x's
+   `rope_scaling` and top-level fields: plain, linear, dynamic, yarn, longrope, llama3;
+   a partial rotary width where the family's transformers code applies one; with one
+   set of parameters per layer kind, the windowed layers' own plain RoPE base.
 5) Sliding windows: per layer, `sliding_window` where the family's code applies it
    (every layer, or those `layer_types` marks "sliding_attention").
 6) `max_seq_len`: the checkpoint's `max_position_embeddings`, capped at 32768 unless
@@ -26,15 +25,15 @@ This module knows config fields; no tensors (`hf_checkpoint.py`).
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
-from typing import Any
 
 import transformers
 
-from prefixgym.engine.model.config import ModelConfig, RopeScaling
+from prefixgym.engine.model.config import ModelConfig
 from prefixgym.engine.model.families import SUPPORTED_MODEL_TYPES, Family, family_of_model_type
+from prefixgym.engine.model.hf_fields import ConfigReader
+from prefixgym.engine.model.hf_rope import LAYER_TYPES, read_rope
 from prefixgym.types import JSONObject
 
 __all__ = ["DEFAULT_MAX_SEQ_LEN_CAP", "config_from_hf", "read_hf_config"]
@@ -51,40 +50,6 @@ _UNSUPPORTED = {  # field -> (its value is a problem when, why)
 _SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 """Read by the knobs of a family with `Family.softcaps` (Gemma's); refused in the others."""
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-class _Reader:
-    """Type-checked fields of one config.json, errors naming the file and field."""
-
-    def __init__(self, cfg: JSONObject, path: Path) -> None:
-        self.cfg, self.path = cfg, path
-
-    def error(self, message: str) -> ValueError:
-        return ValueError(f"{self.path}: {message}")
-
-    def field(self, key: str, default: Any = None) -> Any:
-        """The field as config.json has it (null included), `default` when absent."""
-        return self.cfg[key] if key in self.cfg else default
-
-    def int(self, key: str, default: int | None = None, source: JSONObject | None = None) -> int:
-        value = (source if source is not None else self.cfg).get(key)
-        if value is None:
-            if default is None:
-                raise self.error(f"required field {key!r} is missing")
-            return default
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise self.error(f"field {key!r} must be an integer, got {value!r}")
-        return value
-
-    def float(self, key: str, default: float, source: JSONObject | None = None) -> float:
-        value = (source if source is not None else self.cfg).get(key)
-        if value is None:
-            return default
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(
-                value):
-            raise self.error(f"field {key!r} must be a number, got {value!r}")
-        return float(value)
 
 
 def config_from_hf(
@@ -92,7 +57,7 @@ def config_from_hf(
 ) -> ModelConfig:
     """Steps 1-6: `cfg` (a parsed config.json) as a `ModelConfig`; ValueError naming the
     file and field where a family here cannot compute it exactly."""
-    read = _Reader(cfg, Path(path))
+    read = ConfigReader(cfg, Path(path))
     # 1)
     family = family_of_model_type(cfg.get("model_type"))
     if family is None and transformers_knows(cfg.get("model_type")):
@@ -102,6 +67,53 @@ def config_from_hf(
                          f"here ({', '.join(SUPPORTED_MODEL_TYPES)}) nor one transformers "
                          f"{transformers.__version__} knows")
     # 2)
+    activation = _supported_activation(read, family)
+    # 3)
+    dim, n_heads = read.int("hidden_size"), read.int("num_attention_heads")
+    head_dim_override = None
+    if cfg.get("head_dim") is not None and read.int("head_dim") * n_heads != dim:
+        head_dim_override = read.int("head_dim")
+    head_dim = head_dim_override or (dim // n_heads if n_heads else 0)
+    max_positions = read.int("max_position_embeddings", default=2048) or 2048
+    n_layers = read.int("num_hidden_layers")
+    # 4)
+    rope = read_rope(read, family, head_dim, max_positions)
+    exact_positions = rope.exact_positions
+    # 5)
+    windows = _windows(read, family, n_layers)
+    # 6)
+    if max_seq_len is None:
+        max_seq_len = min(max_positions, DEFAULT_MAX_SEQ_LEN_CAP, exact_positions or max_positions)
+    elif exact_positions and max_seq_len > exact_positions:
+        raise read.error(f"max_seq_len={max_seq_len}: past {exact_positions} positions this "
+                         "checkpoint's RoPE computes otherwise than here")
+    try:
+        return ModelConfig(**{  # the family's knobs last: they may name the activation
+            "activation": activation, **dict(
+            vocab_size=read.int("vocab_size"),
+            dim=dim,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=read.int("num_key_value_heads", default=n_heads) or n_heads,
+            hidden_dim=read.int("intermediate_size"),
+            max_seq_len=max_seq_len,
+            rope_theta=rope.theta,
+            norm_eps=read.float("rms_norm_eps", 1e-6),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
+            head_dim_override=head_dim_override,
+            family=family.name,
+            rope_scaling=rope.scaling,
+            rotary_dim=rope.rotary_dim,
+            layer_windows=windows,
+            local_rope_theta=rope.local_theta),
+            **family.knobs(read.field)})
+    except (ValueError, TypeError) as err:
+        raise read.error(str(err)) from None
+
+
+def _supported_activation(read: ConfigReader, family: Family) -> str:
+    """Step 2: refuse what this family cannot compute; the MLP's activation, our name."""
+    cfg = read.cfg
     for key, (bad, what) in _UNSUPPORTED.items():
         if what == "mixtures of experts" and family.experts:
             continue
@@ -122,68 +134,19 @@ def config_from_hf(
     if act not in _ACTIVATIONS:
         raise read.error(f"unsupported {family.activation_field} {act!r}; supported: "
                          f"{', '.join(_ACTIVATIONS)}")
-    # 3)
-    dim, n_heads = read.int("hidden_size"), read.int("num_attention_heads")
-    head_dim_override = None
-    if cfg.get("head_dim") is not None and read.int("head_dim") * n_heads != dim:
-        head_dim_override = read.int("head_dim")
-    head_dim = head_dim_override or (dim // n_heads if n_heads else 0)
-    max_positions = read.int("max_position_embeddings", default=2048) or 2048
-    n_layers = read.int("num_hidden_layers")
-    # 4)
-    global_rope, local_rope = _rope_specs(read)
-    theta, scaling, rotary_dim, exact_positions = _rope(read, global_rope, family, head_dim,
-                                                        max_positions)
-    local_theta = None
-    if local_rope is not None:
-        local_theta, local_scaling, _, _ = _rope(read, local_rope, family, head_dim,
-                                                 max_positions)
-        if local_scaling != RopeScaling():
-            raise read.error("a scaled RoPE on the sliding-window layers is not supported")
-        if local_theta == theta and scaling == RopeScaling():
-            local_theta = None  # the same tables
-    # 5)
-    windows = _windows(read, family, n_layers)
-    # 6)
-    if max_seq_len is None:
-        max_seq_len = min(max_positions, DEFAULT_MAX_SEQ_LEN_CAP, exact_positions or max_positions)
-    elif exact_positions and max_seq_len > exact_positions:
-        raise read.error(f"max_seq_len={max_seq_len}: past {exact_positions} positions this "
-                         "checkpoint's RoPE computes otherwise than here")
-    try:
-        return ModelConfig(**{  # the family's knobs last: they may name the activation
-            "activation": _ACTIVATIONS[act], **dict(
-            vocab_size=read.int("vocab_size"),
-            dim=dim,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=read.int("num_key_value_heads", default=n_heads) or n_heads,
-            hidden_dim=read.int("intermediate_size"),
-            max_seq_len=max_seq_len,
-            rope_theta=theta,
-            norm_eps=read.float("rms_norm_eps", 1e-6),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
-            head_dim_override=head_dim_override,
-            family=family.name,
-            rope_scaling=scaling,
-            rotary_dim=rotary_dim,
-            layer_windows=windows,
-            local_rope_theta=local_theta),
-            **family.knobs(read.field)})
-    except (ValueError, TypeError) as err:
-        raise read.error(str(err)) from None
+    return _ACTIVATIONS[act]
 
 
-def _windows(read: _Reader, family: Family, n_layers: int) -> tuple[int, ...] | None:
+def _windows(read: ConfigReader, family: Family, n_layers: int) -> tuple[int, ...] | None:
     """Step 5: each layer's window (0: none), or None when no layer has one."""
     window = read.cfg.get("sliding_window")
     types = read.cfg.get("layer_types")
     if types is not None and (not isinstance(types, list) or len(types) != n_layers):
         raise read.error(f"layer_types must be a list of {n_layers} strings, got {types!r}")
     for kind in types or ():
-        if kind not in _LAYER_TYPES:
+        if kind not in LAYER_TYPES:
             raise read.error(f"layer_types entry {kind!r} is not supported; supported: "
-                             f"{', '.join(_LAYER_TYPES)}")
+                             f"{', '.join(LAYER_TYPES)}")
     if family.window_switch and not read.cfg.get(family.window_switch):
         return None  # (transformers' config nulls the window then)
     if window is None or family.windows == "none":
@@ -209,110 +172,6 @@ def _windows(read: _Reader, family: Family, n_layers: int) -> tuple[int, ...] | 
     return tuple(size if kind == "sliding_attention" else 0 for kind in types)
 
 
-def _rope_specs(read: _Reader) -> tuple[JSONObject, JSONObject | None]:
-    """The RoPE fields of the full-attention layers, merged flat (4.x's `rope_scaling`
-    and top-level fields, then 5.x's `rope_parameters`, which win), and those of the
-    sliding-window layers when they have their own (else None)."""
-    merged: JSONObject = {}
-    local: JSONObject | None = None
-    for field in ("rope_scaling", "rope_parameters"):
-        spec = read.cfg.get(field)
-        if spec is not None and not isinstance(spec, dict):
-            raise read.error(f"{field} must be an object or null, got {spec!r}")
-        if spec and any(kind in spec for kind in _LAYER_TYPES):  # one set per layer kind
-            full, local = spec.get("full_attention"), spec.get("sliding_attention")
-            for kind, value in (("full_attention", full), ("sliding_attention", local)):
-                if value is not None and not isinstance(value, dict):
-                    raise read.error(f"{field}.{kind} must be an object, got {value!r}")
-            spec = full
-        merged.update(spec or {})
-    if "rope_local_base_freq" in read.cfg and local is None:  # 4.x Gemma 3
-        local = {"rope_type": "default", "rope_theta": read.float("rope_local_base_freq", 1.0)}
-    return merged, local
-
-
-def _rope(read: _Reader, merged: JSONObject, family: Family, head_dim: int,
-          max_positions: int) -> tuple[float, RopeScaling, int | None, int]:
-    """(rope_theta, the scaling, the rotary width or None, the positions up to which it
-    is exact, 0 for all) from one layer kind's merged RoPE fields."""
-    theta = read.float("rope_theta", read.float("rope_theta", 10000.0), source=merged)
-    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
-    where = "rope_parameters" if read.cfg.get("rope_parameters") else "rope_scaling"
-    partial = read.float("partial_rotary_factor",
-                         read.float("partial_rotary_factor", 1.0), source=merged)
-    rotary_dim = None
-    if partial != 1.0 and family.partial_rotary:
-        rotary_dim = int(head_dim * partial)
-    elif partial != 1.0 and kind not in ("default", None):
-        # transformers' code for it ignores the factor with plain RoPE (as here) and
-        # cannot apply the narrower tables a scaled RoPE would build from it
-        raise read.error(f"partial_rotary_factor={partial} with {kind!r} RoPE: transformers' "
-                         f"{family.name} rotates every dim, so these numbers are undefined")
-    original = read.int("original_max_position_embeddings",
-                        read.int("original_max_position_embeddings", 0), source=merged)
-
-    def factor(default: float | None = None) -> float:
-        value = read.float("factor", 0.0, source=merged) or default
-        if value is None:
-            raise read.error(f"{where} of type {kind!r} needs 'factor'")
-        return value
-
-    def need_original() -> int:
-        if not original:
-            raise read.error(f"{where} of type {kind!r} needs 'original_max_position_embeddings'")
-        return original
-
-    if kind == "default":
-        return theta, RopeScaling(), rotary_dim, 0
-    if kind == "linear":
-        return theta, RopeScaling("linear", factor=factor()), rotary_dim, 0
-    if kind == "dynamic":  # transformers' NTK base changes only past max_position_embeddings
-        factor()
-        return theta, RopeScaling(), rotary_dim, max_positions
-    if kind == "llama3":
-        return theta, RopeScaling(
-            "llama3", factor=factor(), original_max_positions=need_original(),
-            low_freq_factor=read.float("low_freq_factor", 1.0, source=merged),
-            high_freq_factor=read.float("high_freq_factor", 4.0, source=merged)), rotary_dim, 0
-    if kind == "yarn":
-        orig = need_original()
-        f = factor(max_positions / orig)
-        return theta, RopeScaling(
-            "yarn", factor=f, original_max_positions=orig,
-            beta_fast=read.float("beta_fast", 0.0, source=merged) or 32.0,
-            beta_slow=read.float("beta_slow", 0.0, source=merged) or 1.0,
-            truncate=bool(merged.get("truncate", True)),
-            attention_factor=_yarn_attention_factor(read, merged, f)), rotary_dim, 0
-    if kind == "longrope":
-        orig = need_original() if original else max_positions
-        short = merged.get("short_factor")
-        if not isinstance(short, list) or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) for x in short):
-            raise read.error(f"{where} of type 'longrope' needs 'short_factor', a list of numbers")
-        f = factor(max_positions / orig)
-        attention = read.float("attention_factor", 0.0, source=merged) or (
-            1.0 if f <= 1.0 else math.sqrt(1 + math.log(f) / math.log(orig)))
-        return theta, RopeScaling("longrope", short_factor=tuple(float(x) for x in short),
-                                  attention_factor=attention), rotary_dim, orig
-    raise read.error(f"unsupported {where} type {kind!r}; supported: default, linear, "
-                     "dynamic, yarn, longrope, llama3")
-
-
-def _yarn_attention_factor(read: _Reader, merged: JSONObject, factor: float) -> float:
-    given = read.float("attention_factor", 0.0, source=merged)
-    if given:
-        return given
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    m, m_all = merged.get("mscale"), merged.get("mscale_all_dim")
-    if m and m_all:
-        return mscale(factor, read.float("mscale", 1.0, source=merged)) / mscale(
-            factor, read.float("mscale_all_dim", 1.0, source=merged))
-    return mscale(factor)
-
-
 def transformers_knows(model_type: object) -> bool:
     """Whether transformers has a causal-LM class for this `model_type` (a family with
     no code here then runs through transformers' code: hf_fallback.py)."""
@@ -320,7 +179,7 @@ def transformers_knows(model_type: object) -> bool:
     return isinstance(model_type, str) and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
-def _transformers_config(read: _Reader, cfg: JSONObject, max_seq_len: int | None) -> ModelConfig:
+def _transformers_config(read: ConfigReader, cfg: JSONObject, max_seq_len: int | None) -> ModelConfig:
     """The shape of a model transformers' own code will run (family "transformers"),
     read through transformers' config class (its field names differ per family); the
     load checks the rest (hf_fallback.py)."""
