@@ -172,6 +172,14 @@ class ModelConfig:
     attention without a value (gpt-oss)."""
 
     def __post_init__(self) -> None:
+        """1) what every model has: the shape, rope_theta, norm_eps; 2) the rotary width
+        and which layers rotate; 3) the knobs families differ by. ValueError naming the
+        field."""
+        self._check_core()
+        self._check_rotary()
+        self._check_knobs()
+
+    def _check_core(self) -> None:
         for name in (
             "vocab_size",
             "dim",
@@ -200,6 +208,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rope_theta must be positive, got {self.rope_theta!r}")
         if not (self.norm_eps > 0):
             raise ValueError(f"ModelConfig.norm_eps must be positive, got {self.norm_eps!r}")
+
+    def _check_rotary(self) -> None:
         rotary = self.rotary_dim if self.rotary_dim is not None else self.head_dim
         if not 0 < rotary <= self.head_dim or rotary % 2:
             raise ValueError(f"ModelConfig.rotary_dim must be even and in (0, head_dim="
@@ -211,6 +221,8 @@ class ModelConfig:
         if self.rope_layers is not None and len(self.rope_layers) != self.n_layers:
             raise ValueError(f"ModelConfig.rope_layers has {len(self.rope_layers)} entries for "
                              f"{self.n_layers} layers")
+
+    def _check_knobs(self) -> None:
         if self.norms not in NORM_PLACEMENTS:
             raise ValueError(f"ModelConfig.norms must be one of {NORM_PLACEMENTS}, got "
                              f"{self.norms!r}")

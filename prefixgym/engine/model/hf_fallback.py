@@ -188,13 +188,27 @@ def load_with_transformers(directory: str | os.PathLike[str], config: ModelConfi
                            raw: dict[str, Any], dtype: torch.dtype) -> TransformersCodeModel:
     """The checkpoint as a `TransformersCodeModel` (train mode): steps 1-3 of the
     module docstring; ValueError naming the directory and the reason it cannot run."""
+    where, kind = Path(directory) / "config.json", raw.get("model_type")
+    model = TransformersCodeModel(_built(directory, dtype, where, kind), config, raw)  # 1)
+    T = min(_PROBE_TOKENS, config.max_seq_len)
+    ids = torch.arange(T).remainder(config.vocab_size - 3).add(3).unsqueeze(0)
+    model.config = _probed_config(model, config, ids, where, kind)  # 2)
+    _check_logits(model, ids, dtype, where, kind)  # 3)
+    warnings.warn(f"{kind} has no code in prefixgym: it runs through transformers' modeling "
+                  "code over prefixgym's KV cache (sampling and full training; no LoRA yet)",
+                  stacklevel=2)
+    return model.train()
+
+
+def _built(directory: str | os.PathLike[str], dtype: torch.dtype, where: Path,
+           kind: object) -> Any:
+    """Step 1: transformers' model of `kind` (its model_type), every weight from the
+    checkpoint; errors name `where` (its config.json)."""
     import transformers
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, _attention)
-    where = Path(directory) / "config.json"
-    kind = raw.get("model_type")
-    try:  # 1)
+    try:
         with _quiet(transformers):
             loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
                 directory, dtype=dtype, attn_implementation=ATTENTION, local_files_only=True,
@@ -209,11 +223,14 @@ def load_with_transformers(directory: str | os.PathLike[str], config: ModelConfi
             raise ValueError(f"{where}: the checkpoint does not fit transformers' {kind} model: "
                              f"{len(names)} {what.replace('_', ' ')} ({', '.join(names[:3])}"
                              f"{', ...' if len(names) > 3 else ''})")
-    model = TransformersCodeModel(hf, config, raw)
-    # 2) what each layer's attention is handed
-    T = min(_PROBE_TOKENS, config.max_seq_len)
-    ids = torch.arange(T).remainder(config.vocab_size - 3).add(3).unsqueeze(0)
-    probe = _Probe(T)
+    return hf
+
+
+def _probed_config(model: TransformersCodeModel, config: ModelConfig, ids: torch.Tensor,
+                   where: Path, kind: object) -> ModelConfig:
+    """Step 2: `config` with the KV heads, widths and windows each layer's attention is
+    handed, once every layer is seen handing one kind of key/value."""
+    probe = _Probe(ids.shape[1])
     with torch.no_grad():
         try:
             model.hidden(ids, kv=probe)
@@ -231,9 +248,14 @@ def load_with_transformers(directory: str | os.PathLike[str], config: ModelConfi
         raise ValueError(f"{where}: {kind} has keys of width {dk} and values of width {dv} "
                          f"in {hkv} heads; prefixgym's KV store needs equal widths")
     windows = tuple(probe.seen[i][3] for i in range(config.n_layers))
-    model.config = dataclasses.replace(config, n_kv_heads=hkv, head_dim_override=dk,
-                                       layer_windows=windows if any(windows) else None)
-    # 3) the logits of transformers' own attention
+    return dataclasses.replace(config, n_kv_heads=hkv, head_dim_override=dk,
+                               layer_windows=windows if any(windows) else None)
+
+
+def _check_logits(model: TransformersCodeModel, ids: torch.Tensor, dtype: torch.dtype,
+                  where: Path, kind: object) -> None:
+    """Step 3: our logits are those of transformers' own attention."""
+    hf = model.hf
     with torch.no_grad():
         ours = model.head(model.hidden(ids))
         hf.set_attn_implementation("sdpa")
@@ -247,10 +269,6 @@ def load_with_transformers(directory: str | os.PathLike[str], config: ModelConfi
         raise ValueError(f"{where}: {kind}'s logits here differ from transformers' own by "
                          f"{diff:.2g} (of {scale:.2g}): its forward does more than its "
                          "decoder and output embedding, which prefixgym cannot run yet")
-    warnings.warn(f"{kind} has no code in prefixgym: it runs through transformers' modeling "
-                  "code over prefixgym's KV cache (sampling and full training; no LoRA yet)",
-                  stacklevel=2)
-    return model.train()
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from prefixgym.engine.model.config import ModelConfig
 from prefixgym.engine.model.decoder import Transformer
 from prefixgym.engine.model.families import LAYERS, family_named, module_shapes
 from prefixgym.engine.model.hf_checkpoint import deinterleave_gate_up, interleave_gate_up
@@ -176,40 +177,70 @@ def read_adapter(directory: str | os.PathLike[str], model: Transformer
                  ) -> tuple[LoraSpec, dict[str, tuple[Tensor, Tensor]]]:
     """The spec and our key -> (A, B) tensors (float32) of a PEFT adapter for `model`."""
     root = Path(directory)
-    config = model.config
     cfg = _read_config(root)
     weights = root / WEIGHTS_NAME
     if not weights.is_file():
         raise FileNotFoundError(f"{root}: no {WEIGHTS_NAME} (only safetensors adapters load)")
     r = int(cfg["r"])
     # 1) every tensor: a known module of an existing layer, with the right shape
-    shapes = {"lm_head": (config.dim, config.vocab_size)}  # HF module -> (fan_in, fan_out)
-    ours_of: dict[str, tuple[str, int]] = {}  # HF module -> (our layer, its part)
+    shapes, ours_of = _module_fans(model.config)
+    found, expert_found = _checked_tensors(weights, cfg, model, r, shapes, ours_of)
+    # 2) join the parts of each of our layers; a missing part is a zero adapter
+    keys = {ours_key for ours_key, _ in found}
+    spec = LoraSpec(rank=r, alpha=float(cfg.get("lora_alpha", 8)),
+                    train_attn=any(".attn." in k for k in keys),
+                    train_mlp=any(".mlp." in k for k in keys) or bool(expert_found),
+                    train_unembed=HEAD in keys, rslora=bool(cfg.get("use_rslora", False)))
+    joined: dict[str, tuple[Tensor, Tensor]] = {}
+    E = model.config.num_experts
+    for key, pair in expert_found.items():  # to ours: A (E, r, in), B (E, out, r)
+        a, b = pair["A"], pair["B"]
+        b = b.reshape(b.shape[0], r, E).permute(2, 0, 1)
+        if key.endswith("gate_up") and _interleaved(model):
+            b = deinterleave_gate_up(b)
+        joined[key] = (a.reshape(E, r, a.shape[1]), b.contiguous())
+    for key in sorted(keys):
+        modules = (("lm_head",) if key == HEAD else
+                   family_named(model.config.family).hf_modules(key.split(".", 2)[2]))
+        a_parts, b_parts = [], []
+        for part, module in enumerate(modules):
+            fan_in, fan_out = shapes[module]
+            got = found.get((key, part))
+            a_parts.append(got["A"] if got else torch.zeros(r, fan_in))
+            b_parts.append(got["B"] if got else torch.zeros(fan_out, r))
+        joined[key] = (torch.cat(a_parts), torch.cat(b_parts))
+    return spec, joined
+
+
+def _module_fans(config: ModelConfig
+                 ) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[str, int]]]:
+    """(HF module -> (fan_in, fan_out), HF module -> (our layer, its part)) of the
+    modules an adapter of a model of `config` may name."""
+    shapes = {"lm_head": (config.dim, config.vocab_size)}
+    ours_of: dict[str, tuple[str, int]] = {}
     for our_layer in LAYERS:
         for part, (module, (fan_out, fan_in)) in enumerate(module_shapes(config, our_layer)):
             shapes[module] = (fan_in, fan_out)
             ours_of[module] = (our_layer, part)
+    return shapes, ours_of
+
+
+def _checked_tensors(weights: Path, cfg: dict[str, Any], model: Transformer, r: int,
+                     shapes: dict[str, tuple[int, int]], ours_of: dict[str, tuple[str, int]]
+                     ) -> tuple[dict[tuple[str, int], dict[str, Tensor]],
+                                dict[str, dict[str, Tensor]]]:
+    """Step 1 of `read_adapter`: the file's LoRA tensors, float32, each checked: ((our
+    layer key, part) -> {"A": ..., "B": ...}, "layers.i.mlp.gate_up"/"down" -> the
+    same); base weights saved along are checked to be the model's and dropped."""
+    config = model.config
     found: dict[tuple[str, int], dict[str, Tensor]] = {}
-    expert_found: dict[str, dict[str, Tensor]] = {}  # "layers.i.mlp.gate_up" -> A, B
+    expert_found: dict[str, dict[str, Tensor]] = {}
     for name, tensor in safetensors.torch.load_file(str(weights)).items():
         layer, head = _KEY.match(name), _HEAD_KEY.match(name)
         expert = _EXPERT_KEY.match(name)
         if expert is not None:
-            i, which = int(expert[1]), ("gate_up" if expert[2] else "down")
-            if sorted(cfg.get("target_parameters") or ()) != sorted(EXPERT_PARAMETERS):
-                raise ValueError(f"{weights}: expert adapters load with target_parameters "
-                                 f"{list(EXPERT_PARAMETERS)}, got "
-                                 f"{cfg.get('target_parameters')!r}")
-            if i >= config.n_layers or not config.is_moe(i):
-                raise ValueError(f"{weights}: tensor {name!r} is not a mixture of experts "
-                                 "this model has")
-            E, C, F = config.num_experts, config.dim, config.expert_hidden_dim
-            fan_in, fan_out = (C, 2 * F) if which == "gate_up" else (F, C)
-            want = (r * E, fan_in) if expert[3] == "A" else (fan_out, r * E)
-            if tuple(tensor.shape) != want:
-                raise ValueError(f"{weights}: tensor {name!r} has shape "
-                                 f"{tuple(tensor.shape)}, expected {want} (r={r})")
-            expert_found.setdefault(f"layers.{i}.mlp.{which}", {})[expert[3]] = tensor.float()
+            key = _checked_expert_tensor(weights, cfg, config, r, name, tensor, expert)
+            expert_found.setdefault(key, {})[expert[3]] = tensor.float()
             continue
         if name in _BASE_COPIES:
             _check_base_copy(weights, name, tensor, model)
@@ -239,31 +270,28 @@ def read_adapter(directory: str | os.PathLike[str], model: Transformer
     for (ours_key, part), pair in found.items():
         if set(pair) != {"A", "B"}:
             raise ValueError(f"{weights}: {ours_key} part {part} has lora_{''.join(pair)} only")
-    # 2) join the parts of each of our layers; a missing part is a zero adapter
-    keys = {ours_key for ours_key, _ in found}
-    spec = LoraSpec(rank=r, alpha=float(cfg.get("lora_alpha", 8)),
-                    train_attn=any(".attn." in k for k in keys),
-                    train_mlp=any(".mlp." in k for k in keys) or bool(expert_found),
-                    train_unembed=HEAD in keys, rslora=bool(cfg.get("use_rslora", False)))
-    joined: dict[str, tuple[Tensor, Tensor]] = {}
-    E = config.num_experts
-    for key, pair in expert_found.items():  # to ours: A (E, r, in), B (E, out, r)
-        a, b = pair["A"], pair["B"]
-        b = b.reshape(b.shape[0], r, E).permute(2, 0, 1)
-        if key.endswith("gate_up") and _interleaved(model):
-            b = deinterleave_gate_up(b)
-        joined[key] = (a.reshape(E, r, a.shape[1]), b.contiguous())
-    for key in sorted(keys):
-        modules = (("lm_head",) if key == HEAD else
-                   family_named(config.family).hf_modules(key.split(".", 2)[2]))
-        a_parts, b_parts = [], []
-        for part, module in enumerate(modules):
-            fan_in, fan_out = shapes[module]
-            got = found.get((key, part))
-            a_parts.append(got["A"] if got else torch.zeros(r, fan_in))
-            b_parts.append(got["B"] if got else torch.zeros(fan_out, r))
-        joined[key] = (torch.cat(a_parts), torch.cat(b_parts))
-    return spec, joined
+    return found, expert_found
+
+
+def _checked_expert_tensor(weights: Path, cfg: dict[str, Any], config: ModelConfig, r: int,
+                           name: str, tensor: Tensor, expert: re.Match[str]) -> str:
+    """An experts' adapter tensor (`_EXPERT_KEY`), checked; its key,
+    "layers.i.mlp.gate_up" or "layers.i.mlp.down"."""
+    i, which = int(expert[1]), ("gate_up" if expert[2] else "down")
+    if sorted(cfg.get("target_parameters") or ()) != sorted(EXPERT_PARAMETERS):
+        raise ValueError(f"{weights}: expert adapters load with target_parameters "
+                         f"{list(EXPERT_PARAMETERS)}, got "
+                         f"{cfg.get('target_parameters')!r}")
+    if i >= config.n_layers or not config.is_moe(i):
+        raise ValueError(f"{weights}: tensor {name!r} is not a mixture of experts "
+                         "this model has")
+    E, C, F = config.num_experts, config.dim, config.expert_hidden_dim
+    fan_in, fan_out = (C, 2 * F) if which == "gate_up" else (F, C)
+    want = (r * E, fan_in) if expert[3] == "A" else (fan_out, r * E)
+    if tuple(tensor.shape) != want:
+        raise ValueError(f"{weights}: tensor {name!r} has shape "
+                         f"{tuple(tensor.shape)}, expected {want} (r={r})")
+    return f"layers.{i}.mlp.{which}"
 
 
 @torch.no_grad()
