@@ -59,6 +59,30 @@ from prefixgym.futures import APIFuture
 from prefixgym.types import SampleResponse, SamplingParams
 
 
+def _pool_and_cache(config: ModelConfig, options: SamplerOptions, device: torch.device,
+                    model_dtype: torch.dtype) -> tuple[KVPool, PrefixCache]:
+    """The KV pool of `options.cache_bytes` and the prefix cache over its blocks."""
+    # stored in the model's dtype (its keys and values are values of it: exact), read
+    # by attention in fp32 on CPU (SDPA's fastest there) and in the model's elsewhere
+    kv_dtype = model_dtype if options.kv_cache_dtype == "auto" else torch.float32
+    attend_dtype = torch.float32 if device.type == "cpu" else model_dtype
+    kv_element_size = torch.empty((), dtype=kv_dtype).element_size()
+    layout = PageLayout.of(config.windows)  # hybrid models: a block per layer group
+    block_bytes = (config.kv_elements_per_position * layout.slots // config.n_layers
+                   * options.block_size * kv_element_size)
+    num_blocks = options.cache_bytes // block_bytes
+    if num_blocks < 2:
+        raise ValueError(f"cache_bytes={options.cache_bytes} holds {num_blocks} KV blocks "
+                         f"of {block_bytes} bytes; the engine needs at least 2")
+    pool = KVPool(config.n_layers, config.n_kv_heads, config.head_dim, num_blocks,
+                  options.block_size, kv_dtype, device, windows=config.windows,
+                  attend_dtype=attend_dtype)
+    cache = PrefixCache(num_blocks, options.block_size, block_bytes,
+                        indexing=options.prefix_cache, window_groups=layout.groups - 1,
+                        window=layout.window)
+    return pool, cache
+
+
 class Engine:
     """The sampling engine of models of `config` on `device`, built as `options` says: a
     KV pool of `options.cache_bytes` (in `model_dtype`, or fp32 as `kv_cache_dtype` says;
@@ -76,29 +100,13 @@ class Engine:
         seed: int = 0,
         max_prefill_tokens: int = 2048,
     ) -> None:
-        # stored in the model's dtype (its keys and values are values of it: exact), read
-        # by attention in fp32 on CPU (SDPA's fastest there) and in the model's elsewhere
-        kv_dtype = model_dtype if options.kv_cache_dtype == "auto" else torch.float32
-        attend_dtype = torch.float32 if device.type == "cpu" else model_dtype
-        kv_element_size = torch.empty((), dtype=kv_dtype).element_size()
-        layout = PageLayout.of(config.windows)  # hybrid models: a block per layer group
-        block_bytes = (config.kv_elements_per_position * layout.slots // config.n_layers
-                       * options.block_size * kv_element_size)
-        num_blocks = options.cache_bytes // block_bytes
-        if num_blocks < 2:
-            raise ValueError(f"cache_bytes={options.cache_bytes} holds {num_blocks} KV blocks "
-                             f"of {block_bytes} bytes; the engine needs at least 2")
-        pool = KVPool(config.n_layers, config.n_kv_heads, config.head_dim, num_blocks,
-                      options.block_size, kv_dtype, device, windows=config.windows,
-                      attend_dtype=attend_dtype)
-        cache = PrefixCache(num_blocks, options.block_size, block_bytes,
-                            indexing=options.prefix_cache, window_groups=layout.groups - 1,
-                            window=layout.window)
+        pool, cache = _pool_and_cache(config, options, device, model_dtype)
+        layout = pool.layout
         self.options = options
         self.cache = cache
         self.limits = RequestLimits(max_samples=options.max_running,
                                     max_kv_bytes=options.max_kv_bytes,
-                                    kv_element_size=kv_element_size)
+                                    kv_element_size=pool.k.element_size())
         self.deterministic = options.deterministic
         self._decode = decode
         self._ledger = ledger

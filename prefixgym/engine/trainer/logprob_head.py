@@ -145,6 +145,18 @@ class HeadRows:
 LossOfGrid = Callable[[Tensor], tuple[Tensor, Any]]
 
 
+def _split_by_loss(rows: HeadRows, in_loss_B_T: Tensor) -> tuple[Tensor, Tensor]:
+    """Step 1's pair indices: (those an in-loss cell reads, the others); every pair
+    when no cell is in the loss, for the zero gradients the loss's own backward would
+    give."""
+    n_pairs = int(rows.targets_P.shape[0])
+    read = torch.zeros(n_pairs + 1, dtype=torch.bool, device=in_loss_B_T.device)
+    read[rows.pair_B_T[in_loss_B_T]] = True
+    if not read[:n_pairs].any():
+        read[:n_pairs] = True
+    return read[:n_pairs].nonzero().squeeze(1), (~read[:n_pairs]).nonzero().squeeze(1)
+
+
 def loss_gradients(
     model: Transformer, rows: HeadRows, in_loss_B_T: Tensor, loss_of_grid: LossOfGrid,
     params: Sequence[torch.nn.Parameter],
@@ -171,12 +183,7 @@ def loss_gradients(
     (the pairs of step 3 get a second forward), against a backward on every pair.
     """
     n_pairs = int(rows.targets_P.shape[0])
-    read = torch.zeros(n_pairs + 1, dtype=torch.bool, device=in_loss_B_T.device)
-    read[rows.pair_B_T[in_loss_B_T]] = True
-    if not read[:n_pairs].any():  # no loss positions: every pair, for the zero gradients
-        read[:n_pairs] = True      # the loss's own backward would give
-    with_grad = read[:n_pairs].nonzero().squeeze(1)
-    without = (~read[:n_pairs]).nonzero().squeeze(1)
+    with_grad, without = _split_by_loss(rows, in_loss_B_T)
 
     def head(pairs: Tensor) -> Tensor:
         """The logprobs of these pairs, with gradient where grad mode is on."""
