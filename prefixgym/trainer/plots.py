@@ -89,15 +89,20 @@ def smoothed(values: Sequence[float], window: int) -> list[float]:
 
 
 def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
-    """training.png, tokens.png and time.png in `out`; returns their paths."""
+    """training.png, tokens.png, time.png and mismatch.png in `out`; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     t = _Timeline(records)
-    paths = [out / "training.png", out / "tokens.png"]
+    return [_training_plot(plt, out / "training.png", t), _tokens_plot(plt, out / "tokens.png", t),
+            _time_plot(plt, out / "time.png", t), _mismatch_plot(plt, out / "mismatch.png", t)]
 
+
+def _training_plot(plt: Any, path: Path, t: _Timeline) -> Path:
+    """training.png: the warm-start loss, then per GRPO step the train reward, the
+    replies' health and the evaluations (module docstring)."""
     fig, axes = plt.subplots(5, 1, figsize=(7.5, 11.5))
     loss_ax, reward_ax, health_ax, success_ax, eval_reward_ax = axes
     for ax in (health_ax, success_ax, eval_reward_ax):
@@ -119,6 +124,22 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
         reward_ax.legend(loc="lower right", fontsize=8)
     _label(reward_ax, "GRPO train reward\n(mean per episode)", bool(t.grpo), "no GRPO steps")
     _health(health_ax, t)
+    _evaluations(success_ax, eval_reward_ax, t)
+    eval_reward_ax.set_xlabel("GRPO step")
+    for ax in axes:
+        _integer_steps(ax)
+    fig.suptitle("Training run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _evaluations(success_ax: Axes, reward_ax: Axes, t: _Timeline) -> None:
+    """Eval success and eval mean reward with their standard errors against the GRPO
+    step; the starting weights' as a dashed line."""
+    from matplotlib.ticker import PercentFormatter
+
     how = eval_kind([*t.start, *t.evals]).replace("sampled at ", "")
     # without a warm start the first evaluation is a GRPO one: no step-0 label then
     first = ("step 0: after the warm start"
@@ -126,7 +147,7 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     for ax, key, err, colour, name, show in (
         (success_ax, "eval/success", "eval/success_stderr", "tab:green", "eval success",
          "{:.1%}"),
-        (eval_reward_ax, "eval/reward/mean", "eval/reward/stderr", "tab:orange",
+        (reward_ax, "eval/reward/mean", "eval/reward/stderr", "tab:orange",
          "eval mean reward", "{:.3f}"),
     ):
         if t.evals:
@@ -139,14 +160,12 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
         if first or t.start:
             ax.legend(loc="best", fontsize=8)
         _label(ax, f"{name}\n({how}, held-out)", bool(t.evals or t.start), "no evaluation")
-    success_ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-    eval_reward_ax.set_xlabel("GRPO step")
-    for ax in axes:
-        _integer_steps(ax)
-    fig.suptitle("Training run")
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=100)
-    plt.close(fig)
+    success_ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+
+
+def _tokens_plot(plt: Any, path: Path, t: _Timeline) -> Path:
+    """tokens.png: one panel per phase's tokens and the cache hit rate, per GRPO step."""
+    from matplotlib.ticker import PercentFormatter
 
     fig, grid = plt.subplots(2, 4, figsize=(13, 5.5), sharex=True)
     xs = t.grpo_x()
@@ -164,7 +183,7 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     if points:
         hit_ax.plot(*zip(*points), marker=".", ms=3, lw=1, color="tab:green")
         hit_ax.set_ylim(0, 1.02)
-        hit_ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        hit_ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     _label(hit_ax, "of prompt tokens", bool(points), "no GRPO steps")
     hit_ax.set_title("prefix-cache hit rate", fontsize=10)
     for ax in (*panels, hit_ax):
@@ -174,11 +193,9 @@ def write_plots(out: Path, records: Sequence[JSONObject]) -> list[Path]:
     hit_ax.tick_params(labelbottom=True)
     fig.suptitle("Tokens per phase, per GRPO step (the warm start's: report.md)")
     fig.tight_layout()
-    fig.savefig(paths[1], dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    paths.append(_time_plot(plt, out / "time.png", t))
-    paths.append(_mismatch_plot(plt, out / "mismatch.png", t))
-    return paths
+    return path
 
 
 MISMATCH_PANELS = (  # (panel, [(metric, label)], y label)
