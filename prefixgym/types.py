@@ -13,7 +13,8 @@ message names the field and the value.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -29,10 +30,43 @@ LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dr
                      "stable_reinforce"]
 LOSS_FN_NAMES: tuple[LossFnName, ...] = get_args(LossFnName)
 """Every built-in loss, as `forward_backward(loss_fn=...)` names it: the engine's losses
-(`engine/trainer/losses.py`) and `prefixgym train --loss` read this one list."""
+(`engine/trainer/losses.py`, keyed by these) and `prefixgym train --loss` read this one
+list."""
+OFF_POLICY_LOSS_FN_NAMES: tuple[LossFnName, ...] = ("importance_sampling", "ppo", "cispo", "gspo")
+"""The losses that take an off-policy correction (`engine/trainer/off_policy.py`): dro's
+and stable_reinforce's penalties are on the log-ratio to the sampler itself, which the
+correction would replace."""
 NonfiniteUpdate = Literal["skip", "error"]
 NONFINITE_UPDATES: tuple[NonfiniteUpdate, ...] = get_args(NonfiniteUpdate)
 """What an update whose gradient norm is NaN or inf does: skip it (counted) or raise."""
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """The training client's settings that `prefixgym train` takes as flags, with their
+    defaults and checks written once: the engine's `TrainerOptions` and the command's
+    `TrainConfig` (neither may import the other) both take their defaults from
+    `TRAINING_DEFAULTS` and check with `check_training_settings`."""
+
+    nonfinite_update: NonfiniteUpdate = "skip"
+    share_prefixes: bool = True
+    recompute_activations: bool = False
+    router_aux_loss_coef: float = 0.0
+
+
+TRAINING_DEFAULTS = TrainingSettings()
+
+
+def check_training_settings(nonfinite_update: str, router_aux_loss_coef: float,
+                            name: Callable[[str], str] = str) -> None:
+    """ValueError for a setting of `TrainingSettings` out of its range, naming it as
+    `name` spells a field (a command: its flag)."""
+    if nonfinite_update not in NONFINITE_UPDATES:
+        raise ValueError(f"{name('nonfinite_update')} must be one of "
+                         f"{', '.join(NONFINITE_UPDATES)}, got {nonfinite_update!r}")
+    if not (router_aux_loss_coef >= 0 and math.isfinite(router_aux_loss_coef)):
+        raise ValueError(f"{name('router_aux_loss_coef')} must be a finite number >= 0, got "
+                         f"{router_aux_loss_coef!r}")
 
 
 class _Wire(BaseModel):

@@ -194,7 +194,7 @@ def run_checkpoint(run: Path) -> Path:
     """The newest intact checkpoint of the run in `run` (of the run its config.json
     describes, when it has one); ValueError when there is none."""
     from prefixgym.trainer.checkpoint import find_checkpoint
-    from prefixgym.trainer.config import saved_run_identity
+    from prefixgym.trainer.identity import saved_run_identity
 
     saved = run / RUN_CONFIG
     identity = saved_run_identity(read_json_object(saved)) if saved.exists() else None

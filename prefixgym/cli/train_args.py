@@ -14,7 +14,8 @@ from pathlib import Path
 from prefixgym.cli.flags import build_config, build_parser, read_config_file, read_json_object
 from prefixgym.envs.registration import absolute_spec
 from prefixgym.recipes import config_path, recipe_names
-from prefixgym.trainer.config import RUN_CONFIG, TrainConfig, with_added_fields
+from prefixgym.trainer.config import RUN_CONFIG, TrainConfig
+from prefixgym.trainer.identity import with_added_fields
 from prefixgym.trainer.model_defaults import pretrained_defaults
 from prefixgym.types import JSONObject
 

@@ -48,7 +48,7 @@ from prefixgym.files import (
     write_text_atomically,
 )
 from prefixgym.protocols import TrainingClient
-from prefixgym.trainer.config import with_added_fields
+from prefixgym.trainer.identity import with_added_fields
 from prefixgym.types import JSONObject, Usage
 
 WARM_START = "warm_start"

@@ -4,25 +4,27 @@ Every field's docstring is its `--help` text. The defaults are the main job: the
 built-in `tiny` model learning the built-in GuessNumber env on two CPU cores. A run on
 a checkpoint directory or a .gguf file (a pretrained model) takes its own defaults for
 the fields sized for `tiny` (`model_defaults.py`; the command line applies them).
-
-`run_identity(config)` is the part of a config that determines a run's results:
-every field but those in `RESUMABLE_CHANGES`, which a `--resume` may change (how far
-the run goes, how often it evaluates and checkpoints, where samples come from, how it
-shows progress). A checkpoint records its run's identity; `--resume` refuses one
-with another identity.
+`__post_init__` fills in the fields left unset and checks them all, one group of
+fields at a time. Which fields determine a run's results: `identity.py`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from prefixgym.files import is_gguf_path
 from prefixgym.trainer.tracking import TRACKERS
-from prefixgym.types import LOSS_FN_NAMES, NONFINITE_UPDATES, JSONObject
+from prefixgym.types import (
+    LOSS_FN_NAMES,
+    OFF_POLICY_LOSS_FN_NAMES,
+    TRAINING_DEFAULTS,
+    JSONObject,
+    check_training_settings,
+)
 
-LOSSES = tuple(name for name in LOSS_FN_NAMES if name != "cross_entropy")
+GRPO_LOSSES = tuple(name for name in LOSS_FN_NAMES if name != "cross_entropy")
 """The RL losses GRPO can train with (cross_entropy is the warm start's)."""
 RUN_CONFIG = "config.json"
 """The run's full resolved config, in its directory: written when it starts, read
@@ -30,49 +32,11 @@ back by --resume and `prefixgym rollout --run`."""
 LR_SCHEDULES = ("constant", "cosine")
 OFF_POLICY_CORRECTIONS = ("none", "tis", "mis")
 OFF_POLICY_LEVELS = ("token", "sequence")
-OFF_POLICY_LOSSES = ("importance_sampling", "ppo", "cispo", "gspo")
-"""The losses that take an off-policy correction (the engine's `losses.OFF_POLICY_LOSSES`)."""
 DEFAULT_ENV = "prefixgym/GuessNumber-v0"
 DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4, "expert_noise": 0.5, "invalid_penalty": 1.0}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 BACKENDS = ("local", "tinker")
 LORA_TARGETS = ("attn", "mlp", "unembed")
-RESUMABLE_CHANGES = (
-    "out", "resume", "force_resume", "steps", "eval_every", "checkpoint_every",
-    "num_threads", "device", "progress", "sampler_url", "nonfinite_update", "share_prefixes",
-    "recompute_activations", "eval_on_start", "keep_checkpoints", "prices", "price_model",
-    "trace", "checkpoint_optimizer", "fsdp",
-)
-"""Fields a resumed run may set differently from the run it continues. `steps` extends
-(or shortens) a run; with the cosine schedule the remaining steps then follow the new
-length. `sampler_url` moves sampling to another server, whose weights are its own.
-`num_threads` changes no fp32 bits (MKL's strict mode, docs/architecture.md
-"Determinism"; bf16 rounds by thread count, and a resume that changes it says so);
-`device` moves the run (its numbers round otherwise there, which a resume says);
-`share_prefixes` and `fsdp` change how the same sums are computed, not what;
-`recompute_activations` changes only what is kept for backward (bit-for-bit the same).
-`eval_on_start` only matters to a new run (a resumed one has evaluated already);
-`prices` and `price_model` only price the report; `trace` only writes what was sampled.
-Every other field determines results (`eval_episodes` too: evaluations before and
-after the change would not compare)."""
-
-ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine",
-                            "sft_warmup": 0.1, "sft_stages": [], "chat_template_kwargs": None,
-                            "router_aux_loss_coef": 0.0, "agent": "", "tasks": "",
-                            "eval_tasks": "", "agent_timeout": 300.0,
-                            "sft_data": "", "chat_template": ""}
-ADDED_FIELDS.update({"off_policy_correction": "none", "off_policy_level": "token",
-                     "off_policy_cap": 2.0, "off_policy_mask_low": 0.125,
-                     "off_policy_mask_high": 8.0, "max_staleness": 0})
-"""Fields added after runs were saved, with the value that gives what a run saved
-without them did (it evaluated greedily, its warm start warmed up over 10% of its
-steps, decayed on the cosine and imitated one expert throughout):
-`with_added_fields` fills them into a saved config or checkpoint identity, so such
-runs still resume as themselves."""
-
-
-def with_added_fields(saved: JSONObject) -> JSONObject:
-    return {**ADDED_FIELDS, **saved}
 
 
 def is_pretrained_checkpoint(model: str) -> bool:
@@ -263,17 +227,17 @@ class TrainConfig:
     faster where the CPU has bf16 matmuls, about 2x slower where it emulates them), or
     auto: bfloat16 where bf16 matmuls are native (AVX512-BF16 or AMX, a bf16 GPU), else
     float32."""
-    nonfinite_update: str = "skip"
+    nonfinite_update: str = TRAINING_DEFAULTS.nonfinite_update
     """An update whose gradient norm is NaN or inf: skip (weights unchanged, counted as
     optim/skipped_nonfinite in metrics.jsonl) or error (stop the run)."""
-    share_prefixes: bool = True
+    share_prefixes: bool = TRAINING_DEFAULTS.share_prefixes
     """Compute each token prefix shared by a training call's datums once (exact; off runs
     every datum in full, the reference path)."""
-    router_aux_loss_coef: float = 0.0
+    router_aux_loss_coef: float = TRAINING_DEFAULTS.router_aux_loss_coef
     """A mixture-of-experts model's router load-balancing loss, times this, joins the
     training loss (transformers' `router_aux_loss_coef`); 0 (off) as RL recipes train.
     Must be >= 0."""
-    recompute_activations: bool = False
+    recompute_activations: bool = TRAINING_DEFAULTS.recompute_activations
     """Keep only each transformer block's input for backward and run the block again
     there: far less activation memory for about a third more training compute; the
     same gradients (docs/lora.md, "Memory")."""
@@ -318,46 +282,53 @@ class TrainConfig:
     LoRA rank 32 unless --lora-rank says otherwise)."""
 
     def __post_init__(self) -> None:
+        self._fill_unset()
+        self._check_choices()
+        self._check_numbers()
+        self.sft_stages = _checked_stages(self.sft_stages, self.sft_steps)
+        self._check_off_policy()
+        self._check_combinations()
+
+    @property
+    def staleness(self) -> int:
+        """K, the versions a sample may lag: --max-staleness, at least 1 with --async."""
+        return max(self.max_staleness, int(self.async_mode))
+
+    def _fill_unset(self) -> None:
+        """The fields whose default depends on others, and a saved run's older forms."""
         if isinstance(self.sampler_url, str):  # a run saved before the flag repeated
             self.sampler_url = [self.sampler_url] if self.sampler_url else []
-        if not all(isinstance(u, str) and u for u in self.sampler_url):
-            raise ValueError(f"--sampler-url must be URLs, got {self.sampler_url!r}")
         if self.env_kwargs is None:
             self.env_kwargs = default_env_kwargs(self.env)
         if self.eval_temperature is None:
             self.eval_temperature = self.temperature
         if self.eval_on_start is None:  # a local model is a preset unless it is a directory
             self.eval_on_start = self.backend != "local" or is_pretrained_checkpoint(self.model)
+
+    def _check_choices(self) -> None:
+        """Fields that name one of a few things."""
+        if not all(isinstance(u, str) and u for u in self.sampler_url):
+            raise ValueError(f"--sampler-url must be URLs, got {self.sampler_url!r}")
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
-        _require_one_of("--loss", self.loss, LOSSES)
-        self._check_off_policy()
-        if self.max_staleness < 0:
-            raise ValueError(f"--max-staleness must be >= 0, got {self.max_staleness}")
+        _require_one_of("--loss", self.loss, GRPO_LOSSES)
         _require_one_of("--lr-schedule", self.lr_schedule, LR_SCHEDULES)
         _require_one_of("--sft-lr-schedule", self.sft_lr_schedule, LR_SCHEDULES)
-        if not 0 <= self.sft_warmup < 1:
-            raise ValueError(f"--sft-warmup must be in [0, 1), got {self.sft_warmup}")
-        self.sft_stages = _checked_stages(self.sft_stages, self.sft_steps)
         _require_one_of("--backend", self.backend, BACKENDS)
-        if self.fsdp and self.backend != "local":
-            raise ValueError("--fsdp shards the built-in engine's training over torchrun "
-                             "ranks; --backend tinker trains on the hosted service")
-        if self.backend == "tinker" and self.sampler_url:
-            raise ValueError("--sampler-url and --backend tinker do not go together: the "
-                             "hosted service samples")
         targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
         if not targets or set(targets) - set(LORA_TARGETS):
             raise ValueError(f"--lora-targets must be a comma-separated subset of "
                              f"{', '.join(LORA_TARGETS)}, got {self.lora_targets!r}")
-        if self.lora_rank < 0 or not self.lora_alpha > 0:
-            raise ValueError(f"--lora-rank must be >= 0 and --lora-alpha positive, got "
-                             f"{self.lora_rank} and {self.lora_alpha}")
-        _require_one_of("--nonfinite-update", self.nonfinite_update, NONFINITE_UPDATES)
         if self.tracker not in TRACKERS:
             raise ValueError(f"--tracker must be tensorboard, trackio or empty, got "
                              f"{self.tracker!r}")
         _require_one_of("--compute-dtype", self.compute_dtype, COMPUTE_DTYPES)
+
+    def _check_numbers(self) -> None:
+        """Every float finite, then each number in its range."""
+        for name, value in asdict(self).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{_flag(name)} must be a finite number, got {value}")
         positive = {
             "groups_per_step": self.groups_per_step, "group_size": self.group_size,
             "max_tokens": self.max_tokens, "eval_episodes": self.eval_episodes,
@@ -366,33 +337,24 @@ class TrainConfig:
         }
         for name, value in positive.items():
             if value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+                raise ValueError(f"{_flag(name)} must be at least 1, got {value}")
         for name, value in {"steps": self.steps, "sft_steps": self.sft_steps,
-                            "num_threads": self.num_threads,
+                            "num_threads": self.num_threads, "max_staleness": self.max_staleness,
                             "keep_checkpoints": self.keep_checkpoints}.items():
             if value < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-        for name, value in asdict(self).items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+                raise ValueError(f"{_flag(name)} must be >= 0, got {value}")
         for name, rate in {"lr": self.lr, "sft_lr": self.sft_lr}.items():
             if not rate > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {rate}")
+                raise ValueError(f"{_flag(name)} must be positive, got {rate}")
+        if not 0 <= self.sft_warmup < 1:
+            raise ValueError(f"--sft-warmup must be in [0, 1), got {self.sft_warmup}")
+        if self.lora_rank < 0 or not self.lora_alpha > 0:
+            raise ValueError(f"--lora-rank must be >= 0 and --lora-alpha positive, got "
+                             f"{self.lora_rank} and {self.lora_alpha}")
+        assert self.eval_temperature is not None  # filled in by _fill_unset
         if min(self.kl_coef, self.temperature, self.eval_temperature) < 0:
             raise ValueError("--kl-coef, --temperature and --eval-temperature must be >= 0")
-        if self.router_aux_loss_coef < 0:
-            raise ValueError(f"--router-aux-loss-coef must be >= 0, got "
-                             f"{self.router_aux_loss_coef}")
-        if (self.tasks or self.eval_tasks) and not self.agent:
-            raise ValueError("--tasks and --eval-tasks go with --agent")
-        if self.agent and self.sft_steps and not self.sft_data:
-            raise ValueError("an --agent run's warm start imitates recorded runs: pass "
-                             "--sft-data FILE.jsonl (prefixgym proxy --record), or --sft-steps 0")
-        if self.sft_data and not self.sft_steps:
-            raise ValueError("--sft-data needs --sft-steps N: the warm-start steps on it")
-        if self.sft_data and self.sft_stages:
-            raise ValueError("--sft-stages change the env's expert stage by stage; they do not "
-                             "go with --sft-data")
+        check_training_settings(self.nonfinite_update, self.router_aux_loss_coef, _flag)
         if not self.agent_timeout > 0:
             raise ValueError(f"--agent-timeout must be positive, got {self.agent_timeout}")
         if self.group_size < 2:
@@ -401,12 +363,8 @@ class TrainConfig:
                 f"{self.group_size}"
             )
 
-    @property
-    def staleness(self) -> int:
-        """K, the versions a sample may lag: --max-staleness, at least 1 with --async."""
-        return max(self.max_staleness, int(self.async_mode))
-
     def _check_off_policy(self) -> None:
+        """The correction's fields, and the loss and backend it needs."""
         _require_one_of("--off-policy-correction", self.off_policy_correction,
                         OFF_POLICY_CORRECTIONS)
         _require_one_of("--off-policy-level", self.off_policy_level, OFF_POLICY_LEVELS)
@@ -418,13 +376,32 @@ class TrainConfig:
                              f"{self.off_policy_mask_high}")
         if self.off_policy_correction == "none":
             return
-        if self.loss not in OFF_POLICY_LOSSES:
+        if self.loss not in OFF_POLICY_LOSS_FN_NAMES:
             raise ValueError(f"--off-policy-correction {self.off_policy_correction} needs --loss "
-                             f"{', '.join(OFF_POLICY_LOSSES)}; {self.loss}'s penalty is on the "
-                             "log-ratio to the sampler itself")
+                             f"{', '.join(OFF_POLICY_LOSS_FN_NAMES)}; {self.loss}'s penalty is "
+                             "on the log-ratio to the sampler itself")
         if self.backend != "local":
             raise ValueError("--off-policy-correction runs on the local backend only (the "
                              "hosted service's losses take no such setting)")
+
+    def _check_combinations(self) -> None:
+        """Flags that go only with others, or not with others."""
+        if self.fsdp and self.backend != "local":
+            raise ValueError("--fsdp shards the built-in engine's training over torchrun "
+                             "ranks; --backend tinker trains on the hosted service")
+        if self.backend == "tinker" and self.sampler_url:
+            raise ValueError("--sampler-url and --backend tinker do not go together: the "
+                             "hosted service samples")
+        if (self.tasks or self.eval_tasks) and not self.agent:
+            raise ValueError("--tasks and --eval-tasks go with --agent")
+        if self.agent and self.sft_steps and not self.sft_data:
+            raise ValueError("an --agent run's warm start imitates recorded runs: pass "
+                             "--sft-data FILE.jsonl (prefixgym proxy --record), or --sft-steps 0")
+        if self.sft_data and not self.sft_steps:
+            raise ValueError("--sft-data needs --sft-steps N: the warm-start steps on it")
+        if self.sft_data and self.sft_stages:
+            raise ValueError("--sft-stages change the env's expert stage by stage; they do not "
+                             "go with --sft-data")
 
 
 def loss_fn_config(config: TrainConfig) -> dict[str, float] | None:
@@ -467,20 +444,9 @@ def _checked_stages(stages: object, sft_steps: int) -> list[JSONObject]:
     return checked
 
 
-def run_identity(config: TrainConfig) -> JSONObject:
-    """The fields that determine the run's results (all but `RESUMABLE_CHANGES`)."""
-    return {k: v for k, v in asdict(config).items() if k not in RESUMABLE_CHANGES}
-
-
-def saved_run_identity(saved: JSONObject) -> JSONObject:
-    """The identity of a run from its saved config.json (fields it lacks take their
-    defaults; ValueError when the saved values are not a valid config)."""
-    names = {f.name for f in fields(TrainConfig)}
-    try:
-        return run_identity(TrainConfig(**{k: v for k, v in with_added_fields(saved).items()
-                                           if k in names}))
-    except TypeError as e:
-        raise ValueError(f"not a prefixgym train config: {e}") from None
+def _flag(name: str) -> str:
+    """A field's flag: `sft_lr` -> `--sft-lr`."""
+    return "--" + name.replace("_", "-")
 
 
 def _require_one_of(flag: str, value: str, choices: tuple[str, ...]) -> None:

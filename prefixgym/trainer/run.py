@@ -6,7 +6,7 @@
   3) GRPO steps (see grpo.py), evaluating and checkpointing at intervals;
   4) write report.md and the plots.
 A resumed run skips 1-2 and continues exactly from the newest intact checkpoint of
-this run (`checkpoint.find_checkpoint`: the warm start's if no GRPO step was saved,
+this run (`resume.py`, `checkpoint.find_checkpoint`: the warm start's if no GRPO step was saved,
 one in the middle of the warm start if it had not ended; another run's only with
 `force_resume`). A run that starts from step 0 moves an
 earlier metrics.jsonl aside instead of deleting it. OUT is checked writable before
@@ -38,28 +38,24 @@ from prefixgym.rollouts.rollout import RolloutConfig, TraceWriter
 from prefixgym.trainer.agent_steps import AgentSource
 from prefixgym.trainer.checkpoint import (
     WARM_START,
-    ForeignCheckpointError,
     LoopState,
-    find_checkpoint,
-    holds_optimizer,
     in_warm_start,
-    load_checkpoint,
     load_warm_start,
-    mark_latest,
-    numerics_changes,
     prune_checkpoints,
     remove_leftovers,
     remove_warm_start_steps,
     save_checkpoint,
 )
 from prefixgym.trainer.clients import Clients, RunResult
-from prefixgym.trainer.config import RUN_CONFIG, TrainConfig, run_identity
+from prefixgym.trainer.config import RUN_CONFIG, TrainConfig
 from prefixgym.trainer.env_source import EnvSource
 from prefixgym.trainer.grpo import StepPipeline, first_lines, grpo_step, samples_after_sync
+from prefixgym.trainer.identity import run_identity
 from prefixgym.trainer.plots import write_plots
 from prefixgym.trainer.progress import Progress
 from prefixgym.trainer.recorded import read_records, record_batches
 from prefixgym.trainer.report import MetricsLog, phase_metrics, write_report
+from prefixgym.trainer.resume import checkpoint_to_resume, resume_from
 from prefixgym.trainer.schedule import warmup_cosine_lr
 from prefixgym.trainer.sft import warm_start
 from prefixgym.trainer.tracking import open_tracker
@@ -98,6 +94,8 @@ class Run:
         self.log = MetricsLog(self.out / "metrics.jsonl", open_tracker(config.tracker, self.out))
         self._prior = (Usage(), 0.0)
         """What the checkpoint resumed from had counted: usage and wall time."""
+        self._since = (Usage(), 0.0)
+        """This process's usage and clock when `_prior` was counted (`account`)."""
         self.trace: TraceWriter | None = None
         """Where every sampling request goes too (`--trace`), while the run runs."""
 
@@ -136,7 +134,7 @@ class Run:
         state.evals.append(record)
         self.write(record)
 
-    def start(self, base_usage: Usage, t_start: float) -> tuple[LoopState, SamplingClient | None]:
+    def start(self) -> tuple[LoopState, SamplingClient | None]:
         """A fresh run: steps 1-2. A resumed one: its newest checkpoint (the warm start's if
         no GRPO step was saved; one in the middle of the warm start, which then goes on).
         Returns the state and the KL reference sampler."""
@@ -145,12 +143,8 @@ class Run:
         if removed:
             print(f"removed {len(removed)} leftover temporaries of killed writes in {self.out}",
                   file=sys.stderr)
-        try:
-            found = find_checkpoint(self.out, self.identity, c.force_resume) if c.resume else None
-        except ForeignCheckpointError as e:
-            raise ValueError(f"{e}: not resuming from it. Start without --resume (or with "
-                             "another --out) for a new run, or pass --force-resume to load it "
-                             "anyway") from None
+        found = checkpoint_to_resume(self.out, self.identity, c.force_resume) if c.resume \
+            else None
         if self.main and self.clients.numerics:  # what `--device`/`--compute-dtype` chose
             n = self.clients.numerics
             print(f"{c.model} on {n['device']}, training in {n['compute_dtype']}",
@@ -161,7 +155,8 @@ class Run:
             ref = None  # (loading the reference loads its weights: before the checkpoint's)
             if c.kl_coef > 0 and not in_warm_start(found.path):
                 ref = self.reference(found.path)
-            state = self.resume(found.path)
+            state = resume_from(found.path, self.training, self.log if self.main else None,
+                                self.clients.numerics)
             if state.next_sft_step is None:
                 return state, ref
         else:
@@ -169,12 +164,12 @@ class Run:
         self._prior = (state.usage, state.wall_s)
         # 2) warm start (or the rest of it)
         if c.sft_steps:
-            self.warm_start(state, base_usage, t_start)
+            self.warm_start(state)
             ref = self.training.save_weights_and_get_sampling_client()
             self.evaluate(ref, 0, "after warm start", state)
         else:  # publishing is not free with remote samplers: only for the KL reference
             ref = self.training.save_weights_and_get_sampling_client() if c.kl_coef > 0 else None
-        self.account(state, base_usage, t_start)
+        self.account(state)
         self.checkpoint(state, name=WARM_START)
         if self.main:
             remove_warm_start_steps(self.out / "checkpoints")
@@ -197,33 +192,7 @@ class Run:
             self.evaluate(self.clients.sampler, 0, "before training", state)
         return state
 
-    def resume(self, path: Path) -> LoopState:
-        """The state of checkpoint `path`, loaded into the training client, with the log
-        cut back to it."""
-        state = load_checkpoint(path, self.training)
-        if self.main:
-            mark_latest(path)  # a damaged `latest` names what was resumed from again
-            if state.next_sft_step is None:
-                self.log.truncate_after(state.next_step - 1)
-                remove_warm_start_steps(path.parent)  # (a kill between saving warm_start and this)
-                where = f"GRPO step {state.next_step}"
-            else:
-                self.log.truncate_in_warm_start(state.next_sft_step - 1)
-                where = f"warm-start step {state.next_sft_step}"
-            print(f"resuming from {path} at {where}", file=sys.stderr)
-            changes = numerics_changes(path, self.clients.numerics)
-            if changes:
-                print(f"note: this process computes otherwise than the saved steps "
-                      f"({'; '.join(changes)}): the steps from here will not repeat the "
-                      "uninterrupted run bit for bit (docs/architecture.md, "
-                      '"Determinism")', file=sys.stderr)
-            if not holds_optimizer(path):
-                print(f"note: {path} holds the weights without the optimizer's state "
-                      "(--no-checkpoint-optimizer): AdamW starts afresh here, so the steps "
-                      "from here differ from the uninterrupted run's", file=sys.stderr)
-        return state
-
-    def warm_start(self, state: LoopState, base_usage: Usage, t_start: float) -> None:
+    def warm_start(self, state: LoopState) -> None:
         """The warm start's steps from `state.next_sft_step`, checkpointed every
         `checkpoint_every` of them (its end is the warm start's own checkpoint)."""
         c = self.config
@@ -245,7 +214,7 @@ class Run:
                 state.sft_usage = state.sft_usage + usage
                 state.next_sft_step = i + 1
                 if state.next_sft_step % c.checkpoint_every == 0 and i + 1 < c.sft_steps:
-                    self.account(state, base_usage, t_start)
+                    self.account(state)
                     self.checkpoint(state)
                 progress.update(1, loss=f"{metrics['sft/loss']:.3f}")
 
@@ -264,11 +233,11 @@ class Run:
                 close_all(env for _, envs in stages for env in envs)
         state.next_sft_step = None
 
-    def account(self, state: LoopState, base_usage: Usage, t_start: float) -> None:
+    def account(self, state: LoopState) -> None:
         """Bring the state's cumulative usage and wall time up to now: what the checkpoint
         it was loaded from counted (`_prior`), plus what this process has computed and
-        spent since (from `base_usage`, `t_start`)."""
-        usage, wall = self._prior
+        spent since (`_since`)."""
+        (usage, wall), (base_usage, t_start) = self._prior, self._since
         state.usage = usage + (self.clients.usage() - base_usage)
         state.wall_s = wall + time.perf_counter() - t_start
 
@@ -297,13 +266,14 @@ class Run:
         return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 
     def _run(self) -> RunResult:
+        """Steps 1-2 (`start`), 3 (a `_grpo_step` at a time, evaluating and checkpointing
+        at intervals), 4 (`_report`)."""
         c = self.config
-        t_start = time.perf_counter()
-        base_usage = self.clients.usage()
-        state, ref_sampler = self.start(base_usage, t_start)
+        self._since = (self.clients.usage(), time.perf_counter())
+        state, ref_sampler = self.start()
         # what this process adds goes on top of what the checkpoint had counted
-        base_usage, t_start = self.clients.usage(), time.perf_counter()
         self._prior = (state.usage, state.wall_s)
+        self._since = (self.clients.usage(), time.perf_counter())
         sampler = self.training.save_weights_and_get_sampling_client()
         pipeline = StepPipeline(
             lambda s, step: self.source.collect(s, step, self.ranks.rank, self.ranks.world,
@@ -314,36 +284,15 @@ class Run:
         try:
             if state.next_step < c.steps:
                 pipeline.start(sampler, state.next_step)
-            # 3) GRPO: sample, learn, publish
-            for step in range(state.next_step, c.steps):
-                t0, before = time.perf_counter(), self.clients.seconds()
-                (groups, sample_s), weights = pipeline.take(sampler, step, c.steps)
-                if self.ranks.gather is not None:  # every rank trains on every rank's groups
-                    groups = self.ranks.gather(groups)
-                lr = (warmup_cosine_lr(step, c.steps, c.lr, warmup_frac=0.0)
-                      if c.lr_schedule == "cosine" else c.lr)
-                metrics, usage = grpo_step(self.training, groups, c, ref_sampler, lr, weights,
-                                           self.trace)
-                sampler = self.training.save_weights_and_get_sampling_client()
-                pipeline.after_update(sampler, step, c.steps)
-                if self.clients.sampler_metrics is not None:
-                    metrics.update(self.clients.sampler_metrics())
-                env_s = sum(t.env_s for g in groups for t in g.trajectories)
-                notes = first_lines(groups)
-                if "episodes/first_error" in notes and self.main:
-                    print(f"step {step}: {metrics['episodes/failed']:.0f} episodes failed "
-                          f"(first: {notes['episodes/first_error']})", file=sys.stderr)
-                self.write({"step": step, "phase": "grpo", **metrics, **notes,
-                            **phase_metrics(usage),
-                            **self.clients.seconds_since(before), "time/env_s": env_s,
-                            "time/sample_s": sample_s, "time/step_s": time.perf_counter() - t0})
+            for step in range(state.next_step, c.steps):  # 3) GRPO
+                sampler, metrics, usage = self._grpo_step(step, pipeline, sampler, ref_sampler)
                 state.next_step = step + 1
                 if state.next_step % c.eval_every == 0 or state.next_step == c.steps:
                     if c.deterministic:
                         pipeline.wait()
                     self.evaluate(sampler, state.next_step, "GRPO", state)
                 if state.next_step % c.checkpoint_every == 0 or state.next_step == c.steps:
-                    self.account(state, base_usage, t_start)
+                    self.account(state)
                     self.checkpoint(state)
                 progress.update(1, reward=f"{metrics['reward/mean']:.2f}",
                                 hit=f"{usage.cache_hit_rate:.0%}")
@@ -352,15 +301,49 @@ class Run:
             progress.close()
             if self.log.tracker is not None:
                 self.log.tracker.close()
-        # 4) report
-        self.account(state, base_usage, t_start)
-        if self.main:
-            records = self.log.read()
-            write_report(self.out, f"prefixgym train: {c.agent or c.env}", asdict(c), state.usage,
-                         state.sft_usage, state.evals, state.wall_s, self.clients.numerics,
-                         records, self.pricing)
-            write_plots(self.out, records)
+        self.account(state)
+        self._report(state)  # 4)
         return RunResult(self.out, state.evals, state.usage)
+
+    def _grpo_step(self, step: int, pipeline: StepPipeline, sampler: SamplingClient,
+                   ref_sampler: SamplingClient | None,
+                   ) -> tuple[SamplingClient, dict[str, float], Usage]:
+        """3) GRPO step `step`: sample (or take what was sampled ahead), learn, publish, log.
+        Returns the new weights' sampler, the step's metrics and its usage."""
+        c = self.config
+        t0, before = time.perf_counter(), self.clients.seconds()
+        (groups, sample_s), weights = pipeline.take(sampler, step, c.steps)
+        if self.ranks.gather is not None:  # every rank trains on every rank's groups
+            groups = self.ranks.gather(groups)
+        lr = (warmup_cosine_lr(step, c.steps, c.lr, warmup_frac=0.0)
+              if c.lr_schedule == "cosine" else c.lr)
+        metrics, usage = grpo_step(self.training, groups, c, ref_sampler, lr, weights,
+                                   self.trace)
+        sampler = self.training.save_weights_and_get_sampling_client()
+        pipeline.after_update(sampler, step, c.steps)
+        if self.clients.sampler_metrics is not None:
+            metrics.update(self.clients.sampler_metrics())
+        env_s = sum(t.env_s for g in groups for t in g.trajectories)
+        notes = first_lines(groups)
+        if "episodes/first_error" in notes and self.main:
+            print(f"step {step}: {metrics['episodes/failed']:.0f} episodes failed "
+                  f"(first: {notes['episodes/first_error']})", file=sys.stderr)
+        self.write({"step": step, "phase": "grpo", **metrics, **notes,
+                    **phase_metrics(usage),
+                    **self.clients.seconds_since(before), "time/env_s": env_s,
+                    "time/sample_s": sample_s, "time/step_s": time.perf_counter() - t0})
+        return sampler, metrics, usage
+
+    def _report(self, state: LoopState) -> None:
+        """4) report.md and the plots, by rank 0."""
+        if not self.main:
+            return
+        c = self.config
+        records = self.log.read()
+        write_report(self.out, f"prefixgym train: {c.agent or c.env}", asdict(c), state.usage,
+                     state.sft_usage, state.evals, state.wall_s, self.clients.numerics,
+                     records, self.pricing)
+        write_plots(self.out, records)
 
 
 def _no_env(_: JSONObject | None) -> AgentGymEnv:

@@ -26,7 +26,8 @@ from prefixgym.trainer.checkpoint import (
     remove_warm_start_steps,
     save_checkpoint,
 )
-from prefixgym.trainer.config import TrainConfig, run_identity
+from prefixgym.trainer.config import TrainConfig
+from prefixgym.trainer.identity import run_identity
 from prefixgym.trainer.report import MetricsLog
 
 IDENTITY = run_identity(TrainConfig())

@@ -80,3 +80,30 @@ def test_sft_stages_and_warm_up_are_validated():
     for message, kwargs in bad.items():
         with pytest.raises(ValueError, match=message):
             TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize("field", ["lr", "sft_lr"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_learning_rate_that_is_not_a_finite_number_is_refused(field, value):
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=f"^{flag} must be a finite number, got {value}$"):
+        TrainConfig(**{field: value})
+
+
+def test_the_training_clients_settings_have_one_default_and_one_check():
+    """`prefixgym train`'s flags of the engine trainer's settings start where the engine
+    does and refuse what it refuses, in the flag's name."""
+    from prefixgym.engine.trainer.options import TrainerOptions
+
+    config, options = TrainConfig(), TrainerOptions()
+    for name in ("nonfinite_update", "share_prefixes", "recompute_activations",
+                 "router_aux_loss_coef"):
+        assert getattr(config, name) == getattr(options, name), name
+    for name, value, message in [
+        ("nonfinite_update", "ignore", "must be one of skip, error, got 'ignore'"),
+        ("router_aux_loss_coef", -1.0, "must be a finite number >= 0, got -1.0"),
+    ]:
+        with pytest.raises(ValueError, match=f"^--{name.replace('_', '-')} {message}$"):
+            TrainConfig(**{name: value})
+        with pytest.raises(ValueError, match=f"^{name} {message}$"):
+            TrainerOptions(**{name: value})

@@ -16,10 +16,11 @@ from prefixgym.engine.trainer import losses
 from prefixgym.envs.registration import make_env
 from prefixgym.local_service import LocalService
 from prefixgym.rollouts.rollout import RolloutConfig
-from prefixgym.trainer.config import OFF_POLICY_LOSSES, TrainConfig, loss_fn_config
+from prefixgym.trainer.config import GRPO_LOSSES, TrainConfig, loss_fn_config
 from prefixgym.trainer.grpo import collect, grpo_step
 from prefixgym.trainer.off_policy_report import mismatch_lines
 from prefixgym.trainer.plots import write_plots
+from prefixgym.types import OFF_POLICY_LOSS_FN_NAMES
 
 SMALL = dict(env="tests/Lengthy-v0", sft_steps=1, sft_episodes_per_step=2, groups_per_step=2,
              group_size=3, eval_episodes=1, eval_every=10, max_tokens=6, progress=False)
@@ -117,7 +118,12 @@ def test_the_flags_make_a_loss_config_the_engine_takes(level: str, want: dict) -
     assert loss_fn_config(mis) == {"off_policy_mis_low": 0.125, "off_policy_mis_high": 8.0,
                                    "off_policy_sequence": 0.0}
     assert loss_fn_config(TrainConfig()) is None
-    assert OFF_POLICY_LOSSES == losses.OFF_POLICY_LOSSES
+    for loss in GRPO_LOSSES:  # the losses the flag takes are those the engine corrects
+        if loss in OFF_POLICY_LOSS_FN_NAMES:
+            assert losses.validate_config(loss, want)["off_policy_tis_cap"] == 3.0
+        else:
+            with pytest.raises(ValueError, match="takes no off-policy correction"):
+                losses.validate_config(loss, want)
 
 
 @pytest.mark.parametrize(("settings", "match"), [

@@ -18,7 +18,7 @@ Weights default to 1 where a datum has none; the caller passes them filled in, w
 loss mask. Each row of the (B, T) tensors is one datum (gspo's sequence ratio is per
 row). Clip thresholds are **bounds on the ratio** (`clamp(r, low, high)`), as the
 service takes them. `loss_of` runs a loss with the off-policy correction its config asks
-for (`off_policy.py`; importance_sampling, ppo, cispo and gspo take one). This module
+for (`off_policy.py`; those of `types.OFF_POLICY_LOSS_FN_NAMES` take one). This module
 knows nothing of models, datums or batching: only tensors.
 """
 
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixgym.engine.trainer import off_policy
+from prefixgym.types import OFF_POLICY_LOSS_FN_NAMES
 
 Tensor = torch.Tensor
 MetricSums = dict[str, float]
@@ -234,29 +235,26 @@ class LossSpec:
     required: tuple[str, ...]
     optional: tuple[str, ...] = ("weights",)
     config_defaults: Mapping[str, float] | None = None
-    corrects_off_policy: bool = False  # takes the `off_policy` keys of its config
 
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 _CLIP_PPO = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(cross_entropy, required=("target_tokens",)),
-    "importance_sampling": LossSpec(importance_sampling, required=_RL_INPUTS,
-                                    corrects_off_policy=True),
-    "ppo": LossSpec(ppo, required=_RL_INPUTS, config_defaults=_CLIP_PPO,
-                    corrects_off_policy=True),
-    "cispo": LossSpec(cispo, required=_RL_INPUTS, corrects_off_policy=True,
+    "importance_sampling": LossSpec(importance_sampling, required=_RL_INPUTS),
+    "ppo": LossSpec(ppo, required=_RL_INPUTS, config_defaults=_CLIP_PPO),
+    "cispo": LossSpec(cispo, required=_RL_INPUTS,
                       config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
     "dro": LossSpec(dro, required=_RL_INPUTS, config_defaults={"beta": 0.05}),
     "gspo": LossSpec(gspo, required=_RL_INPUTS, optional=("weights", "sequence_ratio_mask"),
-                     config_defaults=_CLIP_PPO, corrects_off_policy=True),
+                     config_defaults=_CLIP_PPO),
     "stable_reinforce": LossSpec(stable_reinforce, required=_RL_INPUTS,
                                  config_defaults={"kl_coeff": 0.0}),
 }
+"""Each loss of `types.LOSS_FN_NAMES` (the names' one writer), in its order
+(`test_losses.py` holds them equal); those of `types.OFF_POLICY_LOSS_FN_NAMES` take the
+off-policy correction's config keys too."""
 KNOWN_INPUT_KEYS = frozenset(k for s in LOSSES.values() for k in (*s.required, *s.optional))
-OFF_POLICY_LOSSES = tuple(name for name, spec in LOSSES.items() if spec.corrects_off_policy)
-"""The losses that take an off-policy correction: dro's and stable_reinforce's penalties
-are on the log-ratio to the sampler itself, which the correction would replace."""
 
 
 def loss_of(
@@ -285,19 +283,20 @@ def validate_config(loss_fn: str, loss_fn_config: Mapping[str, object] | None) -
 
     Clip thresholds are bounds on the ratio: `clip_low_threshold` in [0, 1] and
     `clip_high_threshold` >= 1 (the ratio is clamped to [low, high]). `beta` and
-    `kl_coeff` are >= 0. The losses of `OFF_POLICY_LOSSES` also take the off-policy
+    `kl_coeff` are >= 0. The losses of `OFF_POLICY_LOSS_FN_NAMES` also take the off-policy
     correction's keys (`off_policy.check_config`).
     """
     spec = get_loss(loss_fn)
     defaults = dict(spec.config_defaults or {})
     given = dict(loss_fn_config or {})
+    corrects_off_policy = loss_fn in OFF_POLICY_LOSS_FN_NAMES
     corrections = sorted(set(given) & set(off_policy.KEYS))
-    if corrections and not spec.corrects_off_policy:
+    if corrections and not corrects_off_policy:
         raise ValueError(f"loss_fn_config key(s) {corrections}: {loss_fn!r} takes no off-policy "
-                         f"correction (these do: {', '.join(OFF_POLICY_LOSSES)})")
+                         f"correction (these do: {', '.join(OFF_POLICY_LOSS_FN_NAMES)})")
     unknown = sorted(set(given) - set(defaults) - set(off_policy.KEYS))
     if unknown:
-        allowed = sorted({*defaults, *(off_policy.KEYS if spec.corrects_off_policy else ())}
+        allowed = sorted({*defaults, *(off_policy.KEYS if corrects_off_policy else ())}
                          ) or "none"
         raise ValueError(
             f"loss_fn_config key(s) {unknown} not used by {loss_fn!r} (allowed: {allowed})"

@@ -211,8 +211,10 @@ def test_metrics_count_loss_positions_only() -> None:
 def test_the_losses_are_the_ones_the_wire_types_name() -> None:
     """One list of names (types.LOSS_FN_NAMES): the engine implements exactly those, and
     `prefixgym train --loss` offers every one but the warm start's."""
-    from prefixgym.trainer.config import LOSSES as GRPO_LOSSES
+    from prefixgym.cli.flags import field_docs
+    from prefixgym.trainer.config import GRPO_LOSSES, TrainConfig
     from prefixgym.types import LOSS_FN_NAMES
 
     assert tuple(losses.LOSSES) == LOSS_FN_NAMES
     assert set(GRPO_LOSSES) == set(LOSS_FN_NAMES) - {"cross_entropy"}
+    assert all(name in field_docs(TrainConfig)["loss"] for name in GRPO_LOSSES)  # --help
