@@ -4,8 +4,7 @@ a local dataset (`datasets.load_dataset`), the local tokenizer, and a renderer f
 model name the cookbook's table does not know. Each runs a few steps on the tiny
 preset, saves, and resumes from its last checkpoint in a second run.
 
-The recipes train LoRA adapters (`create_lora_training_client`): without LoRA in
-LocalService these tests skip, saying so.
+The recipes train LoRA adapters (`create_lora_training_client`).
 """
 
 from __future__ import annotations
@@ -29,11 +28,6 @@ datasets = pytest.importorskip("datasets")
 
 from prefixgym.local_service import LocalService  # noqa: E402
 from prefixgym.tinker import ServiceClient  # noqa: E402
-
-pytestmark = pytest.mark.skipif(
-    not hasattr(LocalService, "create_lora_training_client"),
-    reason="the cookbook's recipes train LoRA adapters; LocalService has no "
-           "create_lora_training_client in this build")
 
 GSM8K = [{"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
          for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1), (4, 4), (6, 3)]]
