@@ -1,11 +1,13 @@
 """The sampler wing: prefill and decode over a paged KV pool with a prefix cache.
 
-`kv_pool.py` (the KV blocks), `prefix_cache.py` (block manager and prefix index),
-`requests.py` (request state and limits), `scheduler.py` (prefill or decode batches,
-stops, retirement), `batch.py` (a batch's rows and tables), `runner.py` (a batch through the model), `token_sampler.py`
-(greedy, temperature, top-k, top-p), `threads.py` (thread counts by timing),
-`engine.py` (the engine thread: schedule, run, postprocess) and `sampling.py` (the
-`SamplingClient` users hold). It imports the model wing, never the trainer's.
+`kv_pool.py` (the KV blocks), `block_manager.py` (free and referenced blocks),
+`prefix_cache.py` (the prefix index over them, reservations, eviction), `requests.py`
+(request state and limits), `scheduler.py` (prefill or decode batches, stops,
+retirement), `batch.py` (a batch's rows and tables), `runner.py` (a batch through the
+model), `token_sampler.py` (greedy, temperature, top-k, top-p), `threads.py` (thread
+counts by timing), `engine.py` (the engine thread: schedule, run, postprocess) and
+`sampling.py` (the `SamplingClient` users hold). It imports the model wing, never the
+trainer's.
 """
 
 from prefixgym.engine.sampler.engine import Engine

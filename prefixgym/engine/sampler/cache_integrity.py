@@ -11,19 +11,19 @@ from prefixgym.engine.sampler.prefix_cache import _ROOT, PrefixCache
 def check_prefix_cache(cache: PrefixCache, refs: dict[int, int] | None = None) -> None:
     """Raise AssertionError naming the first broken invariant. `refs`: the number of
     running-sequence references to each block, as the caller counts them."""
-    free = set(cache._free)
-    _require(len(free) == len(cache._free), "a block is on the free list twice")
-    _require(0 not in free and 0 not in cache._entry_of and cache._ref[0] == 0,
+    free = set(cache.blocks.free_list)
+    _require(len(free) == len(cache.blocks.free_list), "a block is on the free list twice")
+    _require(0 not in free and 0 not in cache._entry_of and cache.blocks.refs[0] == 0,
              "the padding block 0 is in use")
     for b in range(1, cache.num_blocks):
-        used = cache._ref[b] > 0 or b in cache._entry_of or b in cache._window_entry_of
-        never = b >= cache._next_fresh
-        _require(cache._ref[b] >= 0, f"block {b} has ref_count {cache._ref[b]}")
+        used = cache.blocks.refs[b] > 0 or b in cache._entry_of or b in cache._window_entry_of
+        never = b >= cache.blocks.next_fresh
+        _require(cache.blocks.refs[b] >= 0, f"block {b} has ref_count {cache.blocks.refs[b]}")
         _require(used + (b in free) + never == 1,
                  f"block {b}: used={used} free={b in free} never-used={never}")
         if refs is not None:
-            _require(cache._ref[b] == refs.get(b, 0),
-                     f"block {b} counts {cache._ref[b]} references, sequences hold "
+            _require(cache.blocks.refs[b] == refs.get(b, 0),
+                     f"block {b} counts {cache.blocks.refs[b]} references, sequences hold "
                      f"{refs.get(b, 0)}")
     _require(0 <= cache.reserved <= cache._available(),
              f"{cache.reserved} blocks reserved, {cache._available()} available")
@@ -32,8 +32,8 @@ def check_prefix_cache(cache: PrefixCache, refs: dict[int, int] | None = None) -
                  f"entry {key} key does not match its (version, parent, tokens)")
         _require(cache._entry_of.get(e.block) is e, f"entry {key} block map is stale")
         _require(0 < len(e.tokens) <= cache.block_size, f"entry {key} has {len(e.tokens)} tokens")
-        _require((cache._ref[e.block] == 0) == (e.block in cache._lru),
-                 f"entry {key} ref {cache._ref[e.block]} vs LRU membership")
+        _require((cache.blocks.refs[e.block] == 0) == (e.block in cache._lru),
+                 f"entry {key} ref {cache.blocks.refs[e.block]} vs LRU membership")
         _require(cache._children.get(e.parent_key, {}).get(key) is e,
                  f"entry {key} missing from its parent's children")
         if e.parent_key != _ROOT:
@@ -42,10 +42,10 @@ def check_prefix_cache(cache: PrefixCache, refs: dict[int, int] | None = None) -
             assert parent is not None
             _require(len(parent.tokens) == cache.block_size, f"entry {key} under a partial block")
             _require(parent.version == e.version, f"entry {key} version differs from its parent's")
-            _require(cache._ref[e.block] == 0 or cache._ref[parent.block] > 0,
+            _require(cache.blocks.refs[e.block] == 0 or cache.blocks.refs[parent.block] > 0,
                      f"entry {key} is referenced, its parent is not (and cannot be evicted)")
     for key, e in cache._index.items():
-        unreferenced = all(cache._ref[b] == 0 for b in e.window_blocks)
+        unreferenced = all(cache.blocks.refs[b] == 0 for b in e.window_blocks)
         _require(all(cache._window_entry_of.get(b) is e for b in e.window_blocks)
                  and len(e.window_blocks) in (0, cache.window_groups),
                  f"entry {key} window blocks {e.window_blocks} are not mapped to it")

@@ -1,7 +1,8 @@
-"""The block manager of the KV pool, and the prefix cache that indexes the same blocks.
+"""The prefix cache: the index of cached prefixes over the KV pool's blocks, and the
+promises and evictions that keep both within the pool.
 
-`PrefixCache` decides which of the pool's block ids (1 .. num_blocks-1; 0 pads tables)
-are free, which a running sequence references (refcounts), and which hold a cached
+`PrefixCache` holds the pool's `BlockManager` (block_manager.py: which block ids are
+free or referenced, and how often) and decides which unreferenced blocks hold a cached
 prefix (the index). A block is free, referenced, or cached with no reference: then it
 sits in LRU order and is evicted (least recently used leaf first, so every cached
 block's parent is cached too) only when an allocation finds no free block. There are
@@ -46,6 +47,8 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+from prefixgym.engine.sampler.block_manager import BlockManager
 
 _ROOT = 0  # the parent key of a chain's first block
 
@@ -101,9 +104,7 @@ class PrefixCache:
         self.num_blocks, self.block_size, self.block_bytes = num_blocks, block_size, block_bytes
         self.indexing = indexing  # False: blocks are freed, never cached (prefix_cache=False)
         self.window_groups, self.window = window_groups, window  # a hybrid pool's
-        self._ref = [0] * num_blocks
-        self._free: list[int] = []  # recycled blocks, reused last-freed first
-        self._next_fresh = 1  # blocks >= this were never handed out
+        self.blocks = BlockManager(num_blocks)
         self._index: dict[int, Entry] = {}
         self._entry_of: dict[int, Entry] = {}  # block id -> its entry
         self._children: dict[int, dict[int, Entry]] = {}  # parent key -> children (never empty)
@@ -123,12 +124,12 @@ class PrefixCache:
         return len(self._index)
 
     def _available(self) -> int:
-        return (len(self._free) + self.num_blocks - self._next_fresh + len(self._lru)
+        return (self.blocks.unused() + len(self._lru)
                 + self.window_groups * len(self._window_lru))
 
     def can_reserve(self, num_blocks: int, pinning: Iterable[int] = ()) -> bool:
         """Whether `num_blocks` more blocks can be promised after referencing `pinning`."""
-        evictable_pinned = sum(1 for b in set(pinning) if self._ref[b] == 0 and (
+        evictable_pinned = sum(1 for b in set(pinning) if self.blocks.refs[b] == 0 and (
             b in self._entry_of or b in self._window_entry_of))
         return self._available() - evictable_pinned - self.reserved >= num_blocks
 
@@ -212,8 +213,8 @@ class PrefixCache:
             "num_blocks": self._cached_blocks(),
             "referenced_blocks": self._cached_blocks() - len(self._lru)
                                  - self.window_groups * len(self._window_lru),
-            "running_blocks": sum(1 for r in self._ref if r > 0),
-            "free_blocks": len(self._free) + self.num_blocks - self._next_fresh,
+            "running_blocks": self.blocks.running(),
+            "free_blocks": self.blocks.unused(),
             "reserved_blocks": self.reserved,
             "query_tokens": self.query_tokens,
             "hit_tokens": self.hit_tokens,
@@ -236,47 +237,38 @@ class PrefixCache:
     def allocate(self) -> tuple[int, bool]:
         """One reserved block, referenced once: (block id, never used before -- zero it)."""
         self.unreserve(1)
-        if not self._free and self._next_fresh == self.num_blocks and not self.evict(1):
+        if not self.blocks.unused() and not self.evict(1):
             raise RuntimeError("no free block and no evictable one, though one was reserved")
-        if self._free:
-            block, new = self._free.pop(), False
-        else:
-            block, new = self._next_fresh, True
-            self._next_fresh += 1
-        self._ref[block] = 1
-        return block, new
+        return self.blocks.take()
 
     def acquire(self, blocks: Iterable[int]) -> None:
         for b in blocks:
-            if self._ref[b] == 0:
+            if self.blocks.refs[b] == 0:
                 if b in self._lru:
                     del self._lru[b]
                 elif b in self._window_entry_of:  # its entry's window blocks leave the LRU
                     self._window_lru.pop(self._window_entry_of[b].key, None)
                 else:
                     raise RuntimeError(f"acquire of block {b}, which is neither used nor cached")
-            self._ref[b] += 1
+            self.blocks.hold(b)
 
     def release(self, blocks: Iterable[int], stale: bool = False) -> None:
         """Drop one reference to each block; a cached one left unreferenced joins the
         LRU order, most recent last (first with `stale`: no one is expected to ask for it
         soon), an uncached one is free."""
         for b in reversed(list(blocks)):  # deepest first: ancestors end up more recent
-            if self._ref[b] <= 0:
-                raise RuntimeError(f"release of block {b} that is not acquired")
-            self._ref[b] -= 1
-            if self._ref[b] != 0:
+            if not self.blocks.drop(b):
                 continue
             entry = self._entry_of.get(b)
             window_of = self._window_entry_of.get(b)
             if entry is not None:
                 entry.stamp = self._stamp(self._lru, entry.block, entry, stale)
             elif window_of is not None:
-                if all(self._ref[w] == 0 for w in window_of.window_blocks):
+                if all(self.blocks.refs[w] == 0 for w in window_of.window_blocks):
                     window_of.window_stamp = self._stamp(self._window_lru, window_of.key,
                                                          window_of, stale)
             else:
-                self._free.append(b)
+                self.blocks.free([b])
 
     def _stamp(self, lru: OrderedDict[int, Entry], at: int, entry: Entry,
                stale: bool = False) -> int:
@@ -325,7 +317,7 @@ class PrefixCache:
                 self._index[key] = self._entry_of[table[i]] = entry
                 self._children.setdefault(parent, {})[key] = entry
                 self.inserted_blocks += 1
-                if self._ref[table[i]] == 0:  # (a sequence holds it: normally referenced)
+                if self.blocks.refs[table[i]] == 0:  # (a sequence holds it: normally referenced)
                     entry.stamp = self._stamp(self._lru, table[i], entry)
                 self._adopt_window_blocks(entry, window)
             elif cached.block != table[i]:  # computed again, by a hit cut short or a bypass
@@ -341,7 +333,7 @@ class PrefixCache:
             return
         entry.window_blocks = window
         self._window_entry_of.update(dict.fromkeys(window, entry))
-        if all(self._ref[b] == 0 for b in window):  # (normally its writer holds them)
+        if all(self.blocks.refs[b] == 0 for b in window):  # (normally its writer holds them)
             entry.window_stamp = self._stamp(self._window_lru, entry.key, entry)
 
     def evict(self, num_blocks: int, version: int | None = None) -> int:
@@ -364,7 +356,7 @@ class PrefixCache:
             del siblings[leaf.key]
             if not siblings:
                 del self._children[leaf.parent_key]
-            self._free.append(leaf.block)
+            self.blocks.free([leaf.block])
             evicted += 1
             if leaf.key in self._window_lru:
                 evicted += self._drop_window_blocks(leaf)
@@ -378,7 +370,7 @@ class PrefixCache:
         del self._window_lru[entry.key]
         for b in entry.window_blocks:
             del self._window_entry_of[b]
-        self._free.extend(entry.window_blocks)
+        self.blocks.free(entry.window_blocks)
         n, entry.window_blocks = len(entry.window_blocks), ()
         return n
 
