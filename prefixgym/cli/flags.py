@@ -21,12 +21,9 @@ import textwrap
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar, get_type_hints
+from typing import TypeVar, get_type_hints
 
 from prefixgym.types import JSONObject
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
 
 C = TypeVar("C")
 
@@ -187,10 +184,6 @@ def parse_config(
     """`cls` from its defaults and the flags in `argv`."""
     parser = build_parser(cls, prog, description, flag_names)
     return build_config(cls, parser, vars(parser.parse_args(argv)))
-
-
-def as_dict(config: DataclassInstance) -> JSONObject:
-    return dataclasses.asdict(config)
 
 
 def read_json_object(path: Path) -> JSONObject:
