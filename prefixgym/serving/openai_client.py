@@ -16,20 +16,19 @@ from `metadata.weight_version` (SGLang, `prefixgym serve`), or for an adapter
 (`version_from="model"`) from the answer's `model`, which vLLM and SGLang set to
 the adapter's name; None where the server says neither.
 
-Requests run on a thread pool with one shared httpx client, so a future works with
-`.result()` and with `await`; `sample_now` is the same request made on the calling
-thread (what `serving.pool` uses). The weight routes (`update_weights_from_disk`: SGLang's
-route, or vLLM's development routes; `load_lora_adapter`, `unload_lora_adapter`,
-`loaded_adapters` from /v1/models; `served_weights_version`) are what
-`serving.weight_sync` pushes new weights with. This module knows nothing of the engine; an HTTP 4xx answer becomes a
-ValueError carrying the server's message, an unreachable server a ConnectionError,
-an HTTP 5xx a RuntimeError.
+Requests run on a thread pool with one shared httpx client (`server_http.ServerHTTP`),
+so a future works with `.result()` and with `await`; `sample_now` is the same request
+made on the calling thread (what `serving.pool` uses). The client also offers the
+server's weight routes (`update_weights_from_disk`, `load_lora_adapter`,
+`unload_lora_adapter`, `loaded_adapters`, `served_weights_version`: `remote_weights.py`),
+which `serving.weight_sync` pushes new weights with. This module knows nothing of the
+engine; an HTTP 4xx answer becomes a ValueError carrying the server's message, an
+unreachable server a ConnectionError, an HTTP 5xx a RuntimeError.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import threading
 import warnings
 from typing import Literal, Self
@@ -39,6 +38,8 @@ from transformers import PreTrainedTokenizerBase
 
 from prefixgym.futures import APIFuture
 from prefixgym.protocols import UsageSink
+from prefixgym.serving.remote_weights import RemoteWeights
+from prefixgym.serving.server_http import ServerHTTP
 from prefixgym.types import (
     JSONObject,
     ModelInput,
@@ -47,8 +48,6 @@ from prefixgym.types import (
     SamplingParams,
     Usage,
 )
-
-KEEPALIVE_S = 2.0  # how long an idle connection is kept for the next request
 
 
 class OpenAISamplingClient:
@@ -66,22 +65,13 @@ class OpenAISamplingClient:
         """`base_url` ends in `/v1` (added when missing). `model=None` asks /v1/models.
         `tokenizer` is only for servers that return no token ids; `ledger` (e.g. a UsageLedger)
         receives every response's usage; `transport` replaces httpx's (tests)."""
-        url = base_url.rstrip("/")
-        self.base_url = url if url.endswith("/v1") else url + "/v1"
-        self.root_url = self.base_url.removesuffix("/v1")
+        self.http = ServerHTTP(base_url, api_key, timeout, max_concurrency, transport)
+        self.weights = RemoteWeights(self.http)
+        self.base_url, self.root_url = self.http.base_url, self.http.root_url
         self.tokenizer = tokenizer
         self.ledger = ledger
         self._model = model
         self._model_lock = threading.Lock()
-        self._http = httpx.Client(
-            base_url=self.base_url, timeout=timeout,
-            headers={"Authorization": f"Bearer {api_key}"},
-            # idle connections dropped after 2 s, before uvicorn's 5 s (vLLM's and serve's
-            # default) closes them under a request
-            limits=httpx.Limits(max_connections=max_concurrency,
-                                keepalive_expiry=KEEPALIVE_S),
-            transport=transport,
-        )
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_concurrency, thread_name_prefix="prefixgym-openai"
         )
@@ -111,7 +101,7 @@ class OpenAISamplingClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._http.close()
+        self.http.close()
 
     def __enter__(self) -> Self:
         return self
@@ -125,7 +115,7 @@ class OpenAISamplingClient:
     def model(self) -> str:
         with self._model_lock:
             if self._model is None:
-                data = self._call("GET", "/models").get("data") or []
+                data = self.http.call("GET", "/models").get("data") or []
                 if not data:
                     raise ValueError(f"{self.base_url}/models lists no model; pass model=")
                 self._model = str(data[0]["id"])
@@ -152,7 +142,7 @@ class OpenAISamplingClient:
             body["seed"] = params.seed
         if with_prompt_logprobs:
             body["echo"] = True
-        data = self._call("POST", "/completions", body)
+        data = self.http.call("POST", "/completions", body)
         choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != n:
             raise ValueError(f"the server returned {len(choices)} choices for n = {n}")
@@ -174,113 +164,14 @@ class OpenAISamplingClient:
         values, version = self._prompt_logprobs(ids, model)
         return values, version
 
-    # -- pushing weights (SGLang's and vLLM's routes; prefixgym serve has both) ---------
-
-    def update_weights_from_disk(self, model_path: str, weight_version: str) -> str:
-        """Have the server load full weights from `model_path` (an HF checkpoint
-        directory it can read) and label them `weight_version`: SGLang's and prefixgym
-        serve's `/update_weights_from_disk`, else vLLM's development routes
-        (`_vllm_reload`). ValueError with the server's message when it cannot."""
-        data = self._call("POST", f"{self.root_url}/update_weights_from_disk",
-                          {"model_path": model_path, "weight_version": weight_version},
-                          absolute=True)
-        if "success" not in data:
-            if data.get("detail") == "Not Found":  # no such route: vLLM (docs/scaling.md)
-                return self._vllm_reload(model_path, weight_version)
-            raise ValueError(f"{self.root_url}/update_weights_from_disk refused: "
-                             f"{str(data)[:300]}")
-        if data.get("success") is not True:
-            raise ValueError(f"{self.root_url} did not load {model_path}: "
-                             f"{data.get('message')}")
-        return str(data.get("message", ""))
-
-    def _vllm_reload(self, model_path: str, weight_version: str) -> str:
-        """vLLM 0.32 started with VLLM_SERVER_DEV_MODE=1: 1) pause, letting requests in
-        flight finish; 2) every worker reloads its weights in place from `model_path`
-        (`/collective_rpc` `reload_weights`); 3) empty the prefix cache, whose KV the
-        old weights computed; 4) label the weights (`/weight_info` answers it); 5)
-        resume. vLLM's engine ends itself when a reload fails (a path it cannot read)."""
-        root = self.root_url
-        try:
-            self._call("POST", f"{root}/pause?mode=wait")  # 1)
-        except ValueError as e:
-            raise ValueError(
-                f"{root} has no route that loads full weights: neither SGLang's "
-                "/update_weights_from_disk nor vLLM's development routes (start vLLM with "
-                "VLLM_SERVER_DEV_MODE=1, as `prefixgym serve --engine vllm` does), or "
-                f"use LoRA adapters ({e})") from None
-        try:
-            try:  # 2)
-                self._call("POST", f"{root}/collective_rpc", {
-                    "method": "reload_weights", "kwargs": {"weights_path": model_path}})
-            except RuntimeError as e:
-                raise ValueError(
-                    f"{root} failed to reload full weights from {model_path}, and vLLM "
-                    "ends itself when that happens; the trainer and the samplers must "
-                    f"share a filesystem ({e})") from None
-            if self._call("POST", f"{root}/reset_prefix_cache").get("success") is not True:
-                raise RuntimeError(f"{root} could not empty its prefix cache after the "  # 3)
-                                   "weights changed")
-            self._call("POST", f"{root}/update_weight_version",  # 4)
-                       {"new_version": weight_version})
-        except BaseException:
-            with contextlib.suppress(ConnectionError, RuntimeError, ValueError):
-                self._call("POST", f"{root}/resume")  # (a server that died stays dead)
-            raise
-        self._call("POST", f"{root}/resume")  # 5)
-        return f"reloaded {model_path}"
-
-    def served_weights_version(self) -> str | None:
-        """The label of the weights the server holds, for a server whose answers do not
-        carry it: vLLM's `GET /weight_info` (None where there is no such route)."""
-        try:
-            data = self._call("GET", f"{self.root_url}/weight_info")
-        except ValueError:
-            return None
-        version = data.get("weight_version")
-        return str(version) if version is not None else None
-
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
-        """vLLM's /v1/load_lora_adapter, or SGLang's /load_lora_adapter where that is absent."""
-        body = {"lora_name": lora_name, "lora_path": lora_path}
-        self._admin(["/v1/load_lora_adapter", "/load_lora_adapter"], body)
-
-    def unload_lora_adapter(self, lora_name: str) -> None:
-        self._admin(["/v1/unload_lora_adapter", "/unload_lora_adapter"],
-                    {"lora_name": lora_name})
-
-    def loaded_adapters(self) -> dict[str, str]:
-        """The server's loaded LoRA adapters, name -> the path it loaded each from:
-        `GET /v1/models`, where vLLM, SGLang and prefixgym serve list an adapter with
-        its base model as `parent` and its path as `root`."""
-        data = self._call("GET", "/models").get("data") or []
-        return {str(card["id"]): str(card.get("root") or "") for card in data
-                if isinstance(card, dict) and card.get("parent")}
-
-    def _admin(self, routes: list[str], body: JSONObject) -> None:
-        """POST `body` to the first of `routes` the server has (their answers are text)."""
-        for route in routes:
-            try:
-                reply = self._send("POST", f"{self.root_url}{route}", body)
-            except httpx.HTTPError as e:
-                raise ConnectionError(f"cannot reach the sampling server at {self.root_url}: "
-                                      f"{e}") from e
-            if reply.status_code == 404 and route != routes[-1] and "error" not in reply.text:
-                continue  # no such route here: try the other server's name
-            if reply.status_code >= 400:
-                error = ValueError if reply.status_code < 500 else RuntimeError
-                raise error(f"{self.root_url}{route} answered HTTP {reply.status_code}: "
-                            f"{_message(reply)}")
-            return
-
     def _prompt_logprobs(self, ids: list[int], model: str | None = None
                          ) -> tuple[list[float | None], str | None]:
         body: JSONObject = {"model": model or self.model, "prompt": ids, "max_tokens": 0,
                                 "echo": True, "logprobs": 1, "temperature": 1.0}
         try:
-            data = self._call("POST", "/completions", body)
+            data = self.http.call("POST", "/completions", body)
         except (ValueError, RuntimeError):  # vLLM refuses max_tokens=0: sample one, drop it
-            data = self._call("POST", "/completions", {**body, "max_tokens": 1})
+            data = self.http.call("POST", "/completions", {**body, "max_tokens": 1})
         choices = data.get("choices") or []
         if not choices:
             raise ValueError("the server returned no choices for an echo request")
@@ -325,53 +216,25 @@ class OpenAISamplingClient:
         text = str(choice.get("text") or "")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _send(self, method: str, url: str, body: JSONObject | None) -> httpx.Response:
-        try:
-            return self._http.request(method, url, json=body)
-        except (httpx.RemoteProtocolError, httpx.ReadError):
-            # a kept-alive connection the server closed as the request went out on it
-            # (no answer, or a reset under load): once more, on a new connection
-            return self._http.request(method, url, json=body)
+    # -- pushing weights: the server's weight routes (serving/remote_weights.py) -----
 
-    def _call(self, method: str, path: str, body: JSONObject | None = None,
-              absolute: bool = False) -> JSONObject:
-        try:
-            reply = self._send(method, path, body)
-        except httpx.HTTPError as e:
-            raise ConnectionError(f"cannot reach the sampling server at {self.base_url}: "
-                                  f"{e}") from e
-        if reply.status_code >= 400:
-            if absolute and reply.status_code < 500 and _is_json_object(reply):
-                return dict(reply.json())  # a route that answers its errors in its own shape
-            message = _message(reply)
-            error = ValueError if reply.status_code < 500 else RuntimeError
-            raise error(f"the sampling server answered HTTP {reply.status_code}: {message}")
-        data = reply.json()
-        if not isinstance(data, dict):
-            raise ValueError(  # noqa: TRY004 - a bad answer is a ValueError throughout
-                f"the sampling server answered {type(data).__name__}, not an object")
-        return data
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> str:
+        """Full weights from `model_path`, labelled `weight_version` (`RemoteWeights`)."""
+        return self.weights.update_weights_from_disk(model_path, weight_version)
 
+    def served_weights_version(self) -> str | None:
+        """The label of the weights a vLLM server holds (None: it does not say)."""
+        return self.weights.served_weights_version()
 
-def _message(reply: httpx.Response) -> str:
-    try:
-        data = reply.json()
-    except ValueError:
-        return reply.text[:500]
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        if "message" in data:
-            return str(data["message"])
-    return reply.text[:500]
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        self.weights.load_lora_adapter(lora_name, lora_path)
 
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self.weights.unload_lora_adapter(lora_name)
 
-def _is_json_object(reply: httpx.Response) -> bool:
-    try:
-        return isinstance(reply.json(), dict)
-    except ValueError:
-        return False
+    def loaded_adapters(self) -> dict[str, str]:
+        """The server's loaded LoRA adapters, name -> the path it loaded each from."""
+        return self.weights.loaded_adapters()
 
 
 def _weights_version(data: JSONObject, version_from: str) -> str | None:
