@@ -21,7 +21,6 @@ Knows HTTP, OpenAI's shapes and the sampling protocol; not envs, rewards or trai
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 import re
 import secrets
@@ -38,6 +37,7 @@ from prefixgym.prompting.call_tree import (
     CallTree,
 )
 from prefixgym.protocols import SamplingClient
+from prefixgym.serving.admission import bearer_check
 from prefixgym.serving.agent_session import RolloutSession, SamplingDefaults
 from prefixgym.serving.bodies import BodyError, read_body
 from prefixgym.serving.chat import ChatRequest, chat_stream, parse_chat_request
@@ -76,6 +76,7 @@ class AgentGateway:
         self.auto_open = auto_open
         self._sessions: dict[str, RolloutSession] = {}
         self._lock = threading.Lock()
+        self._authorize = bearer_check(api_key)
         self.app = self._create_app()
         self._host = host
         self._server: object | None = None
@@ -156,44 +157,27 @@ class AgentGateway:
         self._server = self._thread = None
         self.url = ""
 
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
-                           None, "authentication_error")
-
     def _create_app(self) -> FastAPI:
         app = FastAPI(title="prefixgym agent gateway", docs_url=None, redoc_url=None,
                       openapi_url=None)
         install_error_handlers(app)
         auto = self.auto_open
 
-        def key_of(request: Request) -> str:
-            return str(request.path_params.get("key", DEFAULT_SESSION))
-
-        def parsed(session: RolloutSession, body: bytes | JSONObject) -> ChatRequest:
-            try:
-                return parse_chat_request(body)
-            except (APIError, BodyError) as e:
-                raise session.refuse(e) from None
-
         def refused(request: Request, error: APIError | BodyError) -> None:
-            self.session(key_of(request)).refuse(error)
+            self.session(_key_of(request)).refuse(error)
 
         async def chat(request: Request, body: JSONObject) -> JSONObject:
-            session = self.session(key_of(request))
-            return await session.complete(parsed(session, body))
+            session = self.session(_key_of(request))
+            return await session.complete(_parsed(session, body))
 
         async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
             self._authorize(request)
-            session = self.session(key_of(request))
+            session = self.session(_key_of(request))
             try:
                 body = await read_body(request, MAX_BODY_BYTES)
             except BodyError as e:
                 raise session.refuse(e) from None
-            req = parsed(session, body)
+            req = _parsed(session, body)
             answer = await session.complete(req)
             if req.stream:
                 return StreamingResponse(chat_stream(answer, req), media_type="text/event-stream")
@@ -201,13 +185,13 @@ class AgentGateway:
 
         async def models(request: Request) -> JSONObject:
             self._authorize(request)
-            model = self.model if self.auto_open else self.session(key_of(request)).model
+            model = self.model if self.auto_open else self.session(_key_of(request)).model
             return {"object": "list", "data": [{"id": model, "object": "model",
                                                 "created": 0, "owned_by": "prefixgym"}]}
 
         async def close(request: Request) -> JSONObject:
             self._authorize(request)
-            key = key_of(request)
+            key = _key_of(request)
             session = self.take(key)
             if session is None or auto is None:
                 raise APIError(404, f"no session {key!r} is open", None, "not_found_error")
@@ -225,3 +209,16 @@ class AgentGateway:
             app.add_api_route("/rollouts/{key}/close", close, methods=["POST"])
             app.add_api_route("/v1/close", close, methods=["POST"])
         return app
+
+
+def _key_of(request: Request) -> str:
+    """The session key a route's path names (the plain `/v1/...` routes: the default)."""
+    return str(request.path_params.get("key", DEFAULT_SESSION))
+
+
+def _parsed(session: RolloutSession, body: bytes | JSONObject) -> ChatRequest:
+    """The chat request in `body`; a malformed one is refused, and recorded by `session`."""
+    try:
+        return parse_chat_request(body)
+    except (APIError, BodyError) as e:
+        raise session.refuse(e) from None

@@ -5,7 +5,8 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (chat.py), `POST /v1
 `GET /health`, and the weight routes of `serving.weights` (`/update_weights_from_disk`,
 `/v1/load_lora_adapter`, ...).
 With an API key configured, every route but /health wants `Authorization: Bearer KEY`
-(401 otherwise), as OpenAI-compatible servers do.
+(401 otherwise), as OpenAI-compatible servers do; that check and this server's limits
+are `admission.py`'s.
 
 A completion request goes:
   1) read the body, refusing one not labelled `application/json` (415) or larger
@@ -30,10 +31,10 @@ training.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -42,6 +43,7 @@ from starlette.concurrency import run_in_threadpool
 from transformers import PreTrainedTokenizerBase
 
 from prefixgym.engine.service import EngineService
+from prefixgym.serving.admission import RequestLimits, bearer_check
 from prefixgym.serving.bodies import parse_json_object, read_body
 from prefixgym.serving.chat import add_chat_route, parse_chat_request
 from prefixgym.serving.config import ServeConfig
@@ -66,35 +68,30 @@ def create_app(
     """An app serving `service`'s latest weights; `tokenizer` (None: token ids only)
     encodes text prompts and decodes the answers' text."""
     config = config or ServeConfig()
-    max_seq_len = service.max_seq_len
-    max_request_tokens = min(config.max_request_tokens or max_seq_len, max_seq_len)
-    # no text longer than this tokenizes into max_request_tokens (see _tokenize)
-    max_prompt_chars = max_request_tokens * _longest_token(tokenizer)
-    expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
-    model_name = config.model_name
-    created = int(time.time())
+    limits = RequestLimits.of(config, service.max_seq_len, tokenizer)
+    authorize = bearer_check(config.api_key)
     app = FastAPI(title="prefixgym serve", docs_url=None, redoc_url=None, openapi_url=None)
-    weights = ServedWeights(service, model_name)
+    weights = ServedWeights(service, config.model_name)
 
     install_error_handlers(app)
-
-    def authorize(request: Request) -> None:
-        if expected_auth is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected_auth):
-            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
-                           None, "authentication_error")
-
     add_weight_routes(app, weights, authorize, config.max_body_bytes)
-    complete_chat = add_chat_route(app, authorize, weights, tokenizer, config.max_n,
-                                   max_request_tokens, max_prompt_chars, config.max_body_bytes)
+    complete_chat = add_chat_route(app, authorize, weights, tokenizer, limits)
 
     async def chat_for_responses(_: Request, body: JSONObject) -> JSONObject:
         return await complete_chat(parse_chat_request(body))
 
     add_responses_route(app, "/v1/responses", chat_for_responses, authorize,
                         config.max_body_bytes, ResponseStore())
+    add_model_routes(app, authorize, weights, service.max_seq_len)
+    add_completion_route(app, authorize, weights, tokenizer, limits)
+    return app
+
+
+def add_model_routes(app: FastAPI, authorize: Callable[[Request], None],
+                     weights: ServedWeights, max_seq_len: int) -> None:
+    """`GET /health` (no key needed) and `GET /v1/models`: the base model and its adapters."""
+    created = int(time.time())
+    model_name = weights.model_name
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -111,23 +108,23 @@ def create_app(
             *({"id": name, **card, "max_model_len": max_seq_len, "root": path,
                "parent": model_name} for name, path in weights.adapter_paths.items())]}
 
+
+def add_completion_route(app: FastAPI, authorize: Callable[[Request], None],
+                         weights: ServedWeights, tokenizer: PreTrainedTokenizerBase | None,
+                         limits: RequestLimits) -> None:
+    """`POST /v1/completions`, in the four steps of the module docstring."""
+    max_request_tokens = limits.max_request_tokens
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
         authorize(request)
         # 1) a bounded body labelled JSON
-        body = await read_body(request, config.max_body_bytes)
+        body = await read_body(request, limits.max_body_bytes)
         # 2) parse and check
         req = await run_in_threadpool(_parse, body)
-        if not weights.serves(req.model):
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
-                                f"{model_name!r}", "model", "not_found_error")
-        if req.n > config.max_n:
-            raise APIError(400, f"n = {req.n} exceeds this server's limit of {config.max_n}", "n")
+        limits.check_model_and_n(weights, req.model, req.n)
         for text in req.prompt_texts:
-            if len(text) > max_prompt_chars:
-                raise APIError(400, f"prompt text of {len(text):,} characters cannot fit in "
-                               f"this server's limit of {max_request_tokens} tokens per request",
-                               "prompt")
+            limits.check_chars(len(text), "prompt text", "prompt")
         try:
             prompt = await run_in_threadpool(req.prompt_ids, tokenizer)
             params = req.sampling_params()
@@ -152,20 +149,9 @@ def create_app(
             raise APIError(400, str(e).splitlines()[0]) from None
         # 4) OpenAI's shape
         answer = await run_in_threadpool(_render, req, prompt, response, tokenizer,
-                                         req.model or model_name)
+                                         req.model or weights.model_name)
         answer["metadata"] = {"weight_version": weight_version}
         return JSONResponse(answer)
-
-    return app
-
-
-def _longest_token(tokenizer: PreTrainedTokenizerBase | None) -> int:
-    """The most characters one token stands for: a text of more than N times this
-    cannot tokenize into N tokens (a tokenizer whose normalizer deletes characters
-    aside), so it is refused before the tokenizer spends seconds on it."""
-    if tokenizer is None:
-        return 1
-    return max((len(t) for t in tokenizer.get_vocab()), default=1)
 
 
 def _parse(body: bytes) -> CompletionRequest:

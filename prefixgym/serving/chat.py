@@ -58,6 +58,7 @@ from transformers import PreTrainedTokenizerBase
 from prefixgym.prompting.call_tree import Pending
 from prefixgym.prompting.tool_choice import ToolChoiceError, forced_opening
 from prefixgym.prompting.tool_syntax import HermesSyntax, ParsedCall
+from prefixgym.serving.admission import RequestLimits
 from prefixgym.serving.bodies import parse_request, read_body
 from prefixgym.serving.chat_history import ChatHistory
 from prefixgym.serving.protocol import (
@@ -181,25 +182,16 @@ class ChatRequest(SamplingFields):
 
 def add_chat_route(
     app: FastAPI, authorize: Callable[[Request], None], weights: ServedWeights,
-    tokenizer: PreTrainedTokenizerBase | None, max_n: int, max_request_tokens: int,
-    max_prompt_chars: int, max_body_bytes: int,
+    tokenizer: PreTrainedTokenizerBase | None, limits: RequestLimits,
 ) -> Callable[[ChatRequest], Awaitable[JSONObject]]:
     """`POST /v1/chat/completions` on `app`, under the same key and limits as completions.
     Returns the handler (a parsed request -> its answer), which /v1/responses calls too."""
     history = ChatHistory(tokenizer) if tokenizer is not None else None
 
     async def complete(req: ChatRequest) -> JSONObject:
-        model = req.model or weights.model_name
-        if not weights.serves(req.model):
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
-                                f"{weights.model_name!r}", "model", "not_found_error")
-        if req.n > max_n:
-            raise APIError(400, f"n = {req.n} exceeds this server's limit of {max_n}", "n")
-        chars = sum(len(m.text) for m in req.messages)
-        if chars > max_prompt_chars:
-            raise APIError(400, f"messages of {chars:,} characters cannot fit in this server's "
-                                f"limit of {max_request_tokens} tokens per request", "messages")
-        try:
+        limits.check_model_and_n(weights, req.model, req.n)
+        limits.check_chars(sum(len(m.text) for m in req.messages), "messages", "messages")
+        try:  # 2)
             pending = await run_in_threadpool(history.begin, req) if history else None
             if pending is None:  # rendered whole: there is no syntax to force a call in
                 forced_opening(req.tool_choice, req.tools or [], None)
@@ -210,29 +202,29 @@ def add_chat_route(
         except ValueError as e:
             raise APIError(400, str(e).splitlines()[0], "messages") from None
         asked = req.max_completion_tokens or req.max_tokens
-        room = max_request_tokens - len(prompt)
+        room = limits.max_request_tokens - len(prompt)
         if room < 1 or (asked is not None and asked > room):
             raise APIError(400, f"the messages render to {len(prompt)} tokens"
                                 f"{f' and max_tokens is {asked}' if asked else ''}: this "
-                                f"server's limit is {max_request_tokens} tokens per request",
-                           "max_tokens")
+                                f"server's limit is {limits.max_request_tokens} tokens per "
+                                "request", "max_tokens")
         sampler, weight_version = weights.sampler_for(req.model, not req.ignore_eos)
-        try:
+        try:  # 3)
             params = req.engine_params(asked or room)
             response = await sampler.sample(prompt, num_samples=req.n, sampling_params=params)
         except ValidationError as e:
             raise APIError(400, *describe_validation_error(e)) from None
         except ValueError as e:
             raise APIError(400, str(e).splitlines()[0]) from None
-        answer = await run_in_threadpool(_answer, req, prompt, response, tokenizer, model,
-                                         history, pending)
+        answer = await run_in_threadpool(_answer, req, prompt, response, tokenizer,  # 4)
+                                         req.model or weights.model_name, history, pending)
         answer["metadata"] = {"weight_version": weight_version}
         return answer
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
         authorize(request)
-        body = await read_body(request, max_body_bytes)
+        body = await read_body(request, limits.max_body_bytes)  # 1)
         req = await run_in_threadpool(parse_chat_request, body)
         answer = await complete(req)
         if req.stream:
