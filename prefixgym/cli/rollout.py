@@ -19,20 +19,21 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from prefixgym.cli.chat_template import missing_template_line, read_template_file
+from prefixgym.cli.chat_template import read_template_file
 from prefixgym.cli.errors import error_line
 from prefixgym.cli.flags import build_config, build_parser, read_json_object
 from prefixgym.rollouts.rollout import RolloutConfig, Rollouts, TraceWriter
 from prefixgym.rollouts.types import TrajectoryGroup
-from prefixgym.trainer.config import (
-    DEFAULT_ENV,
-    RUN_CONFIG,
-    default_env_kwargs,
-    is_pretrained_checkpoint,
-)
+from prefixgym.trainer.config import DEFAULT_ENV, RUN_CONFIG, default_env_kwargs
 from prefixgym.types import JSONObject, Usage
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from prefixgym.local_service import LocalService
+    from prefixgym.protocols import SamplingClient
 
 
 @dataclass
@@ -101,6 +102,50 @@ def print_group(group: TrajectoryGroup, out: TextIO | None = None,
 
 
 def main(argv: list[str]) -> int:
+    """1) the flags over the run's settings; 2) the envs, the trace file, the model and
+    its chat format, the run's weights; 3) the groups, printed; 4) the usage."""
+    args = parse_args(argv)  # 1)
+    from prefixgym.cli.chat_format import checkpoint_chat_format
+    from prefixgym.engine.device import describe_device
+    from prefixgym.envs.registration import close_all, make_agent_env
+    from prefixgym.local_service import LocalService
+
+    trace_file: TextIO | None = None
+    service: LocalService | None = None
+    envs: list[Any] = []
+    try:  # 2)
+        envs = [make_agent_env(args.env, args.env_kwargs) for _ in range(args.group_size)]
+        ckpt = run_checkpoint(Path(args.run)) if args.run else None
+        trace_file = open(args.trace, "w") if args.trace else None  # noqa: SIM115
+        template = read_template_file(args.chat_template)
+        service = LocalService(model=args.model, seed=args.seed, device=args.device)
+        print(f"model: {args.model} on {describe_device(service.device)}")
+        for line in checkpoint_chat_format(args.model, service.tokenizer, template,
+                                           args.chat_template, args.chat_template_kwargs):
+            print(line)
+        sampler = sampler_of(service, ckpt)
+    except (ValueError, OSError) as e:
+        close_all(envs)
+        if trace_file:
+            trace_file.close()
+        if service is not None:
+            service.close()
+        print(f"prefixgym rollout: {error_line(e)}", file=sys.stderr)
+        return 2
+    try:  # 3)
+        run_groups(args, envs, sampler, service.tokenizer, trace_file)
+    finally:
+        close_all(envs)
+        if trace_file:
+            trace_file.close()
+        service.close()
+    print_usage(service.usage())  # 4)
+    return 0
+
+
+def parse_args(argv: list[str]) -> RolloutArgs:
+    """The flags given, over the settings of the `--run` they name (a usage error, exit
+    code 2, for a bad flag or run)."""
     parser = build_parser(RolloutArgs, prog="prefixgym rollout",
                           description="Sample episodes of an env; print transcripts and "
                           "cache hits.")
@@ -114,76 +159,38 @@ def main(argv: list[str]) -> int:
     if "model" in given:  # another model: not the run's template (or switches) either
         from_run.pop("chat_template_kwargs", None)
         from_run.pop("chat_template", None)
-    args = build_config(RolloutArgs, parser, from_run, given)
-    from prefixgym.engine.device import describe_device
-    from prefixgym.envs.base import agent_of
-    from prefixgym.envs.registration import close_all, make_agent_env
-    from prefixgym.local_service import LocalService
-    from prefixgym.prompting.conversation import Conversation
-    from prefixgym.protocols import SamplingClient
+    return build_config(RolloutArgs, parser, from_run, given)
+
+
+def sampler_of(service: LocalService, ckpt: Path | None) -> SamplingClient:
+    """The service's sampler: of the checkpoint's weights when there is one."""
+    if ckpt is None:
+        return service.create_sampling_client()
     from prefixgym.trainer.checkpoint import load_checkpoint
 
-    trace_file: TextIO | None = None
-    service: LocalService | None = None
-    envs: list[Any] = []
-    try:
-        envs = [make_agent_env(args.env, args.env_kwargs) for _ in range(args.group_size)]
-        ckpt = run_checkpoint(Path(args.run)) if args.run else None
-        trace_file = open(args.trace, "w") if args.trace else None  # noqa: SIM115
-        template = read_template_file(args.chat_template)
-        service = LocalService(model=args.model, seed=args.seed, device=args.device)
-        print(f"model: {args.model} on {describe_device(service.device)}")
-        if is_pretrained_checkpoint(args.model):
-            from prefixgym.cli.train import use_model_chat_format
+    training = service.create_training_client()
+    load_checkpoint(ckpt, training)
+    sampler = training.save_weights_and_get_sampling_client()
+    print(f"weights: {ckpt}")
+    return sampler
 
-            if template is not None:
-                service.tokenizer.chat_template = template
-            try:
-                lines = use_model_chat_format(args.model, service.tokenizer,
-                                              args.chat_template_kwargs)
-            except ValueError:
-                if not service.tokenizer.chat_template:
-                    raise ValueError(missing_template_line(args.model)) from None
-                raise
-            for line in lines:
-                print(line)
-        elif args.chat_template_kwargs or args.chat_template:
-            raise ValueError("--chat-template and --chat-template-kwargs apply to a "
-                             f"checkpoint's chat template; --model {args.model} uses the "
-                             "built-in format")
-        sampler: SamplingClient = service.create_sampling_client()
-        if ckpt is not None:
-            training = service.create_training_client()
-            load_checkpoint(ckpt, training)
-            sampler = training.save_weights_and_get_sampling_client()
-            print(f"weights: {ckpt}")
-    except (ValueError, OSError) as e:
-        close_all(envs)
-        if trace_file:
-            trace_file.close()
-        if service is not None:
-            service.close()
-        print(f"prefixgym rollout: {error_line(e)}", file=sys.stderr)
-        return 2
-    try:
-        rollouts = Rollouts(
-            sampler, service.tokenizer,
-            RolloutConfig(max_tokens=args.max_tokens, temperature=args.temperature),
-            trace=TraceWriter(trace_file) if trace_file else None,
-        )
-        tokenizer = service.tokenizer
-        system, tools = agent_of(envs[0]).prompt()
-        fixed = len(Conversation(tokenizer, system=system, tools=tools).tokens)
-        for g in range(args.groups):
-            group = asyncio.run(rollouts.run_group(envs, args.seed + g, f"g{g}"))
-            print_group(group, decode=lambda ids: str(tokenizer.decode(ids)), fixed_prefix=fixed)
-    finally:
-        close_all(envs)
-        if trace_file:
-            trace_file.close()
-        service.close()
-    print_usage(service.usage())
-    return 0
+
+def run_groups(args: RolloutArgs, envs: list[Any], sampler: SamplingClient,
+               tokenizer: PreTrainedTokenizerBase, trace_file: TextIO | None) -> None:
+    """`args.groups` groups of the envs, each printed once it is done."""
+    from prefixgym.envs.base import agent_of
+    from prefixgym.prompting.conversation import Conversation
+
+    rollouts = Rollouts(
+        sampler, tokenizer,
+        RolloutConfig(max_tokens=args.max_tokens, temperature=args.temperature),
+        trace=TraceWriter(trace_file) if trace_file else None,
+    )
+    system, tools = agent_of(envs[0]).prompt()
+    fixed = len(Conversation(tokenizer, system=system, tools=tools).tokens)
+    for g in range(args.groups):
+        group = asyncio.run(rollouts.run_group(envs, args.seed + g, f"g{g}"))
+        print_group(group, decode=lambda ids: str(tokenizer.decode(ids)), fixed_prefix=fixed)
 
 
 RUN_SETTINGS = ("env", "env_kwargs", "model", "max_tokens", "temperature", "chat_template",
