@@ -6,12 +6,18 @@ Usage: `python bench/bench_staleness.py PART [--out runs/staleness] [options]`, 
   start (the learning part's, exported as a model directory), at each K of `--ks`, the
   K's alternating `--repeats` times so that a drift of the machine's load reaches all
   of them; steps per minute from the runs' `time/step_s` past the first K + 1 steps
-  (the pipeline filling up), the ratio against K = 0 of the same repeat.
-- `learning`: per seed one warm start (`--steps 0`), then GRPO from its checkpoint
-  (`--resume --force-resume`, so every arm starts from the same bits) in three arms:
-  K = 0, K = 2 without a correction, K = 2 with `--off-policy-correction tis`; eval
-  success after GRPO with its binomial SE, the gain over the warm start, and each
-  K = 2 arm against K = 0 of its seed in SE of the difference.
+  (the pipeline filling up), the ratio against K = 0 of the same repeat. `--model
+  PATH` (a checkpoint directory or .gguf file) runs trainer and servers on that model
+  instead, with the flags after `--` (e.g. `-- --config addition`).
+- `learning`: per seed one warm start (`--steps 0`, `--sft-steps` of them), then GRPO
+  from its checkpoint (`--resume --force-resume`, so every arm starts from the same
+  bits) in the arms of `--arms`: K = 0, K = 2 without a correction, K = 2 with
+  `--off-policy-correction tis` or `mis`; in process, where the lag is forced: a step
+  sampled ahead trains exactly K updates after its weights, whatever the timing. Eval
+  success after GRPO with its binomial SE, the gain over the warm start, each arm's
+  mean over the seeds, and each K = 2 arm against K = 0 of its seed in SE of the
+  difference; then each arm's mismatch metrics. Flags after `--` go to every GRPO run
+  of the part (e.g. `-- --lr-schedule constant`).
 - `mismatch`: bf16 samplers (two `prefixgym serve --dtype bfloat16`) under an fp32
   trainer, from the first seed's warm start (resumed, pushed to the server as full
   weights),
@@ -41,7 +47,8 @@ from prefixgym.serving.launch import ServerProcess, free_port
 
 ARMS = {"K0": ["--max-staleness", "0"],
         "K2": ["--max-staleness", "2"],
-        "K2-tis": ["--max-staleness", "2", "--off-policy-correction", "tis"]}
+        "K2-tis": ["--max-staleness", "2", "--off-policy-correction", "tis"],
+        "K2-mis": ["--max-staleness", "2", "--off-policy-correction", "mis"]}
 CORRECTIONS = ("none", "tis", "mis")
 
 
@@ -109,36 +116,40 @@ def servers(count: int, out: Path, model: str = "tiny", dtype: str = "float32",
         yield urls
 
 
-def steps_per_minute(run: Path, k: int) -> float:
-    steps = records(run, "grpo")[k + 1:]
-    return 60 * len(steps) / sum(r["time/step_s"] for r in steps)
+def step_seconds(run: Path, k: int) -> list[float]:
+    """The run's GRPO steps' seconds past the first K + 1 (the pipeline filling up)."""
+    return [r["time/step_s"] for r in records(run, "grpo")[k + 1:]]
 
 
 def speed(args: argparse.Namespace) -> None:
     out = args.out / "speed"
     if not args.report_only:
-        base = export_weights(warm_start(args), args.seeds[0], out / "base")
-        with servers(2, out, model=str(base), lora_rank=args.lora_rank) as urls:
+        base = (args.model if args.model else
+                str(export_weights(warm_start(args), args.seeds[0], out / "base")))
+        with servers(2, out, model=base, lora_rank=args.lora_rank) as urls:
             for repeat in range(args.repeats):
                 for k in args.ks:
                     run = out / f"r{repeat}-K{k}"
                     shutil.rmtree(run, ignore_errors=True)
-                    flags = ["--model", str(base), "--sft-steps", "0", "--steps",
+                    flags = [*args.grpo_flags, "--model", base, "--sft-steps", "0", "--steps",
                              str(args.steps), "--eval-episodes", "16", "--no-eval-on-start",
                              "--eval-every", "1000", "--checkpoint-every", "1000",
                              "--lora-rank", str(args.lora_rank), "--max-staleness", str(k),
                              *[f for url in urls for f in ("--sampler-url", url)]]
                     train(run, flags, args.threads)
-    print(f"GRPO steps per minute, two prefixgym serve samplers (load now "
+    print(f"GRPO steps per minute, two prefixgym serve samplers, over the steps past the "
+          f"first K + 1 (in brackets: the slowest and fastest step's rate; load now "
           f"{os.getloadavg()[0]:.1f}):\n")
     print("| repeat | " + " | ".join(f"K = {k}" for k in args.ks) + " | "
           + " | ".join(f"K = {k} / K = 0" for k in args.ks if k) + " |")
     print("|---|" + "---:|" * (2 * len(args.ks) - 1))
     for repeat in range(args.repeats):
-        rates = {k: steps_per_minute(out / f"r{repeat}-K{k}", k) for k in args.ks
-                 if success(out / f"r{repeat}-K{k}", "GRPO") is not None}  # finished
-        if len(rates) == len(args.ks):
-            cells = [f"{rates[k]:.2f}" for k in args.ks]
+        seconds = {k: step_seconds(out / f"r{repeat}-K{k}", k) for k in args.ks
+                   if success(out / f"r{repeat}-K{k}", "GRPO") is not None}  # finished
+        if len(seconds) == len(args.ks):
+            rates = {k: 60 * len(s) / sum(s) for k, s in seconds.items()}
+            cells = [f"{rates[k]:.2f} ({60 / max(seconds[k]):.2f}-{60 / min(seconds[k]):.2f})"
+                     for k in args.ks]
             ratios = [f"{rates[k] / rates[0]:.2f}x" for k in args.ks if k]
             print(f"| {repeat} | " + " | ".join(cells + ratios) + " |")
     for run in sorted(out.glob("r*-K*")):  # a server marked down leaves one sampler
@@ -162,34 +173,64 @@ def learning(args: argparse.Namespace) -> None:
     for seed in [] if args.report_only else args.seeds:
         warm = out / f"seed{seed}" / "warm"
         if success(warm, "after warm start") is None:
-            train(warm, ["--seed", str(seed), "--steps", "0", *common], args.threads)
-        for arm, flags in ARMS.items():
+            train(warm, ["--seed", str(seed), "--steps", "0", "--sft-steps",
+                         str(args.sft_steps), *common], args.threads)
+        for arm in args.arms:
+            flags = ARMS[arm]
             run = out / f"seed{seed}" / arm
             if success(run, "GRPO") is not None:
                 continue
             shutil.rmtree(run, ignore_errors=True)
             shutil.copytree(warm, run)
             train(run, ["--seed", str(seed), "--steps", str(args.steps), "--resume",
-                        "--force-resume", *common, *flags], args.threads)
+                        "--force-resume", *common, *flags, *args.grpo_flags], args.threads)
+    arms = args.arms
     print(f"Eval success after {args.steps} GRPO steps from a shared warm start "
           f"(± binomial SE; load now {os.getloadavg()[0]:.1f}):\n")
-    print("| seed | after warm start | " + " | ".join(ARMS) + " | "
-          + " | ".join(f"{a} − K0 (in SE)" for a in ARMS if a != "K0") + " |")
-    print("|---|" + "---:|" * (2 * len(ARMS)))
+    print("| seed | after warm start | " + " | ".join(arms) + " | "
+          + " | ".join(f"{a} − K0 (in SE)" for a in arms if a != "K0") + " |")
+    print("|---|" + "---:|" * (2 * len(arms)))
+    rows = []  # per complete seed: the warm start's and each arm's (success, SE)
     for seed in args.seeds:
         warm = success(out / f"seed{seed}" / "warm", "after warm start")
-        got = {a: found for a in ARMS
+        got = {a: found for a in arms
                if (found := success(out / f"seed{seed}" / a, "GRPO")) is not None}
-        if warm is None or len(got) < len(ARMS):
+        if warm is None or len(got) < len(arms):
             continue
-        cells = [f"{100 * p:.1f} ± {100 * s:.1f}%" for p, s in [warm, *got.values()]]
-        p0, s0 = got["K0"]
-        for arm in ARMS:
-            if arm != "K0":
-                p, s = got[arm]
-                se = math.hypot(s, s0)
-                cells.append(f"{100 * (p - p0):+.1f} pt ({(p - p0) / se:+.1f})")
-        print(f"| {seed} | " + " | ".join(cells) + " |")
+        rows.append({"warm": warm, **got})
+        print(f"| {seed} | " + " | ".join(learning_cells(rows[-1], arms)) + " |")
+    if len(rows) > 1:  # the seeds' mean: independent evaluations, so SEs add in squares
+        mean = {key: (sum(r[key][0] for r in rows) / len(rows),
+                      math.sqrt(sum(r[key][1] ** 2 for r in rows)) / len(rows))
+                for key in rows[0]}
+        print("| mean | " + " | ".join(learning_cells(mean, arms)) + " |")
+    keys = ["sampler/mean_logprob_gap", "sampler/kl_k3", "off_policy/capped_fraction",
+            "off_policy/masked_fraction", "episodes/stale"]
+    print("\nPer arm, the mean over its seeds' GRPO steps (episodes/stale: the sum):\n")
+    print("| arm | " + " | ".join(k.split("/")[1] for k in keys) + " |")
+    print("|---|" + "---:|" * len(keys))
+    for arm in arms:
+        steps = [r for seed in args.seeds for r in records(out / f"seed{seed}" / arm, "grpo")]
+        cells = []
+        for key in keys:
+            values = [r[key] for r in steps if key in r]
+            value = (sum(values) if key == "episodes/stale" else
+                     sum(values) / len(values)) if values else None
+            cells.append("–" if value is None else f"{value:.3g}")
+        print(f"| {arm} | " + " | ".join(cells) + " |")
+
+
+def learning_cells(row: dict[str, tuple[float, float]], arms: Sequence[str]) -> list[str]:
+    """The warm start's and each arm's success ± SE, then each K = 2 arm minus K = 0
+    in points and in SE of the difference."""
+    cells = [f"{100 * p:.1f} ± {100 * s:.1f}%" for p, s in
+             [row["warm"], *(row[a] for a in arms)]]
+    p0, s0 = row["K0"]
+    for arm in arms:
+        if arm != "K0":
+            p, s = row[arm]
+            cells.append(f"{100 * (p - p0):+.1f} pt ({(p - p0) / math.hypot(s, s0):+.1f})")
+    return cells
 
 
 def mismatch(args: argparse.Namespace) -> None:
@@ -236,8 +277,21 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="the trainer's torch threads")
+    parser.add_argument("--model", default="",
+                        help="speed: the model of the trainer and the servers (a checkpoint "
+                        "directory or .gguf file); unset: the first seed's warm start of tiny")
+    parser.add_argument("--sft-steps", type=int, default=400,
+                        help="the learning part's warm-start steps")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=["K0", "K2", "K2-tis"],
+                        help="the learning part's arms to run (processes of one seed may "
+                        "run different arms at once); to report, K0 first")
     parser.add_argument("--report-only", action="store_true")
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.grpo_flags = argv[cut + 1:]  # after --: flags for every GRPO run of the learning part
+    if args.report_only and args.arms[0] != "K0":
+        parser.error("--arms must start with K0: the others are against it")
     if args.part == "speed" and args.ks[0] != 0:
         parser.error("--ks must start with 0: the ratios are against K = 0")
     {"speed": speed, "learning": learning, "mismatch": mismatch}[args.part](args)
