@@ -21,7 +21,6 @@ Knows HTTP, OpenAI's shapes and the sampling protocol; not envs, rewards or trai
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 import secrets
 import threading
@@ -50,7 +49,6 @@ _KEY = re.compile(r"[A-Za-z0-9._\-]{1,200}")
 MAX_BODY_BYTES = 64 << 20
 DEFAULT_SESSION = "default"
 """The session key of the plain `/v1/...` routes (auto-open mode)."""
-log = logging.getLogger("prefixgym.serve")
 
 
 @dataclass

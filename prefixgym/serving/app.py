@@ -31,7 +31,6 @@ training.
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -57,8 +56,6 @@ from prefixgym.serving.protocol import (
 from prefixgym.serving.responses import ResponseStore, add_responses_route
 from prefixgym.serving.weights import ServedWeights, add_weight_routes
 from prefixgym.types import JSONObject, SampleResponse
-
-log = logging.getLogger("prefixgym.serve")
 
 
 def create_app(
