@@ -20,7 +20,8 @@ gradient), so sampler and trainer logprobs differ by float noise, as across batc
 2) `WeightPacker.pack(model, shared)` swaps them in for an inference model's attention
    and MLP linears (a LoRA layer's base) and, as `Transformer.head_linear`, its output
    head, where `packs` says it applies (a CPU model of our own families in fp32 or bf16
-   on a torch with oneDNN) and the weight has `MIN_ELEMENTS` or more.
+   on a torch with oneDNN) and the weight has `MIN_ELEMENTS` or more. A private model's
+   reorders run on up to `MAX_PACK_THREADS` threads at once (each on one of torch's).
 3) Reproducible: fp32 results must not depend on the thread count (docs/architecture.md,
    "Determinism": the engine's tuner picks counts by timing, and a run may resume on
    another `--num-threads`), which MKL guarantees in its strict mode and oneDNN does
@@ -50,6 +51,7 @@ import platform
 import threading
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -74,6 +76,10 @@ LAYERS = ("wqkv", "wo", "w_gate_up", "w_down")
 """The attribute names of the linears packed in each block (a mixture's router and
 experts are not: the router's top-k turns on last bits, the experts are 3-D)."""
 
+MAX_PACK_THREADS = 4
+"""A private model's reorders run on up to this many threads (no more than torch's
+intra-op count): each is one thread's copy (`_packed`), and a full publish makes 121
+of them for SmolLM2-135M."""
 VERDICTS_FILE = "packed-thread-checks.json"
 """The file under the cache directory that keeps the thread checks' answers."""
 
@@ -124,13 +130,16 @@ def _apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
 class PackedLinear(nn.Module):
     """`nn.Linear`'s forward on a packed weight, for inference (see the module doc)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, shared: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, shared: bool,
+                 packed: torch.Tensor | None = None) -> None:
+        """`packed`: a private layer's weight already packed (`WeightPacker`'s threads)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias_tensor = None if bias is None else bias.detach()
         self.source: torch.Tensor | None = weight.detach() if shared else None
         """The dense weight a shared layer follows (None: private, packed for good)."""
-        self._packed: torch.Tensor | None = None if shared else _packed(weight)
+        self._packed: torch.Tensor | None = (
+            None if shared else packed if packed is not None else _packed(weight))
         self._seen = -1  # the source's version counter when last packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,25 +252,34 @@ class WeightPacker:
         self._shared: weakref.WeakValueDictionary[tuple[object, ...], PackedLinear] = (
             weakref.WeakValueDictionary())
         self._lock = threading.Lock()
+        # each shape's answer once read (or checked): a full publish asks for 121 layers
+        # of SmolLM2-135M, and the store's key and path took ~20 ms a publish to build
+        self._verdicts: dict[tuple[int, int, torch.dtype, bool], bool] = {}
+        self._threads: ThreadPoolExecutor | None = None  # made at the first private pack
 
     def pack(self, model: Transformer, shared: bool) -> Transformer:
         """`model` (an inference copy, changed in place) with its block linears and its
         head packed, where they apply; `shared`: its weights are also another model's."""
         if not (self.enabled and packs(model)):
             return model
-        for block in model.layers:
-            for parent in list(block.modules()):
-                for name in LAYERS:
-                    layer = getattr(parent, name, None)
-                    base = getattr(layer, "base", None)  # a LoRA layer's
-                    if isinstance(layer, nn.Linear):
-                        setattr(parent, name, self._layer(layer, shared) or layer)
-                    elif isinstance(base, nn.Linear):
-                        setattr(layer, "base", self._layer(base, True) or base)
+        private: list[tuple[nn.Module, str, nn.Linear]] = []  # packed below, at once
+        for parent, name, layer in _block_linears(model):
+            base = layer._modules.get("base")  # a LoRA layer's
+            if isinstance(layer, nn.Linear) and not shared:
+                private.append((parent, name, layer))
+            elif isinstance(layer, nn.Linear):
+                setattr(parent, name, self._shared_layer(layer) or layer)
+            elif isinstance(base, nn.Linear):
+                setattr(layer, "base", self._shared_layer(base) or base)
         # a private model's tied head packs at once too: its publish carries it, not the
         # version's first sample (the embedding stays, for the lookup)
         head = model.output if model.output is not None else model.tok_embeddings
-        model.head_linear = self._layer(head, shared)
+        if shared:
+            model.head_linear = self._shared_layer(head)
+        else:
+            *made, model.head_linear = self._private_layers([*(p[2] for p in private), head])
+            for (parent, name, layer), packed in zip(private, made, strict=True):
+                setattr(parent, name, packed or layer)
         # every matmul of its decode step runs wide (`_apply`, attention), so the rest
         # may run on one thread: not where a linear stayed on `F.linear`, nor a mixture
         model.narrow_steps = model.head_linear is not None and not any(
@@ -274,9 +292,7 @@ class WeightPacker:
         to be packed need not copy them first (`EngineService.publish_weights`)."""
         if not (self.enabled and packs(model)):
             return []
-        layers = [getattr(parent, name, None) for block in model.layers
-                  for parent in block.modules() for name in LAYERS]
-        return [layer.weight for layer in layers
+        return [layer.weight for _, _, layer in _block_linears(model)
                 if isinstance(layer, nn.Linear) and self._packable(layer)]
 
     def _packable(self, layer: nn.Linear | nn.Embedding) -> bool:
@@ -286,17 +302,19 @@ class WeightPacker:
         bias = layer.bias if isinstance(layer, nn.Linear) else None
         if weight.numel() < MIN_ELEMENTS:
             return False
-        return (weight.dtype != torch.float32 or len(self.counts) == 1
-                or _stored_invariant(weight, bias, self.counts))
+        if weight.dtype != torch.float32 or len(self.counts) == 1:
+            return True
+        key = (*weight.shape, weight.dtype, bias is not None)
+        if key not in self._verdicts:
+            self._verdicts[key] = _stored_invariant(weight, bias, self.counts)
+        return self._verdicts[key]
 
-    def _layer(self, layer: nn.Linear | nn.Embedding, shared: bool) -> PackedLinear | None:
-        """`layer` packed (None where `_packable` says no)."""
+    def _shared_layer(self, layer: nn.Linear | nn.Embedding) -> PackedLinear | None:
+        """`layer`'s shared packed layer (None where `_packable` says no)."""
         if not self._packable(layer):
             return None
         weight = layer.weight
         bias = layer.bias if isinstance(layer, nn.Linear) else None
-        if not shared:
-            return PackedLinear(weight, bias, shared=False)
         key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype,
                None if bias is None else bias.data_ptr())
         with self._lock:
@@ -304,6 +322,39 @@ class WeightPacker:
             if packed is None:
                 packed = self._shared[key] = PackedLinear(weight, bias, shared=True)
             return packed
+
+    def _private_layers(self, layers: list[nn.Linear | nn.Embedding]) -> list[PackedLinear | None]:
+        """Each of `layers` packed for good (None where `_packable` says no). The reorders
+        run on the packer's threads, largest first: each is a copy on one thread, so a
+        full publish of SmolLM2-135M left one of 2 cores idle for its 538 MB of them.
+        The same bits whichever thread packs a weight (it moves values, it adds none)."""
+        todo = sorted((i for i, layer in enumerate(layers) if self._packable(layer)),
+                      key=lambda i: -layers[i].weight.numel())
+        weights = [layers[i].weight for i in todo]
+        made: list[PackedLinear | None] = [None] * len(layers)
+        for i, packed in zip(todo, self._reorders(weights), strict=True):
+            layer = layers[i]
+            bias = layer.bias if isinstance(layer, nn.Linear) else None
+            made[i] = PackedLinear(layer.weight, bias, shared=False, packed=packed)
+        return made
+
+    def _reorders(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`_packed` of each of `weights`, in order, on up to `MAX_PACK_THREADS` threads
+        (kept for the packer's life: each thread's allocations then come back to the
+        same malloc arena publish after publish)."""
+        with self._lock:
+            if self._threads is None:
+                workers = max(1, min(torch.get_num_threads(), MAX_PACK_THREADS))
+                self._threads = ThreadPoolExecutor(workers, thread_name_prefix="prefixgym-pack")
+        return list(self._threads.map(_packed, weights))
+
+
+def _block_linears(model: Transformer) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, child) for each child named in `LAYERS` of each block's
+    modules, read from the module dicts (a missing name through `getattr` costs
+    `nn.Module.__getattr__`'s error, ~1,000 times a publish on SmolLM2-135M)."""
+    return [(parent, name, child) for block in model.layers for parent in block.modules()
+            for name in LAYERS if (child := parent._modules.get(name)) is not None]
 
 
 def packed_layers(model: nn.Module) -> list[PackedLinear]:
