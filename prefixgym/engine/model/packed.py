@@ -21,7 +21,9 @@ gradient), so sampler and trainer logprobs differ by float noise, as across batc
    and MLP linears (a LoRA layer's base) and, as `Transformer.head_linear`, its output
    head, where `packs` says it applies (a CPU model of our own families in fp32 or bf16
    on a torch with oneDNN) and the weight has `MIN_ELEMENTS` or more. A private model's
-   reorders run on up to `MAX_PACK_THREADS` threads at once (each on one of torch's).
+   reorders run on the caller's thread, one after another: on 2 threads (a pool) they
+   allocated in the pool threads' malloc arenas, and in a GRPO run each publish then
+   touched 210-265 MiB of fresh pages instead of ~110 (0.6 s instead of 0.4).
 3) Reproducible: fp32 results must not depend on the thread count (docs/architecture.md,
    "Determinism": the engine's tuner picks counts by timing, and a run may resume on
    another `--num-threads`), which MKL guarantees in its strict mode and oneDNN does
@@ -51,7 +53,6 @@ import platform
 import threading
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -76,10 +77,6 @@ LAYERS = ("wqkv", "wo", "w_gate_up", "w_down")
 """The attribute names of the linears packed in each block (a mixture's router and
 experts are not: the router's top-k turns on last bits, the experts are 3-D)."""
 
-MAX_PACK_THREADS = 4
-"""A private model's reorders run on up to this many threads (no more than torch's
-intra-op count): each is one thread's copy (`_packed`), and a full publish makes 121
-of them for SmolLM2-135M."""
 VERDICTS_FILE = "packed-thread-checks.json"
 """The file under the cache directory that keeps the thread checks' answers."""
 
@@ -130,16 +127,13 @@ def _apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
 class PackedLinear(nn.Module):
     """`nn.Linear`'s forward on a packed weight, for inference (see the module doc)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, shared: bool,
-                 packed: torch.Tensor | None = None) -> None:
-        """`packed`: a private layer's weight already packed (`WeightPacker`'s threads)."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, shared: bool) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias_tensor = None if bias is None else bias.detach()
         self.source: torch.Tensor | None = weight.detach() if shared else None
         """The dense weight a shared layer follows (None: private, packed for good)."""
-        self._packed: torch.Tensor | None = (
-            None if shared else packed if packed is not None else _packed(weight))
+        self._packed: torch.Tensor | None = None if shared else _packed(weight)
         self._seen = -1  # the source's version counter when last packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,7 +249,6 @@ class WeightPacker:
         # each shape's answer once read (or checked): a full publish asks for 121 layers
         # of SmolLM2-135M, and the store's key and path took ~20 ms a publish to build
         self._verdicts: dict[tuple[int, int, torch.dtype, bool], bool] = {}
-        self._threads: ThreadPoolExecutor | None = None  # made at the first private pack
 
     def pack(self, model: Transformer, shared: bool) -> Transformer:
         """`model` (an inference copy, changed in place) with its block linears and its
@@ -324,29 +317,10 @@ class WeightPacker:
             return packed
 
     def _private_layers(self, layers: list[nn.Linear | nn.Embedding]) -> list[PackedLinear | None]:
-        """Each of `layers` packed for good (None where `_packable` says no). The reorders
-        run on the packer's threads, largest first: each is a copy on one thread, so a
-        full publish of SmolLM2-135M left one of 2 cores idle for its 538 MB of them.
-        The same bits whichever thread packs a weight (it moves values, it adds none)."""
-        todo = sorted((i for i, layer in enumerate(layers) if self._packable(layer)),
-                      key=lambda i: -layers[i].weight.numel())
-        weights = [layers[i].weight for i in todo]
-        made: list[PackedLinear | None] = [None] * len(layers)
-        for i, packed in zip(todo, self._reorders(weights), strict=True):
-            layer = layers[i]
-            bias = layer.bias if isinstance(layer, nn.Linear) else None
-            made[i] = PackedLinear(layer.weight, bias, shared=False, packed=packed)
-        return made
-
-    def _reorders(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`_packed` of each of `weights`, in order, on up to `MAX_PACK_THREADS` threads
-        (kept for the packer's life: each thread's allocations then come back to the
-        same malloc arena publish after publish)."""
-        with self._lock:
-            if self._threads is None:
-                workers = max(1, min(torch.get_num_threads(), MAX_PACK_THREADS))
-                self._threads = ThreadPoolExecutor(workers, thread_name_prefix="prefixgym-pack")
-        return list(self._threads.map(_packed, weights))
+        """Each of `layers` packed for good (None where `_packable` says no)."""
+        return [PackedLinear(layer.weight, layer.bias if isinstance(layer, nn.Linear) else None,
+                             shared=False) if self._packable(layer) else None
+                for layer in layers]
 
 
 def _block_linears(model: Transformer) -> list[tuple[nn.Module, str, nn.Module]]:

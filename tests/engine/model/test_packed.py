@@ -3,7 +3,6 @@ weights it should see, no gradient, and nothing packed where it must not be."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from pathlib import Path
 
@@ -102,40 +101,6 @@ def test_packed_and_plain_sample_alike(dtype: str) -> None:
         for got, want in zip(logprobs, want_logprobs):
             assert got == pytest.approx(want, abs=1e-5)
         assert prompt == pytest.approx(want_prompt, abs=1e-5)
-
-
-def test_a_private_pack_on_threads_gives_each_layer_its_own_weight(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reorders of a private pack run on several threads: every layer still gets its
-    own weight (both blocks' linears share shapes), with the same bits as on one."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, CONFIG.dim, generator=gen)
-    hidden = torch.randn(5, CONFIG.hidden_dim, generator=gen)
-    before, made = torch.get_num_threads(), Transformer(CONFIG)
-    outputs = []
-    for threads in (4, 1):
-        monkeypatch.setattr(packing, "MAX_PACK_THREADS", threads)
-        torch.set_num_threads(4)
-        try:
-            model = copy.deepcopy(made)
-            dense = {name: layer.weight.detach().clone() for name, layer in
-                     model.named_modules() if isinstance(layer, torch.nn.Linear)}
-            WeightPacker(counts=(1,)).pack(model, shared=False)
-        finally:
-            torch.set_num_threads(before)
-        layers = {name: layer for name, layer in model.named_modules()
-                  if isinstance(layer, PackedLinear)}
-        assert len(layers) == LINEARS + 1
-        with torch.no_grad():
-            out = {}
-            for name, layer in layers.items():
-                inputs = hidden if layer.in_features == CONFIG.hidden_dim else x
-                weight = model.output_weight if name == "head_linear" else dense[name]
-                bias = None if layer.bias_tensor is None else layer.bias_tensor
-                out[name] = layer(inputs)
-                assert torch.allclose(out[name], F.linear(inputs, weight, bias), atol=1e-5)
-        outputs.append(out)
-    assert all(torch.equal(outputs[0][name], outputs[1][name]) for name in outputs[0])
 
 
 def test_version_0_follows_the_trainers_weights_until_they_are_unshared() -> None:
