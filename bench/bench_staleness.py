@@ -4,8 +4,8 @@ Usage: `python bench/bench_staleness.py PART [--out runs/staleness] [options]`, 
 - `speed`: GRPO steps per minute with two samplers, two `prefixgym serve` processes
   (`--sampler-url` twice, LoRA adapters pushed every step) on the first seed's warm
   start (the learning part's, exported as a model directory), at each K of `--ks`, the
-  K's alternating `--repeats` times so that a drift of the machine's load reaches all
-  of them; steps per minute from the runs' `time/step_s` past the first K + 1 steps
+  K's alternating `--repeats` times (in order, then backwards) so that a drift of the
+  machine's load reaches all of them; steps per minute from the runs' `time/step_s` past the first K + 1 steps
   (the pipeline filling up), the ratio against K = 0 of the same repeat. `--model
   PATH` (a checkpoint directory or .gguf file) runs trainer and servers on that model
   instead, with the flags after `--` (e.g. `-- --config addition`).
@@ -127,8 +127,8 @@ def speed(args: argparse.Namespace) -> None:
         base = (args.model if args.model else
                 str(export_weights(warm_start(args), args.seeds[0], out / "base")))
         with servers(2, out, model=base, lora_rank=args.lora_rank) as urls:
-            for repeat in range(args.repeats):
-                for k in args.ks:
+            for repeat in range(args.repeats):  # K's in order, then backwards: ABC CBA
+                for k in args.ks if repeat % 2 == 0 else args.ks[::-1]:
                     run = out / f"r{repeat}-K{k}"
                     shutil.rmtree(run, ignore_errors=True)
                     flags = [*args.grpo_flags, "--model", base, "--sft-steps", "0", "--steps",
