@@ -16,15 +16,22 @@ import io
 import tokenize
 from pathlib import Path
 
-FILES = ("engine.py", "scheduler.py", "runner.py", "kv_pool.py", "prefix_cache.py",
-         "requests.py", "sampling.py")
+FILES = ("engine.py", "scheduler.py", "batch.py", "runner.py", "kv_pool.py",
+         "prefix_cache.py", "block_manager.py", "requests.py", "sampling.py")
+"""Under prefixgym/engine/sampler/ (older checkouts: prefixgym/engine/); batch.py and
+block_manager.py came out of scheduler.py and prefix_cache.py. A file a checkout lacks
+counts 0."""
 _NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
              tokenize.DEDENT, tokenize.ENDMARKER}
 
 
-def count(path: Path) -> tuple[int, int]:
-    """(lines, code lines) of one Python file."""
-    source = path.read_text()
+def count(tree: Path, name: str) -> tuple[int, int]:
+    """(lines, code lines) of one file of the sampling path in `tree`."""
+    found = [p for p in (tree / "prefixgym" / "engine" / "sampler" / name,
+                         tree / "prefixgym" / "engine" / name) if p.is_file()]
+    if not found:
+        return 0, 0
+    source = found[0].read_text()
     docstrings: set[int] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -46,7 +53,7 @@ def main() -> None:
     parser.add_argument("--peer", default=None, help="another checkout, counted alongside")
     args = parser.parse_args()
     trees = [Path(args.tree)] + ([Path(args.peer)] if args.peer else [])
-    counts = [[count(t / "prefixgym" / "engine" / f) for f in FILES] for t in trees]
+    counts = [[count(t, f) for f in FILES] for t in trees]
     print(f"{'file':16}" + "".join(f"{str(t)[-28:]:>30}" for t in trees))
     for i, name in enumerate(FILES):
         print(f"{name:16}" + "".join(f"{c[i][0]:>18} lines {c[i][1]:>5}" for c in counts))
