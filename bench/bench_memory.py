@@ -10,7 +10,9 @@ Each mode runs in a child process of its own (a process's peak never goes down):
      N` would make (the checkpoint directory's defaults applied, as `train_args.py`
      does), with evaluation and checkpoints left out (they sample or write, not train);
      after each publish (a GRPO step's last act) the process's peak RSS so far
-     (VmHWM) and its RSS now (VmRSS) are printed;
+     (VmHWM), its RSS now (VmRSS) and the tokens the step's forward_backward took are
+     printed (a step's peak follows its tokens while they fit one chunk of
+     `max_tokens_per_forward`: compare peaks of steps of like size);
   2) publish: the service loaded and a full training client made, then `--publishes`
      publishes with no step between them, RSS after each.
 Last line per mode: peak after step 4 and after the last step, and their ratio (the
@@ -68,16 +70,24 @@ def run_steps(args: argparse.Namespace, lora: bool) -> None:
     print(f"{label}: loaded, peak {memory_mib()[0]:.0f} MiB, now {memory_mib()[1]:.0f} MiB",
           flush=True)
     publish = run.training.save_weights_and_get_sampling_client
+    forward_backward = run.training.forward_backward
     peaks: list[float] = []
+    trained = [0]  # tokens of the step's forward_backward calls (a step's peak follows them)
+
+    def counted_forward_backward(data: Any, *args: Any, **kwargs: Any) -> Any:
+        trained[0] += sum(d.model_input.length for d in data)
+        return forward_backward(data, *args, **kwargs)
 
     def measured_publish(name: str | None = None) -> Any:
         sampler = publish(name)
         peak, now = memory_mib()
         peaks.append(peak)
-        print(f"{label} step {len(peaks) - 1}: peak {peak:.0f} MiB, now {now:.0f} MiB",
-              flush=True)
+        print(f"{label} step {len(peaks) - 1}: peak {peak:.0f} MiB, now {now:.0f} MiB, "
+              f"trained {trained[0]} tokens", flush=True)
+        trained[0] = 0
         return sampler
 
+    run.training.forward_backward = counted_forward_backward  # type: ignore[method-assign]
     run.training.save_weights_and_get_sampling_client = measured_publish  # type: ignore[method-assign]
     run.run()
     # the first publish (before step 0) is the starting weights': drop it from the steps
