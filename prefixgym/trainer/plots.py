@@ -128,11 +128,7 @@ def _training_plot(plt: Any, path: Path, t: _Timeline) -> Path:
     eval_reward_ax.set_xlabel("GRPO step")
     for ax in axes:
         _integer_steps(ax)
-    fig.suptitle("Training run")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, "Training run")
 
 
 def _evaluations(success_ax: Axes, reward_ax: Axes, t: _Timeline) -> None:
@@ -191,11 +187,7 @@ def _tokens_plot(plt: Any, path: Path, t: _Timeline) -> Path:
     for ax in (*grid[1][:3], hit_ax):
         ax.set_xlabel("GRPO step")
     hit_ax.tick_params(labelbottom=True)
-    fig.suptitle("Tokens per phase, per GRPO step (the warm start's: report.md)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, "Tokens per phase, per GRPO step (the warm start's: report.md)")
 
 
 MISMATCH_PANELS = (  # (panel, [(metric, label)], y label)
@@ -236,11 +228,7 @@ def _mismatch_plot(plt: Any, path: Path, t: _Timeline) -> Path:
         _label(ax, ylabel, drawn, empty)
         _integer_steps(ax)
     axes[-1].set_xlabel("GRPO step")
-    fig.suptitle("Sampler / trainer mismatch on the trained tokens, per GRPO step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, "Sampler / trainer mismatch on the trained tokens, per GRPO step")
 
 
 def _time_plot(plt: Any, path: Path, t: _Timeline) -> Path:
@@ -262,11 +250,7 @@ def _time_plot(plt: Any, path: Path, t: _Timeline) -> Path:
     _label(ax, "seconds per step", bool(timed), "no timed GRPO steps")
     ax.set_xlabel("GRPO step")
     _integer_steps(ax)
-    fig.suptitle("Where each GRPO step's time went (the whole run's: report.md)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, "Where each GRPO step's time went (the whole run's: report.md)")
 
 
 def _health(ax: Axes, t: _Timeline) -> None:
@@ -299,3 +283,12 @@ def _integer_steps(ax: Axes) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _save(plt: Any, fig: Any, path: Path, title: str) -> Path:
+    """Title `fig`, lay it out, write it to `path` and free it."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
