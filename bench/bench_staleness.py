@@ -48,7 +48,9 @@ from prefixgym.serving.launch import ServerProcess, free_port
 ARMS = {"K0": ["--max-staleness", "0"],
         "K2": ["--max-staleness", "2"],
         "K2-tis": ["--max-staleness", "2", "--off-policy-correction", "tis"],
-        "K2-mis": ["--max-staleness", "2", "--off-policy-correction", "mis"]}
+        "K2-mis": ["--max-staleness", "2", "--off-policy-correction", "mis"],
+        "K2-tis-trainer": ["--max-staleness", "2", "--off-policy-correction", "tis",
+                           "--off-policy-ratio", "trainer"]}
 CORRECTIONS = ("none", "tis", "mis")
 
 

@@ -32,10 +32,15 @@ LOSS_FN_NAMES: tuple[LossFnName, ...] = get_args(LossFnName)
 """Every built-in loss, as `forward_backward(loss_fn=...)` names it: the engine's losses
 (`engine/trainer/losses.py`, keyed by these) and `prefixgym train --loss` read this one
 list."""
-OFF_POLICY_LOSS_FN_NAMES: tuple[LossFnName, ...] = ("importance_sampling", "ppo", "cispo", "gspo")
-"""The losses that take an off-policy correction (`engine/trainer/off_policy.py`): dro's
-and stable_reinforce's penalties are on the log-ratio to the sampler itself, which the
-correction would replace."""
+OFF_POLICY_LOSS_FN_NAMES: tuple[LossFnName, ...] = tuple(
+    n for n in LOSS_FN_NAMES if n != "cross_entropy")
+"""The losses that take an off-policy correction (`engine/trainer/off_policy.py`): every
+one that reads the sampler's logprobs (all but cross_entropy); its decoupled form takes
+fewer (`DECOUPLED_LOSS_FN_NAMES`)."""
+DECOUPLED_LOSS_FN_NAMES: tuple[LossFnName, ...] = ("importance_sampling", "ppo", "cispo", "gspo")
+"""The losses that take the decoupled form of a correction: dro's and
+stable_reinforce's penalties are on the log-ratio to the sampler itself, which that
+form would make zero."""
 NonfiniteUpdate = Literal["skip", "error"]
 NONFINITE_UPDATES: tuple[NonfiniteUpdate, ...] = get_args(NonfiniteUpdate)
 """What an update whose gradient norm is NaN or inf does: skip it (counted) or raise."""

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from prefixgym.files import is_gguf_path
 from prefixgym.trainer.tracking import TRACKERS
 from prefixgym.types import (
+    DECOUPLED_LOSS_FN_NAMES,
     LOSS_FN_NAMES,
-    OFF_POLICY_LOSS_FN_NAMES,
     TRAINING_DEFAULTS,
     JSONObject,
     check_training_settings,
@@ -32,6 +32,7 @@ back by --resume and `prefixgym rollout --run`."""
 LR_SCHEDULES = ("constant", "cosine")
 OFF_POLICY_CORRECTIONS = ("none", "tis", "mis")
 OFF_POLICY_LEVELS = ("token", "sequence")
+OFF_POLICY_RATIOS = ("sampler", "trainer")
 DEFAULT_ENV = "prefixgym/GuessNumber-v0"
 DEFAULT_ENV_KWARGS: JSONObject = {"max_turns": 4, "expert_noise": 0.5, "invalid_penalty": 1.0}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -152,15 +153,20 @@ class TrainConfig:
     """Penalty on the sampled tokens' log-ratio to the warm-start weights (0 = off)."""
     off_policy_correction: str = "none"
     """Correct for the sampler not being the policy trained (a remote or bf16 sampler,
-    --async): none; tis, truncated importance sampling (weights pi_old/pi_sampler cut at
-    --off-policy-cap); or mis, masked (tokens whose weight is outside
-    [--off-policy-mask-low, --off-policy-mask-high] leave the loss). pi_old is the
-    trainer's own logprob before the update; the loss's ratio is then to pi_old
-    (docs/scaling.md, "Off-policy samples"). Losses importance_sampling, ppo, cispo,
-    gspo; the local backend."""
+    --async, --max-staleness): none; tis, truncated importance sampling (weights
+    pi_old/pi_sampler cut at --off-policy-cap); or mis, masked (tokens whose weight is
+    outside [--off-policy-mask-low, --off-policy-mask-high] leave the loss). pi_old is
+    the trainer's own logprob before the update (docs/scaling.md, "Off-policy
+    samples"). Every GRPO loss; the local backend."""
     off_policy_level: str = "token"
     """The correction's weight per token, or per sequence (the geometric mean of its loss
     tokens' weights, given to all of them)."""
+    off_policy_ratio: str = "sampler"
+    """The corrected loss's ratio: sampler, pi_theta/pi_sampler as uncorrected (a ppo or
+    gspo clip stays a trust region around the sampler's policy; a token the cap or mask
+    does not touch trains as uncorrected; verl's bypass mode), or trainer,
+    pi_theta/pi_old (decoupled: the clip is around the weights before the update, which
+    one update per batch never reaches; losses importance_sampling, ppo, cispo, gspo)."""
     off_policy_cap: float = 2.0
     """tis: the largest importance weight (verl's rollout_is_threshold default); >= 1."""
     off_policy_mask_low: float = 0.125
@@ -368,6 +374,7 @@ class TrainConfig:
         _require_one_of("--off-policy-correction", self.off_policy_correction,
                         OFF_POLICY_CORRECTIONS)
         _require_one_of("--off-policy-level", self.off_policy_level, OFF_POLICY_LEVELS)
+        _require_one_of("--off-policy-ratio", self.off_policy_ratio, OFF_POLICY_RATIOS)
         if self.off_policy_cap < 1:
             raise ValueError(f"--off-policy-cap must be >= 1, got {self.off_policy_cap}")
         if not 0 <= self.off_policy_mask_low <= 1 <= self.off_policy_mask_high:
@@ -376,10 +383,10 @@ class TrainConfig:
                              f"{self.off_policy_mask_high}")
         if self.off_policy_correction == "none":
             return
-        if self.loss not in OFF_POLICY_LOSS_FN_NAMES:
-            raise ValueError(f"--off-policy-correction {self.off_policy_correction} needs --loss "
-                             f"{', '.join(OFF_POLICY_LOSS_FN_NAMES)}; {self.loss}'s penalty is "
-                             "on the log-ratio to the sampler itself")
+        if self.off_policy_ratio == "trainer" and self.loss not in DECOUPLED_LOSS_FN_NAMES:
+            raise ValueError(f"--off-policy-ratio trainer needs --loss "
+                             f"{', '.join(DECOUPLED_LOSS_FN_NAMES)}; {self.loss}'s penalty is on the "
+                             "log-ratio to the sampler itself")
         if self.backend != "local":
             raise ValueError("--off-policy-correction runs on the local backend only (the "
                              "hosted service's losses take no such setting)")
@@ -414,7 +421,8 @@ def loss_fn_config(config: TrainConfig) -> dict[str, float] | None:
     else:
         out = {"off_policy_mis_low": config.off_policy_mask_low,
                "off_policy_mis_high": config.off_policy_mask_high}
-    return {**out, "off_policy_sequence": float(config.off_policy_level == "sequence")}
+    return {**out, "off_policy_sequence": float(config.off_policy_level == "sequence"),
+            "off_policy_decoupled": float(config.off_policy_ratio == "trainer")}
 
 
 def _checked_stages(stages: object, sft_steps: int) -> list[JSONObject]:

@@ -41,16 +41,21 @@ ADDED_FIELDS: JSONObject = {"eval_temperature": 0.0, "sft_lr_schedule": "cosine"
                             "sft_data": "", "chat_template": ""}
 ADDED_FIELDS.update({"off_policy_correction": "none", "off_policy_level": "token",
                      "off_policy_cap": 2.0, "off_policy_mask_low": 0.125,
-                     "off_policy_mask_high": 8.0, "max_staleness": 0})
+                     "off_policy_mask_high": 8.0, "max_staleness": 0,
+                     "off_policy_ratio": "sampler"})
 """Fields added after runs were saved, with the value that gives what a run saved
 without them did (it evaluated greedily, its warm start warmed up over 10% of its
-steps, decayed on the cosine and imitated one expert throughout):
+steps, decayed on the cosine and imitated one expert throughout; a correction took
+the decoupled form, `off_policy_ratio` "trainer", which `with_added_fields` sets):
 `with_added_fields` fills them into a saved config or checkpoint identity, so such
 runs still resume as themselves."""
 
 
 def with_added_fields(saved: JSONObject) -> JSONObject:
-    return {**ADDED_FIELDS, **saved}
+    filled = {**ADDED_FIELDS, **saved}
+    if "off_policy_ratio" not in saved and filled["off_policy_correction"] != "none":
+        filled["off_policy_ratio"] = "trainer"  # the only form before the field
+    return filled
 
 
 def run_identity(config: TrainConfig) -> JSONObject:

@@ -257,6 +257,18 @@ def test_a_run_saved_before_a_field_existed_resumes_as_what_it_did(
         find_checkpoint(tmp_path, run_identity(TrainConfig(**{field: new_value})))
 
 
+@pytest.mark.parametrize(("correction", "ran_as"), [("tis", "trainer"), ("none", "sampler")])
+def test_a_correction_saved_before_its_ratio_was_a_choice_resumes_decoupled(
+    tmp_path: Path, correction: str, ran_as: str,
+) -> None:
+    """Corrections took the decoupled form before --off-policy-ratio existed; a run
+    without one resumes under the new default, where the field changes nothing."""
+    as_it_ran = run_identity(TrainConfig(off_policy_correction=correction,
+                                         off_policy_ratio=ran_as))
+    saved = save(tmp_path, 4, {k: v for k, v in as_it_ran.items() if k != "off_policy_ratio"})
+    assert find_checkpoint(tmp_path, as_it_ran).path == saved
+
+
 def test_a_resume_that_rounds_otherwise_is_told(tmp_path: Path) -> None:
     """What changes a step's bits: the dtype or the device always, the thread count only
     outside fp32 (MKL's strict mode: docs/architecture.md "Determinism")."""

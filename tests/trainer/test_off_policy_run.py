@@ -20,7 +20,7 @@ from prefixgym.trainer.config import GRPO_LOSSES, TrainConfig, loss_fn_config
 from prefixgym.trainer.grpo import collect, grpo_step
 from prefixgym.trainer.off_policy_report import mismatch_lines
 from prefixgym.trainer.plots import write_plots
-from prefixgym.types import OFF_POLICY_LOSS_FN_NAMES
+from prefixgym.types import DECOUPLED_LOSS_FN_NAMES
 
 SMALL = dict(env="tests/Lengthy-v0", sft_steps=1, sft_episodes_per_step=2, groups_per_step=2,
              group_size=3, eval_episodes=1, eval_every=10, max_tokens=6, progress=False)
@@ -106,8 +106,10 @@ def test_mismatch_png_is_drawn_with_or_without_a_correction(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("level", "want"), [
-    ("token", {"off_policy_tis_cap": 3.0, "off_policy_sequence": 0.0}),
-    ("sequence", {"off_policy_tis_cap": 3.0, "off_policy_sequence": 1.0}),
+    ("token", {"off_policy_tis_cap": 3.0, "off_policy_sequence": 0.0,
+               "off_policy_decoupled": 0.0}),
+    ("sequence", {"off_policy_tis_cap": 3.0, "off_policy_sequence": 1.0,
+                  "off_policy_decoupled": 0.0}),
 ])
 def test_the_flags_make_a_loss_config_the_engine_takes(level: str, want: dict) -> None:
     config = parse_train_config(["--off-policy-correction", "tis", "--off-policy-cap", "3",
@@ -116,19 +118,24 @@ def test_the_flags_make_a_loss_config_the_engine_takes(level: str, want: dict) -
     assert losses.validate_config(config.loss, want)["off_policy_tis_cap"] == 3.0
     mis = TrainConfig(off_policy_correction="mis")
     assert loss_fn_config(mis) == {"off_policy_mis_low": 0.125, "off_policy_mis_high": 8.0,
-                                   "off_policy_sequence": 0.0}
+                                   "off_policy_sequence": 0.0, "off_policy_decoupled": 0.0}
     assert loss_fn_config(TrainConfig()) is None
-    for loss in GRPO_LOSSES:  # the losses the flag takes are those the engine corrects
-        if loss in OFF_POLICY_LOSS_FN_NAMES:
-            assert losses.validate_config(loss, want)["off_policy_tis_cap"] == 3.0
+    decoupled = {**want, "off_policy_decoupled": 1.0}
+    for loss in GRPO_LOSSES:  # the losses the flags take are those the engine corrects
+        assert losses.validate_config(loss, want)["off_policy_tis_cap"] == 3.0
+        if loss in DECOUPLED_LOSS_FN_NAMES:
+            TrainConfig(loss=loss, off_policy_correction="tis", off_policy_ratio="trainer")
+            assert losses.validate_config(loss, decoupled)["off_policy_decoupled"] == 1.0
         else:
-            with pytest.raises(ValueError, match="takes no off-policy correction"):
-                losses.validate_config(loss, want)
+            with pytest.raises(ValueError, match="takes no decoupled correction"):
+                losses.validate_config(loss, decoupled)
 
 
 @pytest.mark.parametrize(("settings", "match"), [
     ({"off_policy_correction": "is"}, "--off-policy-correction must be one of none, tis, mis"),
-    ({"off_policy_correction": "tis", "loss": "dro"}, "needs --loss importance_sampling"),
+    ({"off_policy_correction": "tis", "loss": "dro", "off_policy_ratio": "trainer"},
+     "--off-policy-ratio trainer needs --loss importance_sampling"),
+    ({"off_policy_ratio": "old"}, "--off-policy-ratio must be one of sampler, trainer"),
     ({"off_policy_correction": "tis", "backend": "tinker"}, "local backend only"),
     ({"off_policy_cap": 0.5}, "--off-policy-cap must be >= 1"),
     ({"off_policy_mask_low": 2.0}, "0 <= low <= 1 <= high"),

@@ -260,9 +260,9 @@ KNOWN_INPUT_KEYS = frozenset(k for s in LOSSES.values() for k in (*s.required, *
 def loss_of(
     spec: LossSpec, logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]
 ) -> tuple[Tensor, MetricSums]:
-    """`spec`'s loss, corrected as `config` asks (`off_policy.py`). Corrected, the loss's
-    ratio is to the weights before the update; "ratio/mean" and "kl_sampler/mean" stay
-    those to the sampler."""
+    """`spec`'s loss, corrected as `config` asks (`off_policy.py`). In the decoupled form
+    the loss's ratio is to the weights before the update; "ratio/mean" and
+    "kl_sampler/mean" stay those to the sampler in both forms."""
     correction = off_policy.correction_of(config)
     if correction is None:
         return spec.fn(logprobs_B_T, inputs, config)
@@ -325,5 +325,5 @@ def validate_config(loss_fn: str, loss_fn_config: Mapping[str, object] | None) -
     for key in ("beta", "kl_coeff"):
         if config.get(key, 0.0) < 0.0:
             raise ValueError(f"loss_fn_config[{key!r}] = {config[key]} must be >= 0")
-    off_policy.check_config(config)
+    off_policy.check_config(loss_fn, config)
     return config
