@@ -17,6 +17,7 @@ MISMATCH_ROWS = (
     ("off_policy/weight_mean", "importance weight, mean"),
     ("off_policy/capped_fraction", "tokens capped (tis)"),
     ("off_policy/masked_fraction", "tokens masked (mis)"),
+    ("loss/clip_fraction", "tokens the loss's clip held (ppo, gspo, cispo)"),
 )
 
 

@@ -88,7 +88,9 @@ def logprob_mismatch(datums: Sequence[Datum], out: ForwardBackwardOutput) -> dic
     from the sampler's own tokens), and, where the update was corrected
     (`off_policy_correction`), `off_policy/weight_mean` and the fraction of trained
     tokens whose weight was capped (`off_policy/capped_fraction`) or masked
-    (`off_policy/masked_fraction`), from the training call's metrics."""
+    (`off_policy/masked_fraction`), and, for a loss with a clip (ppo, gspo, cispo), the
+    fraction of trained tokens it held (`loss/clip_fraction`), from the training call's
+    metrics."""
     gaps: list[float] = []
     k3 = 0.0
     for datum, result in zip(datums, out.loss_fn_outputs):
@@ -106,7 +108,8 @@ def logprob_mismatch(datums: Sequence[Datum], out: ForwardBackwardOutput) -> dic
                "sampler/mean_logprob_gap": sum(gaps) / n, "sampler/kl_k3": k3 / n}
     for key, name in (("off_policy/weight", "off_policy/weight_mean"),
                       ("off_policy/capped", "off_policy/capped_fraction"),
-                      ("off_policy/masked", "off_policy/masked_fraction")):
+                      ("off_policy/masked", "off_policy/masked_fraction"),
+                      ("clip_fraction", "loss/clip_fraction")):
         if key in out.metrics:
             metrics[name] = out.metrics[key]
     return metrics

@@ -61,6 +61,8 @@ def test_a_sampler_that_underrates_every_token_is_capped(level: str) -> None:
     metrics = _step_with_sampler_off_by(-1.0, off_policy_correction="tis", off_policy_level=level)
     assert metrics["off_policy/capped_fraction"] == 1.0
     assert metrics["off_policy/weight_mean"] == pytest.approx(2.0)
+    # ppo's ratio to the sampler is e^1 on every token: the clip holds those with A > 0
+    assert 0.0 < metrics["loss/clip_fraction"] < 1.0
     assert metrics["sampler/kl_k3"] == pytest.approx(math.exp(1.0) - 2.0, abs=0.05)
 
 
