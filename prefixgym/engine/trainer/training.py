@@ -322,7 +322,7 @@ class TrainingClient(Generic[SamplerT]):
     def _checked(self, doing: str, then: Callable[[], T]) -> T:
         """`then()`, once the weights pass `weight_probe.require_samplable` (ValueError
         "not <doing>: ..." otherwise)."""
-        require_samplable(self.model, self._params, self.options.compute_dtype, doing)
+        require_samplable(self.model, self._params, doing)
         return then()
 
     def _save_state(self, path: str, with_optimizer: bool = True) -> None:
