@@ -12,7 +12,8 @@ Usage: `python bench/bench_staleness.py PART [--out runs/staleness] [options]`, 
 - `learning`: per seed one warm start (`--steps 0`, `--sft-steps` of them), then GRPO
   from its checkpoint (`--resume --force-resume`, so every arm starts from the same
   bits) in the arms of `--arms`: K = 0, K = 2 without a correction, K = 2 with
-  `--off-policy-correction tis` or `mis`; in process, where the lag is forced: a step
+  `--off-policy-correction tis` or `mis` (the default `--off-policy-ratio sampler`), and
+  K = 2 with tis in the decoupled form (`K2-tis-trainer`); in process, where the lag is forced: a step
   sampled ahead trains exactly K updates after its weights, whatever the timing. Eval
   success after GRPO with its binomial SE, the gain over the warm start, each arm's
   mean over the seeds, and each K = 2 arm against K = 0 of its seed in SE of the
