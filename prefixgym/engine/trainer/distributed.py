@@ -78,7 +78,36 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-class DistributedTrainingClient(Generic[SamplerT]):
+class RankClient:
+    """What both torchrun wrappers (this module's, `fsdp.py`'s) share: rank 0 leads,
+    and `forward_backward` and `forward` are one request the subclass runs on every
+    rank (`_request`)."""
+
+    rank: int
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this rank writes checkpoints, logs and reports."""
+        return self.rank == 0
+
+    def forward_backward(self, data: Sequence[Datum], loss_fn: str,
+                         loss_fn_config: Mapping[str, float] | None = None,
+                         ) -> APIFuture[ForwardBackwardOutput]:
+        return APIFuture.completed(self._request(data, loss_fn, loss_fn_config, backward=True))
+
+    def forward(self, data: Sequence[Datum], loss_fn: str,
+                loss_fn_config: Mapping[str, float] | None = None,
+                ) -> APIFuture[ForwardBackwardOutput]:
+        """`forward_backward` without gradients, sharded the same way."""
+        return APIFuture.completed(self._request(data, loss_fn, loss_fn_config, backward=False))
+
+    def _request(self, datums: Sequence[Datum], loss_fn: str,
+                 loss_fn_config: Mapping[str, float] | None, backward: bool,
+                 ) -> ForwardBackwardOutput:
+        raise NotImplementedError
+
+
+class DistributedTrainingClient(RankClient, Generic[SamplerT]):
     """Data parallelism over an initialised process group; see the module docstring."""
 
     def __init__(self, client: TrainingClient[SamplerT], group: dist.ProcessGroup | None = None,
@@ -93,11 +122,6 @@ class DistributedTrainingClient(Generic[SamplerT]):
             self._broadcast_parameters()
 
     @property
-    def is_main(self) -> bool:
-        """Whether this rank writes checkpoints, logs and reports."""
-        return self.rank == 0
-
-    @property
     def model(self) -> torch.nn.Module:
         return self.client.model
 
@@ -106,17 +130,6 @@ class DistributedTrainingClient(Generic[SamplerT]):
         return self.client.step
 
     # -- requests ------------------------------------------------------------------
-
-    def forward_backward(self, data: Sequence[Datum], loss_fn: str,
-                         loss_fn_config: Mapping[str, float] | None = None,
-                         ) -> APIFuture[ForwardBackwardOutput]:
-        return APIFuture.completed(self._run(data, loss_fn, loss_fn_config, backward=True))
-
-    def forward(self, data: Sequence[Datum], loss_fn: str,
-                loss_fn_config: Mapping[str, float] | None = None,
-                ) -> APIFuture[ForwardBackwardOutput]:
-        """`forward_backward` without gradients, sharded the same way."""
-        return APIFuture.completed(self._run(data, loss_fn, loss_fn_config, backward=False))
 
     def optim_step(self, adam: AdamParams) -> APIFuture[OptimStepOutput]:
         """The same AdamW step on every rank (their gradients are equal)."""
@@ -142,8 +155,9 @@ class DistributedTrainingClient(Generic[SamplerT]):
 
     # -- the steps ------------------------------------------------------------------
 
-    def _run(self, datums: Sequence[Datum], loss_fn: str,
-             loss_fn_config: Mapping[str, float] | None, backward: bool) -> ForwardBackwardOutput:
+    def _request(self, datums: Sequence[Datum], loss_fn: str,
+                 loss_fn_config: Mapping[str, float] | None, backward: bool,
+                 ) -> ForwardBackwardOutput:
         # 1) the same validation on every rank
         prepared, _, _ = self.client._validate(datums, loss_fn, loss_fn_config)
         shards = self.shards([p.tokens_T.tolist() for p in prepared])

@@ -60,7 +60,11 @@ from prefixgym.engine.checkpoint_io import (
 )
 from prefixgym.engine.model import Transformer
 from prefixgym.engine.trainer import losses
-from prefixgym.engine.trainer.distributed import broadcast_parameters, merge_rank_outputs
+from prefixgym.engine.trainer.distributed import (
+    RankClient,
+    broadcast_parameters,
+    merge_rank_outputs,
+)
 from prefixgym.engine.trainer.optimizer import AdamWUpdate, named
 from prefixgym.engine.trainer.train_batch import Chunk, PreparedDatum, make_chunks
 from prefixgym.engine.trainer.train_pass import PassResult, autocast_for
@@ -89,7 +93,7 @@ def shard_model(model: Transformer) -> Transformer:
     return sharded
 
 
-class FSDPTrainingClient(Generic[SamplerT]):
+class FSDPTrainingClient(RankClient, Generic[SamplerT]):
     """FSDP2 over the default process group; see the module docstring."""
 
     def __init__(self, client: TrainingClient[SamplerT]) -> None:
@@ -111,11 +115,6 @@ class FSDPTrainingClient(Generic[SamplerT]):
         self._update = AdamWUpdate(self._params, names, client.options.nonfinite_update)
 
     @property
-    def is_main(self) -> bool:
-        """Whether this rank writes checkpoints, logs and reports."""
-        return self.rank == 0
-
-    @property
     def model(self) -> torch.nn.Module:
         """The whole weights (the mirror), as of the last update or load."""
         return self.client.model
@@ -125,17 +124,6 @@ class FSDPTrainingClient(Generic[SamplerT]):
         return self._update.step
 
     # -- requests ------------------------------------------------------------------
-
-    def forward_backward(self, data: Sequence[Datum], loss_fn: str,
-                         loss_fn_config: Mapping[str, float] | None = None,
-                         ) -> APIFuture[ForwardBackwardOutput]:
-        return APIFuture.completed(self._timed(data, loss_fn, loss_fn_config, backward=True))
-
-    def forward(self, data: Sequence[Datum], loss_fn: str,
-                loss_fn_config: Mapping[str, float] | None = None,
-                ) -> APIFuture[ForwardBackwardOutput]:
-        """`forward_backward` without gradients, sharded the same way."""
-        return APIFuture.completed(self._timed(data, loss_fn, loss_fn_config, backward=False))
 
     def optim_step(self, adam: AdamParams) -> APIFuture[OptimStepOutput]:
         """AdamW on every rank's shards (the same verdict on every rank: the gradient norm
@@ -210,9 +198,9 @@ class FSDPTrainingClient(Generic[SamplerT]):
 
     # -- the steps ------------------------------------------------------------------
 
-    def _timed(self, datums: Sequence[Datum], loss_fn: str,
-               loss_fn_config: Mapping[str, float] | None, backward: bool,
-               ) -> ForwardBackwardOutput:
+    def _request(self, datums: Sequence[Datum], loss_fn: str,
+                 loss_fn_config: Mapping[str, float] | None, backward: bool,
+                 ) -> ForwardBackwardOutput:
         start = time.perf_counter()
         try:
             return self._run(datums, loss_fn, loss_fn_config, backward)
