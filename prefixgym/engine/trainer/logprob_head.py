@@ -21,11 +21,11 @@ values and gradients holding (rows, V) for one chunk of `chunk_rows(V)` rows:
    - without gradients: chunk by chunk, nothing kept.
 3) The chunks' logprobs are concatenated in row order.
 
-`loss_gradients` trains through this head without running its backward on rows the
+`loss_surrogate` trains through this head without running its backward on rows the
 loss does not read (an RL datum's prompt: most of its positions): their logprobs are
 computed without gradient, the loss's gradient with respect to each logprob is taken
 first, and the parameters' gradient then comes from the rows the loss reads (its
-docstring has the steps).
+docstring has the steps); `loss_gradients` returns that gradient.
 
 Under autocast the matmuls run in the autocast dtype as in the plain head; the
 log-softmax is float32. This module knows `Transformer.head` and
@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from prefixgym.engine.model import Transformer
 
 __all__ = ["CHUNK_ELEMENTS", "HeadRows", "chunk_rows", "head_is_frozen", "loss_gradients",
-           "target_logprobs"]
+           "loss_surrogate", "target_logprobs"]
 
 Tensor = torch.Tensor
 CHUNK_ELEMENTS = 1 << 24
@@ -163,20 +163,35 @@ def loss_gradients(
     autocast: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
     extra_loss: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Any, tuple[Tensor | None, ...]]:
-    """d loss / d params, running the head's backward only on the rows whose logprob the
-    loss depends on. `loss_of_grid(logprobs_B_T) -> (loss, extra)`; `in_loss_B_T` (bool)
-    marks the cells the loss is expected to read (its loss positions). Returns the
-    detached (B, T) logprobs, the detached loss, `extra` and one gradient (or None) per
-    parameter. Most cells of an RL datum are prompt, which the loss does not train on:
-    their head rows need a forward (their logprobs are returned) but no backward.
+    """`loss_surrogate`'s logprobs, loss and `extra`, and one gradient (or None) per
+    parameter: d loss / d params, by autograd on the surrogate."""
+    logprobs_B_T, loss, extra, surrogate = loss_surrogate(model, rows, in_loss_B_T,
+                                                          loss_of_grid, autocast, extra_loss)
+    grads = torch.autograd.grad(surrogate, params, allow_unused=True)
+    return logprobs_B_T, loss, extra, grads
+
+
+def loss_surrogate(
+    model: Transformer, rows: HeadRows, in_loss_B_T: Tensor, loss_of_grid: LossOfGrid,
+    autocast: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    extra_loss: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Any, Tensor]:
+    """A scalar whose gradient with respect to every parameter is d loss / d params,
+    with the head's backward only on the rows whose logprob the loss depends on.
+    `loss_of_grid(logprobs_B_T) -> (loss, extra)`; `in_loss_B_T` (bool) marks the cells
+    the loss is expected to read (its loss positions). Returns the detached (B, T)
+    logprobs, the detached loss, `extra` and the surrogate, whose backward is the
+    caller's (`torch.autograd.grad`, or into the parameters' `.grad`). Most cells of an
+    RL datum are prompt, which the loss does not train on: their head rows need a
+    forward (their logprobs are returned) but no backward.
 
     1) The pairs read by an in-loss cell: logprobs with gradient; the others without.
     2) The loss on a detached copy of all of them, and by autograd on that alone its
        gradient g_p with respect to each pair's logprob.
     3) A pair outside step 1's set with g_p != 0 (a loss whose gradient reaches cells
        outside its loss positions) has its logprob computed again, with gradient.
-    4) The gradient of sum_p g_p * logprob_p over the pairs with gradient: by the chain
-       rule the loss's gradient (g is constant there), exactly; plus `extra_loss`'s, a term
+    4) The surrogate sum_p g_p * logprob_p over the pairs with gradient: its gradient is
+       by the chain rule the loss's (g is constant there), exactly; plus `extra_loss`, a term
        of the loss computed apart from the logprobs (the routers' balancing loss), in
        the same backward. The returned loss does not include it.
     The head's cost: a forward on every pair and a backward on the loss pairs only
@@ -211,5 +226,4 @@ def loss_gradients(
     assert isinstance(surrogate, Tensor)  # step 1 picked at least one pair
     if extra_loss is not None:
         surrogate = surrogate + extra_loss
-    grads = torch.autograd.grad(surrogate, params, allow_unused=True)
-    return rows.to_grid(leaf_P.detach()), loss.detach(), extra, grads
+    return rows.to_grid(leaf_P.detach()), loss.detach(), extra, surrogate
