@@ -207,10 +207,12 @@ class EngineService:
         # both, full GRPO on SmolLM2-135M grew its peak ~0.5 GB a step (docs/benchmarks.md,
         # "Memory per GRPO step"). A full collection costs ~170 ms a publish in this
         # process whatever the model (tiny's publish: 28 -> 255 ms), so it runs only for a
-        # model whose versions are worth it; the trim costs 5-40 ms.
+        # model whose versions are worth it. The trim runs on a thread of its own: on
+        # SmolLM2-135M it took 0.02-0.4 s, a third of the publish, and the client need
+        # not wait for it.
         if _parameter_bytes(snapshot) >= COLLECT_ABOVE_BYTES:
             gc.collect()
-        malloc_tuning.release_free_memory()
+        malloc_tuning.release_free_memory_later()
         return self.create_sampling_client()
 
     def _publish_adapters(self, snapshot: Transformer) -> SamplingClient:

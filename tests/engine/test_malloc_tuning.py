@@ -2,13 +2,15 @@
 `recompute_activations` (never on the default path), the user's
 `MALLOC_MMAP_THRESHOLD_` left standing, a no-op without glibc, and (on glibc) a freed
 large block's size is mmapped again instead of coming from the arena; the trim that
-ends a checkpoint load runs on glibc only."""
+ends a checkpoint load runs on glibc only, and a publish's runs on a thread of its own,
+one at a time."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -82,6 +84,31 @@ def test_release_free_memory_trims_with_glibc_only(fresh: FakeLibc,
     monkeypatch.setattr(malloc_tuning, "glibc", lambda: None)
     assert malloc_tuning.release_free_memory() is False
     assert fresh.trims == [0]
+
+
+def test_a_later_release_trims_on_one_thread_at_a_time(
+        fresh: FakeLibc, monkeypatch: pytest.MonkeyPatch) -> None:
+    go = threading.Event()
+    trimmed_on: list[str] = []
+
+    def slow_trim(pad: int) -> None:
+        go.wait(timeout=30)
+        trimmed_on.append(threading.current_thread().name)
+        fresh.trims.append(pad)
+
+    fresh.malloc_trim = slow_trim
+    first = malloc_tuning.release_free_memory_later()
+    assert first is not None and first.daemon
+    assert malloc_tuning.release_free_memory_later() is first  # running: none queued
+    go.set()
+    first.join(timeout=30)
+    assert fresh.trims == [0] and trimmed_on == [first.name] != [threading.current_thread().name]
+    second = malloc_tuning.release_free_memory_later()
+    assert second is not None and second is not first
+    second.join(timeout=30)
+    assert fresh.trims == [0, 0]
+    monkeypatch.setattr(malloc_tuning, "glibc", lambda: None)
+    assert malloc_tuning.release_free_memory_later() is None
 
 
 def test_other_linux_c_libraries_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -158,9 +158,10 @@ def test_a_publish_lets_the_previous_version_go_and_trims_malloc(
     """A publish frees every older version that no client holds (its packed weights with
     it; the publish collects cycles too, so none waits for the collector), hands malloc's
     free bytes back
-    (`malloc_tuning.release_free_memory`): the memory of a long run stays flat."""
+    (`malloc_tuning.release_free_memory_later`): the memory of a long run stays flat."""
     trims: list[int] = []
-    monkeypatch.setattr(malloc_tuning, "release_free_memory", lambda: trims.append(1) or True)
+    monkeypatch.setattr(malloc_tuning, "release_free_memory_later",
+                        lambda: trims.append(1) or None)
     gc.disable()  # only the publish collects
     try:
         with LocalService(SMALL, seed=0) as svc:
