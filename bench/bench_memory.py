@@ -2,17 +2,21 @@
 full fine-tuning and LoRA, and of publishes with no training between them.
 
 Usage: `python bench/bench_memory.py --model DIR --env ENV [--steps 24] [--lora-rank 16]
-[--publishes 8] [--modes publish,full,lora] [--groups-per-step 16] [--keep-free-memory]`, e.g. `--model /tmp/real/smollm2 --env
+[--publishes 8] [--modes publish,full,lora] [--groups-per-step 16] [--keep-free-memory]
+[--recompute-activations]`, e.g. `--model /tmp/real/smollm2 --env
 /tmp/real/addition.py:Addition` (docs/benchmarks.md, "Memory per GRPO step").
 
 Each mode runs in a child process of its own (a process's peak never goes down):
   1) full / lora: `build_run` of the run `prefixgym train --model DIR --env ENV --steps
      N` would make (the checkpoint directory's defaults applied, as `train_args.py`
      does), with evaluation and checkpoints left out (they sample or write, not train);
-     after each publish (a GRPO step's last act) the process's peak RSS so far
-     (VmHWM), its RSS now (VmRSS) and the tokens the step's forward_backward took are
-     printed (a step's peak follows its tokens while they fit one chunk of
-     `max_tokens_per_forward`: compare peaks of steps of like size);
+     after each publish (a GRPO step's last act) the process's peak RSS so far, the
+     step's own peak (VmHWM, reset after each publish by `/proc/self/clear_refs`), its
+     RSS now (VmRSS), and the tokens the step's forward_backward took and the positions
+     it computed (a shared prompt once). A step's own peak follows the positions it
+     computed (activations, ~1.2 MB a position on SmolLM2-135M in bf16) and, in full
+     training, whether Adam's moments exist yet (made by the first update, after the
+     first forward_backward's peak): compare steps of like size after the first update;
   2) publish: the service loaded and a full training client made, then `--publishes`
      publishes with no step between them, RSS after each.
 Last line per mode: peak after step 4 and after the last step, and their ratio (the
@@ -35,7 +39,8 @@ from common import machine_facts, setup_threads
 
 
 def memory_mib() -> tuple[float, float]:
-    """(peak RSS so far, RSS now) of this process, MiB, from /proc/self/status."""
+    """(peak RSS since the last `reset_peak`, RSS now) of this process, MiB, from
+    /proc/self/status."""
     fields: dict[str, float] = {}
     with open("/proc/self/status") as f:
         for line in f:
@@ -43,6 +48,16 @@ def memory_mib() -> tuple[float, float]:
             if name in ("VmHWM", "VmRSS"):
                 fields[name] = int(value.split()[0]) / 1024  # kB
     return fields["VmHWM"], fields["VmRSS"]
+
+
+def reset_peak() -> bool:
+    """Set VmHWM to the RSS now (Linux's clear_refs "5"); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def report(label: str, peaks: list[float]) -> None:
@@ -59,7 +74,8 @@ def run_steps(args: argparse.Namespace, lora: bool) -> None:
     settings = {"model": args.model, "env": args.env, "steps": args.steps,
                 "lora_rank": args.lora_rank if lora else 0, "num_threads": args.threads,
                 "seed": args.seed, "groups_per_step": args.groups_per_step,
-                "group_size": args.group_size}
+                "group_size": args.group_size,
+                "recompute_activations": args.recompute_activations}
     config = TrainConfig(**{**settings, **pretrained_defaults(settings),
                             "eval_on_start": False, "eval_every": 10**6,
                             "checkpoint_every": 10**6, "progress": False,
@@ -71,20 +87,29 @@ def run_steps(args: argparse.Namespace, lora: bool) -> None:
           flush=True)
     publish = run.training.save_weights_and_get_sampling_client
     forward_backward = run.training.forward_backward
-    peaks: list[float] = []
-    trained = [0]  # tokens of the step's forward_backward calls (a step's peak follows them)
+    peaks: list[float] = []  # the process's, after each publish
+    process_peak = memory_mib()[0]
+    resets = reset_peak()
+    calls: list[tuple[int, Any]] = []  # the step's forward_backward calls: tokens, future
 
     def counted_forward_backward(data: Any, *args: Any, **kwargs: Any) -> Any:
-        trained[0] += sum(d.model_input.length for d in data)
-        return forward_backward(data, *args, **kwargs)
+        future = forward_backward(data, *args, **kwargs)
+        calls.append((sum(d.model_input.length for d in data), future))
+        return future
 
     def measured_publish(name: str | None = None) -> Any:
+        nonlocal process_peak
         sampler = publish(name)
-        peak, now = memory_mib()
-        peaks.append(peak)
-        print(f"{label} step {len(peaks) - 1}: peak {peak:.0f} MiB, now {now:.0f} MiB, "
-              f"trained {trained[0]} tokens", flush=True)
-        trained[0] = 0
+        step_peak, now = memory_mib()
+        process_peak = max(process_peak, step_peak)
+        peaks.append(process_peak)
+        tokens = sum(n for n, _ in calls)
+        computed = sum(f.result().usage.train_computed_tokens for _, f in calls)
+        own = f"step's own {step_peak:.0f} MiB, " if resets else ""
+        print(f"{label} step {len(peaks) - 1}: peak {process_peak:.0f} MiB, {own}now "
+              f"{now:.0f} MiB, trained {tokens} tokens ({computed} computed)", flush=True)
+        calls.clear()
+        reset_peak()
         return sampler
 
     run.training.forward_backward = counted_forward_backward  # type: ignore[method-assign]
@@ -122,6 +147,9 @@ def main() -> None:
     p.add_argument("--keep-free-memory", action="store_true",
                    help="publishes leave malloc's free bytes resident (the state before "
                         "they were trimmed), for comparison")
+    p.add_argument("--recompute-activations", action="store_true",
+                   help="train with --recompute-activations (backward keeps each block's "
+                        "input only)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="publish,full,lora")
