@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -67,8 +68,6 @@ def report(label: str, peaks: list[float]) -> None:
 
 
 def run_steps(args: argparse.Namespace, lora: bool) -> None:
-    from prefixgym.cli.train import build_run
-    from prefixgym.trainer.config import TrainConfig
     from prefixgym.trainer.model_defaults import pretrained_defaults
 
     settings = {"model": args.model, "env": args.env, "steps": args.steps,
@@ -76,10 +75,17 @@ def run_steps(args: argparse.Namespace, lora: bool) -> None:
                 "seed": args.seed, "groups_per_step": args.groups_per_step,
                 "group_size": args.group_size,
                 "recompute_activations": args.recompute_activations}
-    config = TrainConfig(**{**settings, **pretrained_defaults(settings),
-                            "eval_on_start": False, "eval_every": 10**6,
-                            "checkpoint_every": 10**6, "progress": False,
-                            "out": tempfile.mkdtemp(prefix="bench_memory_")})
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as out:  # 2 GB at 135M
+        measure_steps(args, lora, {**settings, **pretrained_defaults(settings),
+                                   "eval_on_start": False, "eval_every": 10**6,
+                                   "checkpoint_every": 10**6, "progress": False, "out": out})
+
+
+def measure_steps(args: argparse.Namespace, lora: bool, settings: dict[str, Any]) -> None:
+    from prefixgym.cli.train import build_run
+    from prefixgym.trainer.config import TrainConfig
+
+    config = TrainConfig(**settings)
     # (the last step still evaluates and checkpoints: after its publish, not measured)
     run, _ = build_run(config)
     label = f"lora rank {args.lora_rank}" if lora else "full"
@@ -97,17 +103,21 @@ def run_steps(args: argparse.Namespace, lora: bool) -> None:
         calls.append((sum(d.model_input.length for d in data), future))
         return future
 
+    last = [time.perf_counter()]
+
     def measured_publish(name: str | None = None) -> Any:
         nonlocal process_peak
         sampler = publish(name)
         step_peak, now = memory_mib()
+        seconds, last[0] = time.perf_counter() - last[0], time.perf_counter()
         process_peak = max(process_peak, step_peak)
         peaks.append(process_peak)
         tokens = sum(n for n, _ in calls)
         computed = sum(f.result().usage.train_computed_tokens for _, f in calls)
         own = f"step's own {step_peak:.0f} MiB, " if resets else ""
         print(f"{label} step {len(peaks) - 1}: peak {process_peak:.0f} MiB, {own}now "
-              f"{now:.0f} MiB, trained {tokens} tokens ({computed} computed)", flush=True)
+              f"{now:.0f} MiB, trained {tokens} tokens ({computed} computed), {seconds:.1f} s",
+              flush=True)
         calls.clear()
         reset_peak()
         return sampler
