@@ -109,6 +109,25 @@ def test_batched_equals_one_by_one_and_chunked(loss_fn: str, numerics) -> None:
             assert float((g - theirs[name]).abs().max()) <= limit, name
 
 
+def test_a_call_in_several_forwards_accumulates_as_one_and_fails_atomically() -> None:
+    """Each forward's backward adds into `.grad`, the earlier calls' gradients set aside
+    meanwhile: calls split into forwards accumulate what unsplit calls do, and a split
+    call that fails after its first forward leaves the accumulated gradients as they were."""
+    datums = batch()
+    whole = TrainingClient(make_model())
+    split = TrainingClient(make_model(), TrainerOptions(max_tokens_per_forward=10))
+    for client in (whole, split):
+        client.forward_backward(datums, "ppo").result()
+        client.forward_backward(datums[:2], "importance_sampling").result()
+    assert_same(grads(split.model), grads(whole.model), atol=1e-5)
+    before = grads(split.model)
+    overflowing = datums[1].model_copy(deep=True)  # its importance ratio overflows
+    overflowing.loss_fn_inputs["logprobs"] = [-1e4] * overflowing.model_input.length
+    with pytest.raises(ValueError, match="not finite"):
+        split.forward_backward([datums[0], overflowing], "importance_sampling").result()
+    assert_same(grads(split.model), before)
+
+
 def test_logprobs_are_the_models_target_logprobs() -> None:
     client = TrainingClient(make_model())  # fp32, against the model's own fp32 forward
     datum = batch()[1]
