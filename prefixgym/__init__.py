@@ -20,6 +20,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # "Determinism").
 # MKL reads it at its first call, so this must come before torch computes anything.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# torch keeps a compiled matmul per shape in two caches, ideep's and oneDNN's, 1,024 shapes
+# each by default (~0.6 MB a bf16 shape in the two); every GRPO step brings new batch and
+# wave sizes, so a run's memory crept ~20 MB a step (SmolLM2-135M, full and LoRA). At 64
+# shapes each it stays flat and the steps take as long (docs/models.md, "Memory"). Both
+# are read at their first use; a value the user set stands.
+os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
 from prefixgym.envs.registration import register_envs  # noqa: E402
 from prefixgym.types import (  # noqa: E402

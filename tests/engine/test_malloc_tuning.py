@@ -3,7 +3,8 @@
 `MALLOC_MMAP_THRESHOLD_` left standing, a no-op without glibc, and (on glibc) a freed
 large block's size is mmapped again instead of coming from the arena; the trim that
 ends a checkpoint load runs on glibc only, and a publish's runs on a thread of its own,
-one at a time."""
+one at a time; `import prefixgym` bounds torch's per-shape kernel caches unless the user
+set them."""
 
 from __future__ import annotations
 
@@ -177,3 +178,15 @@ def test_glibc_maps_a_freed_blocks_size_again(mode: str, mapped: str) -> None:
     out = subprocess.run([sys.executable, "-c", PROBE, malloc_tuning.__file__, mode],
                          capture_output=True, text=True, env=env, check=True, timeout=60)
     assert out.stdout.strip() == mapped
+
+
+@pytest.mark.parametrize("given", [None, "7"])
+def test_import_bounds_the_kernel_caches_unless_set(given: str | None) -> None:
+    caches = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    env = {k: v for k, v in os.environ.items() if k not in caches}
+    if given is not None:
+        env.update(dict.fromkeys(caches, given))
+    code = "import os, prefixgym; print(*(os.environ[k] for k in %r))" % (caches,)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == [given or "64"] * 2
