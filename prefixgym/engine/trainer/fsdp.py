@@ -275,12 +275,7 @@ class FSDPTrainingClient(RankClient, Generic[SamplerT]):
             loss, sums = losses.loss_of(spec, logprobs_B_T, chunk.inputs, config)
             if backward:
                 loss.backward()
-        result.loss += float(loss.detach())
-        for key, value in sums.items():
-            result.metric_sums[key] = result.metric_sums.get(key, 0.0) + value
-        rows = logprobs_B_T.detach().double().cpu()
-        for b, j in enumerate(chunk.indices):
-            result.logprobs[j] = rows[b, : mine[j].length].tolist()
+        result.add_chunk(loss, sums, logprobs_B_T, chunk, mine)
 
     def _idle_round(self, backward: bool) -> None:
         """A round's collectives with nothing to train: a one-token forward, zero loss."""

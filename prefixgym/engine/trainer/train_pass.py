@@ -32,7 +32,7 @@ usage ledgers or futures.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +75,17 @@ class PassResult:
     metric_sums: dict[str, float]
     grads: list[Tensor | None]  # per parameter; empty without backward
     computed_tokens: int
+
+    def add_chunk(self, loss: Tensor, sums: Mapping[str, float], logprobs_B_T: Tensor,
+                  chunk: Chunk, prepared: Sequence[PreparedDatum]) -> None:
+        """Add one chunk's loss, metric sums and per-datum logprobs (its rows cut to
+        their datums' lengths)."""
+        self.loss += float(loss.detach())
+        for key, value in sums.items():
+            self.metric_sums[key] = self.metric_sums.get(key, 0.0) + value
+        rows = logprobs_B_T.detach().double().cpu()
+        for b, j in enumerate(chunk.indices):
+            self.logprobs[j] = rows[b, : prepared[j].length].tolist()
 
     def output(self, prepared: Sequence[PreparedDatum]) -> ForwardBackwardOutput:
         """The call's answer: per-datum logprobs, its usage (positions computed, those
@@ -172,13 +183,7 @@ def _run_chunk(
             logprobs_B_T = _logprobs(model, chunk, options)
             loss, sums = losses.loss_of(spec, logprobs_B_T, chunk.inputs, config)
             loss, sums = aux.added(loss, sums)
-    # 3)
-    result.loss += float(loss.detach())
-    for key, value in sums.items():
-        result.metric_sums[key] = result.metric_sums.get(key, 0.0) + value
-    rows = logprobs_B_T.detach().double().cpu()
-    for b, j in enumerate(chunk.indices):
-        result.logprobs[j] = rows[b, : prepared[j].length].tolist()
+    result.add_chunk(loss, sums, logprobs_B_T, chunk, prepared)  # 3)
 
 
 def _head_rows(model: Transformer, chunk: Chunk, options: PassOptions) -> logprob_head.HeadRows:
