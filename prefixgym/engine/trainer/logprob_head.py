@@ -25,7 +25,7 @@ values and gradients holding (rows, V) for one chunk of `chunk_rows(V)` rows:
 loss does not read (an RL datum's prompt: most of its positions): their logprobs are
 computed without gradient, the loss's gradient with respect to each logprob is taken
 first, and the parameters' gradient then comes from the rows the loss reads (its
-docstring has the steps); `loss_gradients` returns that gradient.
+docstring has the steps).
 
 Under autocast the matmuls run in the autocast dtype as in the plain head; the
 log-softmax is float32. This module knows `Transformer.head` and
@@ -35,7 +35,7 @@ log-softmax is float32. This module knows `Transformer.head` and
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +45,8 @@ from torch.utils.checkpoint import checkpoint
 
 from prefixgym.engine.model import Transformer
 
-__all__ = ["CHUNK_ELEMENTS", "HeadRows", "chunk_rows", "head_is_frozen", "loss_gradients",
-           "loss_surrogate", "target_logprobs"]
+__all__ = ["CHUNK_ELEMENTS", "HeadRows", "chunk_rows", "head_is_frozen", "loss_surrogate",
+           "target_logprobs"]
 
 Tensor = torch.Tensor
 CHUNK_ELEMENTS = 1 << 24
@@ -155,20 +155,6 @@ def _split_by_loss(rows: HeadRows, in_loss_B_T: Tensor) -> tuple[Tensor, Tensor]
     if not read[:n_pairs].any():
         read[:n_pairs] = True
     return read[:n_pairs].nonzero().squeeze(1), (~read[:n_pairs]).nonzero().squeeze(1)
-
-
-def loss_gradients(
-    model: Transformer, rows: HeadRows, in_loss_B_T: Tensor, loss_of_grid: LossOfGrid,
-    params: Sequence[torch.nn.Parameter],
-    autocast: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
-    extra_loss: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Any, tuple[Tensor | None, ...]]:
-    """`loss_surrogate`'s logprobs, loss and `extra`, and one gradient (or None) per
-    parameter: d loss / d params, by autograd on the surrogate."""
-    logprobs_B_T, loss, extra, surrogate = loss_surrogate(model, rows, in_loss_B_T,
-                                                          loss_of_grid, autocast, extra_loss)
-    grads = torch.autograd.grad(surrogate, params, allow_unused=True)
-    return logprobs_B_T, loss, extra, grads
 
 
 def loss_surrogate(

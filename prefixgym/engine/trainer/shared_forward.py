@@ -167,7 +167,7 @@ def plan_rows(
 ) -> HeadRows:
     """Step 1, and step 2's rows for the chunked head without the head itself: each
     wave's distinct (row, target) pairs, the datums sharing a row mostly sharing its
-    target too. The head (`logprob_head.target_logprobs` or `loss_gradients`) then
+    target too. The head (`logprob_head.target_logprobs` or `loss_surrogate`) then
     runs on `h_P_C`, and `HeadRows.to_grid` does step 3."""
     device = targets_B_T.device
     targets = targets_B_T.reshape(-1)

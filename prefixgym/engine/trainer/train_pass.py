@@ -14,7 +14,7 @@ validated (`train_batch.prepare_request`):
    `router_aux_coef`, that times the routers' load-balancing loss over the chunk's
    positions, `router_loss.py`) and, with `backward`, the gradient of every
    parameter given. With the chunked head (`chunked_head`, the default) the output
-   head's backward runs only on the rows in the loss (`logprob_head.loss_gradients`:
+   head's backward runs only on the rows in the loss (`logprob_head.loss_surrogate`:
    a prompt's rows get a forward only). `recompute` checkpoints every block
    (`Transformer.hidden`).
 3) Sum the chunks: loss, metric sums, gradients (per parameter, None where no chunk

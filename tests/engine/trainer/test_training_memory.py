@@ -164,8 +164,10 @@ def test_lora_with_and_without_the_head_adapter(train_unembed: bool, config: Mod
 
 
 @pytest.mark.parametrize("guess", ["exact", "too_few", "none"])
-def test_loss_gradients_are_autograds_whatever_the_loss_positions_guess(guess: str) -> None:
-    """`loss_gradients` runs the head's backward on the guessed loss positions only; a
+def test_loss_surrogates_gradients_are_autograds_whatever_the_loss_positions_guess(
+    guess: str,
+) -> None:
+    """`loss_surrogate` runs the head's backward on the guessed loss positions only; a
     loss that reads cells outside the guess still gets its exact gradient (those rows
     are computed again), and a loss with no positions at all gets zeros, as autograd
     on the whole head gives."""
@@ -188,8 +190,9 @@ def test_loss_gradients_are_autograds_whatever_the_loss_positions_guess(guess: s
     h_B_T_C = model.hidden(tokens_B_T)
     rows = logprob_head.HeadRows(h_B_T_C.reshape(18, -1), targets_B_T.reshape(18),
                                  torch.arange(18).view(2, 9))
-    logprobs, loss, _, grads = logprob_head.loss_gradients(model, rows, in_loss_B_T,
-                                                           loss_of_grid, params)
+    logprobs, loss, _, surrogate = logprob_head.loss_surrogate(model, rows, in_loss_B_T,
+                                                               loss_of_grid)
+    grads = torch.autograd.grad(surrogate, params, allow_unused=True)
     expected = logprob_head.target_logprobs(model, model.hidden(tokens_B_T).reshape(18, -1),
                                             targets_B_T.reshape(18)).view(2, 9)
     expected_loss, _ = loss_of_grid(expected)
