@@ -123,14 +123,7 @@ def importance_weights(
     """(w_B_T, acted_B_T): the detached weights and where the cap or mask acted, both
     zero outside `mask_B_T` (the loss positions)."""
     log_rho_B_T = _log_rho(logprobs_B_T, sampler_logprobs_B_T, mask_B_T, correction.per_sequence)
-    rho_B_T = torch.exp(log_rho_B_T)
-    if correction.mode == "tis":
-        acted_B_T = rho_B_T > correction.high
-        w_B_T = rho_B_T.clamp(max=correction.high)
-    else:
-        acted_B_T = (rho_B_T < correction.low) | (rho_B_T > correction.high)
-        w_B_T = torch.where(acted_B_T, torch.zeros_like(rho_B_T), rho_B_T)
-    return w_B_T * mask_B_T, acted_B_T & mask_B_T
+    return _weights(torch.exp(log_rho_B_T), mask_B_T, correction)
 
 
 def corrected(
@@ -139,17 +132,29 @@ def corrected(
     """The loss inputs with the correction applied in its form (see the module
     docstring), and its metric sums over the loss positions."""
     mask_B_T = inputs["loss_mask"] != 0 if "loss_mask" in inputs else inputs["weights"] != 0
-    w_B_T, acted_B_T = importance_weights(logprobs_B_T, inputs["logprobs"], mask_B_T, correction)
+    rho_B_T = torch.exp(_log_rho(logprobs_B_T, inputs["logprobs"], mask_B_T,
+                                 correction.per_sequence))
+    w_B_T, acted_B_T = _weights(rho_B_T, mask_B_T, correction)
     out = dict(inputs)
     if correction.decoupled:
         out["logprobs"] = logprobs_B_T.detach().to(inputs["logprobs"].dtype)
         factor_B_T = w_B_T
     else:  # c = w / rho where the cap or mask acted, 1 elsewhere: the loss's ratio carries rho
-        log_rho_B_T = _log_rho(logprobs_B_T, inputs["logprobs"], mask_B_T, correction.per_sequence)
-        factor_B_T = torch.where(acted_B_T, w_B_T * torch.exp(-log_rho_B_T), 1.0) * mask_B_T
+        factor_B_T = torch.where(acted_B_T, w_B_T / rho_B_T, 1.0) * mask_B_T
     out["weights"] = inputs["weights"] * factor_B_T.to(inputs["weights"].dtype)
     acted = "off_policy/capped" if correction.mode == "tis" else "off_policy/masked"
     return out, {"off_policy/weight": float(w_B_T.sum()), acted: float(acted_B_T.sum())}
+
+
+def _weights(rho_B_T: Tensor, mask_B_T: Tensor, correction: Correction) -> tuple[Tensor, Tensor]:
+    """`importance_weights`' answer from rho."""
+    if correction.mode == "tis":
+        acted_B_T = rho_B_T > correction.high
+        w_B_T = rho_B_T.clamp(max=correction.high)
+    else:
+        acted_B_T = (rho_B_T < correction.low) | (rho_B_T > correction.high)
+        w_B_T = torch.where(acted_B_T, torch.zeros_like(rho_B_T), rho_B_T)
+    return w_B_T * mask_B_T, acted_B_T & mask_B_T
 
 
 def _log_rho(logprobs_B_T: Tensor, sampler_logprobs_B_T: Tensor, mask_B_T: Tensor,
