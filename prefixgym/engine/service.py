@@ -159,16 +159,18 @@ class EngineService:
             model, version = self._inference_model, self._version
         return SamplingClient(self.engine, model, version, default_stop_token_ids=stop_ids)
 
-    def publish_weights(self) -> SamplingClient:
+    def publish_weights(self, check: Callable[[], None] | None = None) -> SamplingClient:
         """Snapshot `train_model` as a new frozen weights version; a client for it.
-        Refuses (ValueError) weights holding NaN or inf: nothing would sample from them.
-        The linears that get packed are not copied first: packing one is its copy, and
-        the rest is copied by `frozen_copy`'s structure copy, not `copy.deepcopy` (on
-        SmolLM2-135M the deep copy took 0.5-0.7 s of a 1.2 s publish)."""
+        Refuses (ValueError) weights holding NaN or inf: nothing would sample from them;
+        and whatever `check()` raises (a trainer's probe of its weights), which runs
+        while the snapshot packs. The linears that get packed are not copied first:
+        packing one is its copy, and the rest is copied by `frozen_copy`'s structure
+        copy, not `copy.deepcopy` (on SmolLM2-135M the deep copy took 0.5-0.7 s of a
+        1.2 s publish)."""
         packed = self._packer.private_weights(self.train_model)
         snapshot = (frozen_copy(self.train_model, share=packed, spares=self._spares) if packed
                     else self.train_model.clone_for_inference())
-        return self._publish(snapshot, private=True)
+        return self._publish(snapshot, private=True, check=check)
 
     @torch.no_grad()
     def _unshare_weights(self) -> None:
@@ -182,17 +184,25 @@ class EngineService:
     def _publish(
         self, snapshot: Transformer,
         changed: Iterable[tuple[str, torch.Tensor]] | None = None, private: bool = False,
+        check: Callable[[], None] | None = None,
     ) -> SamplingClient:
-        """Make `snapshot` the latest version, unless a tensor of `changed` (default:
-        all its parameters) holds NaN or inf. A LoRA snapshot passes its adapters only:
-        the frozen base it shares cannot have changed, and scanning 2 GB of it took
-        seconds per publish on a 0.5B model. `private`: no other model holds its
-        weights (its linears are packed in place)."""
-        tensors = snapshot.named_parameters() if changed is None else changed
-        bad = nonfinite_tensor(tensors)
-        if bad is not None:
-            raise ValueError(f"not publishing weights: {bad} holds NaN or inf values")
-        self._packer.pack(snapshot, shared=not private)
+        """Make `snapshot` the latest version, unless `check()` raises or a tensor of
+        `changed` (default: all its parameters) holds NaN or inf; both run beside the
+        packing (`WeightPacker.pack`). A LoRA snapshot passes its adapters only: the
+        frozen base it shares cannot have changed, and scanning 2 GB of it took seconds
+        per publish on a 0.5B model. `private`: no other model holds its weights (its
+        linears are packed in place)."""
+        # listed now: the packing swaps the snapshot's modules while the checks run
+        tensors = list(snapshot.named_parameters() if changed is None else changed)
+
+        def checks() -> None:
+            if check is not None:
+                check()
+            bad = nonfinite_tensor(tensors)
+            if bad is not None:
+                raise ValueError(f"not publishing weights: {bad} holds NaN or inf values")
+
+        self._packer.pack(snapshot, shared=not private, beside=checks)
         if private:
             _own_storage(snapshot, self.train_model)
         with self._lock:
@@ -215,10 +225,11 @@ class EngineService:
         malloc_tuning.release_free_memory_later()
         return self.create_sampling_client()
 
-    def _publish_adapters(self, snapshot: Transformer) -> SamplingClient:
+    def _publish_adapters(self, snapshot: Transformer,
+                          check: Callable[[], None] | None = None) -> SamplingClient:
         return self._publish(snapshot, (
             (f"{key}.{name}", tensor) for key, adapter in lora_adapters(snapshot).items()
-            for name, tensor in adapter.named_parameters()))
+            for name, tensor in adapter.named_parameters()), check=check)
 
     def create_training_client(
         self, options: TrainerOptions | None = None, **option_fields: Any,
@@ -257,7 +268,8 @@ class EngineService:
 
         client: TrainingClient[SamplingClient] = TrainingClient(
             lora, _options(TrainerOptions, options, option_fields),
-            publish=lambda: self._publish_adapters(frozen_copy(lora)), ledger=self.ledger,
+            publish=lambda check: self._publish_adapters(frozen_copy(lora), check),
+            ledger=self.ledger,
             params=[p for a in lora_adapters(lora).values() for p in a.parameters()],
             state_module=adapter_module(lora), save_for_sampler=save_for_sampler,
         )
@@ -287,6 +299,7 @@ class EngineService:
         self.engine.close()
         for client in self._training_clients:
             client.close()
+        self._packer.close()
 
     def __enter__(self) -> Self:
         return self

@@ -21,9 +21,15 @@ gradient), so sampler and trainer logprobs differ by float noise, as across batc
    and MLP linears (a LoRA layer's base) and, as `Transformer.head_linear`, its output
    head, where `packs` says it applies (a CPU model of our own families in fp32 or bf16
    on a torch with oneDNN) and the weight has `MIN_ELEMENTS` or more. A private model's
-   reorders run on the caller's thread, one after another: on 2 threads (a pool) they
-   allocated in the pool threads' malloc arenas, and in a GRPO run each publish then
-   touched 210-265 MiB of fresh pages instead of ~110 (0.6 s instead of 0.4).
+   block reorders run on the caller's thread, one after another: on 2 threads (a pool)
+   they allocated in the pool threads' malloc arenas, and in a GRPO run each publish
+   then touched 210-265 MiB of fresh pages instead of ~110 (0.6 s instead of 0.4). Its
+   head, which glibc maps afresh whatever the thread (it is above malloc's 32 MiB mmap
+   threshold), packs on the packer's one helper thread meanwhile, followed by the
+   caller's `beside` (a publish's checks of the weights), each on one OpenMP thread:
+   in GRPO on SmolLM2-135M (AMD EPYC, 2 cores), a full publish took 0.24-0.38 s with
+   its 121 reorders, its NaN check and its probe forward one after another, 0.13-0.23 s
+   side by side (the same bits: nothing reads what the other thread writes).
 3) Reproducible: fp32 results must not depend on the thread count (docs/architecture.md,
    "Determinism": the engine's tuner picks counts by timing, and a run may resume on
    another `--num-threads`), which MKL guarantees in its strict mode and oneDNN does
@@ -52,7 +58,8 @@ import os
 import platform
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -249,11 +256,19 @@ class WeightPacker:
         # each shape's answer once read (or checked): a full publish asks for 121 layers
         # of SmolLM2-135M, and the store's key and path took ~20 ms a publish to build
         self._verdicts: dict[tuple[int, int, torch.dtype, bool], bool] = {}
+        self._helper: ThreadPoolExecutor | None = None  # made at the first private pack
 
-    def pack(self, model: Transformer, shared: bool) -> Transformer:
+    def pack(self, model: Transformer, shared: bool,
+             beside: Callable[[], None] | None = None) -> Transformer:
         """`model` (an inference copy, changed in place) with its block linears and its
-        head packed, where they apply; `shared`: its weights are also another model's."""
-        if not (self.enabled and packs(model)):
+        head packed, where they apply; `shared`: its weights are also another model's.
+        `beside()` runs too (for a private model on the helper thread, while the blocks
+        pack), and what it raises is raised here, with `model` left as it was: a
+        publish's checks, which then cost no time of their own."""
+        packing = self.enabled and packs(model)
+        if beside is not None and not (packing and not shared):
+            beside()  # (nothing to run it beside: a shared model packs at its first forward)
+        if not packing:
             return model
         private: list[tuple[nn.Module, str, nn.Linear]] = []  # packed below, at once
         for parent, name, layer in _block_linears(model):
@@ -270,7 +285,9 @@ class WeightPacker:
         if shared:
             model.head_linear = self._shared_layer(head)
         else:
-            *made, model.head_linear = self._private_layers([*(p[2] for p in private), head])
+            head_packed = self._alongside(head, beside)
+            made = self._private_layers([p[2] for p in private])
+            model.head_linear = head_packed.result()
             for (parent, name, layer), packed in zip(private, made, strict=True):
                 setattr(parent, name, packed or layer)
         # every matmul of its decode step runs wide (`_apply`, attention), so the rest
@@ -278,6 +295,13 @@ class WeightPacker:
         model.narrow_steps = model.head_linear is not None and not any(
             isinstance(m, nn.Linear | MixtureOfExperts) for m in model.layers.modules())
         return model
+
+    def close(self) -> None:
+        """Stop the helper thread (a later private pack starts another)."""
+        with self._lock:
+            helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.shutdown()
 
     def private_weights(self, model: Transformer) -> list[torch.Tensor]:
         """The block linears' weights that `pack(model, shared=False)` would pack: each
@@ -316,11 +340,37 @@ class WeightPacker:
                 packed = self._shared[key] = PackedLinear(weight, bias, shared=True)
             return packed
 
-    def _private_layers(self, layers: list[nn.Linear | nn.Embedding]) -> list[PackedLinear | None]:
+    def _alongside(self, head: nn.Linear | nn.Embedding,
+                   beside: Callable[[], None] | None) -> Future[PackedLinear | None]:
+        """`head` packed for good, then `beside()`, on the helper thread, which computes
+        on one OpenMP thread and hands back the caller's count: torch's thread count
+        also sets MKL's, which is one for the whole process."""
+        packable = self._packable(head)  # (on the caller: the answers are the packer's)
+        count = torch.get_num_threads()
+
+        def work() -> PackedLinear | None:
+            torch.set_num_threads(1)
+            try:
+                packed = self._private_layers([head], [packable])[0]
+                if beside is not None:
+                    beside()
+                return packed
+            finally:
+                torch.set_num_threads(count)
+
+        with self._lock:
+            if self._helper is None:
+                self._helper = ThreadPoolExecutor(1, thread_name_prefix="prefixgym-pack")
+            return self._helper.submit(work)
+
+    def _private_layers(self, layers: list[nn.Linear | nn.Embedding],
+                        packable: list[bool] | None = None) -> list[PackedLinear | None]:
         """Each of `layers` packed for good (None where `_packable` says no)."""
+        if packable is None:
+            packable = [self._packable(layer) for layer in layers]
         return [PackedLinear(layer.weight, layer.bias if isinstance(layer, nn.Linear) else None,
-                             shared=False) if self._packable(layer) else None
-                for layer in layers]
+                             shared=False) if ok else None
+                for layer, ok in zip(layers, packable, strict=True)]
 
 
 def _block_linears(model: Transformer) -> list[tuple[nn.Module, str, nn.Module]]:

@@ -16,7 +16,7 @@
 4) `optim_step` applies AdamW to the accumulated gradients and zeroes them
    (`optimizer.py`, also for what a non-finite gradient norm or weight does: by
    default the update is skipped and counted; NaN/inf weights are never published
-   or saved, nor finite ones whose forward overflows: `_checked`).
+   or saved, nor finite ones whose forward overflows: `weight_probe.py`).
 
 What trains is given: by default every parameter of the model that requires grad
 (full training); a LoRA client (`EngineService.create_lora_training_client`) passes
@@ -82,8 +82,11 @@ class TrainingClient(Generic[SamplerT]):
     prefix sharing, what backward keeps, the non-finite policy). See the module
     docstring for the order of operations.
 
-    `publish() -> sampling client` backs `save_weights_and_get_sampling_client` (the
-    service's: this wing never imports the sampler). `params`: the parameters the
+    `publish(check) -> sampling client` backs `save_weights_and_get_sampling_client`
+    (the service's: this wing never imports the sampler); it runs `check()`, the
+    weights' probe (`weight_probe.require_samplable`), whenever it likes (the service:
+    beside packing them) but before the new version is anyone's, and raises what it
+    raises. `params`: the parameters the
     optimizer updates (default: every one that requires grad); `state_module`: the
     module whose tensors `save_state` writes and `load_state` reads (default: the
     model); `save_for_sampler(name) -> path` backs `save_weights_for_sampler`.
@@ -94,7 +97,7 @@ class TrainingClient(Generic[SamplerT]):
         model: Transformer,
         options: TrainerOptions | None = None,
         *,
-        publish: Callable[[], SamplerT] | None = None,
+        publish: Callable[[Callable[[], None]], SamplerT] | None = None,
         ledger: UsageLedger | None = None,
         params: Sequence[torch.nn.Parameter] | None = None,
         state_module: torch.nn.Module | None = None,
@@ -209,8 +212,8 @@ class TrainingClient(Generic[SamplerT]):
                 "this TrainingClient has no publish callable; create it with "
                 "LocalService.create_training_client() to sample from trained weights"
             )
-        return self._submit(self._timed, "publish", partial(
-            self._checked, "publishing weights", self._publish)).result()
+        return self._submit(self._timed, "publish", partial(self._publish, partial(
+            require_samplable, self.model, self._params, "publishing weights"))).result()
 
     def save_weights_for_sampler(self, name: str | os.PathLike[str]) -> APIFuture[str]:
         """Write the trained weights where a sampler can load them (a LoRA client: a

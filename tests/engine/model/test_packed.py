@@ -4,6 +4,7 @@ weights it should see, no gradient, and nothing packed where it must not be."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,39 @@ def test_a_full_publish_is_packed_in_place_and_lora_shares_one_packed_base(tied:
         assert len(bases) == LINEARS + 1 and bases == packed_layers(v0._model)
 
 
+def test_a_private_pack_runs_beside_on_one_thread_and_leaves_the_model_when_it_raises(
+        ) -> None:
+    """`beside` (a publish's checks) runs on the helper thread with the head while the
+    blocks pack; the caller's thread count is its own after; what `beside` raises comes
+    out of `pack`, with the model as it was."""
+    config = dataclasses.replace(CONFIG, tie_embeddings=True)
+    packer = WeightPacker()
+    seen: list[tuple[str, int]] = []
+    threads: list[threading.Thread] = []
+
+    def beside() -> None:
+        threads.append(threading.current_thread())
+        seen.append((threads[-1].name, torch.get_num_threads()))
+
+    def failing() -> None:
+        raise ValueError("not publishing weights: the probe says no")
+
+    before = torch.get_num_threads()
+    model = packer.pack(lora.frozen_copy(Transformer(config)), shared=False, beside=beside)
+    assert len(seen) == 1 and seen[0][0].startswith("prefixgym-pack") and seen[0][1] == 1
+    assert torch.get_num_threads() == before and len(packed_layers(model)) == LINEARS + 1
+    untouched = lora.frozen_copy(Transformer(config))
+    with pytest.raises(ValueError, match="the probe says no"):
+        packer.pack(untouched, shared=False, beside=failing)
+    assert not packed_layers(untouched) and untouched.head_linear is None
+    assert torch.get_num_threads() == before
+    shared = packer.pack(lora.frozen_copy(Transformer(config)), shared=True, beside=beside)
+    assert seen[1] == (threading.current_thread().name, before)  # nothing to run beside
+    assert len(packed_layers(shared)) == LINEARS + 1
+    packer.close()
+    assert not threads[0].is_alive()
+
+
 def test_a_full_publish_copies_into_a_freed_versions_tensors(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lora, "SPARE_MIN_BYTES", 0)  # every copy: this model is small
@@ -271,7 +305,7 @@ def test_a_full_publish_packs_the_trainers_weights_and_never_shares_them(
     if not packed:
         monkeypatch.setattr(WeightPacker, "_shared_layer", lambda self, layer: None)
         monkeypatch.setattr(WeightPacker, "_private_layers",
-                            lambda self, layers: [None] * len(layers))
+                            lambda self, layers, packable=None: [None] * len(layers))
     with service() as svc:
         trainer = svc.create_training_client()
         v1 = trainer.save_weights_and_get_sampling_client()
