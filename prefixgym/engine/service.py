@@ -161,12 +161,11 @@ class EngineService:
 
     def publish_weights(self, check: Callable[[], None] | None = None) -> SamplingClient:
         """Snapshot `train_model` as a new frozen weights version; a client for it.
-        Refuses (ValueError) weights holding NaN or inf: nothing would sample from them;
-        and whatever `check()` raises (a trainer's probe of its weights), which runs
-        while the snapshot packs. The linears that get packed are not copied first:
-        packing one is its copy, and the rest is copied by `frozen_copy`'s structure
-        copy, not `copy.deepcopy` (on SmolLM2-135M the deep copy took 0.5-0.7 s of a
-        1.2 s publish)."""
+        Refuses (ValueError) weights holding NaN or inf, and whatever `check()` (a
+        trainer's probe) raises, run while the snapshot packs. The linears that get
+        packed are not copied first: packing one is its copy; the rest is copied by
+        `frozen_copy`'s structure copy, not `copy.deepcopy` (on SmolLM2-135M the deep
+        copy took 0.5-0.7 s of a 1.2 s publish)."""
         packed = self._packer.private_weights(self.train_model)
         snapshot = (frozen_copy(self.train_model, share=packed, spares=self._spares) if packed
                     else self.train_model.clone_for_inference())

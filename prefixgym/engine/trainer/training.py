@@ -84,12 +84,11 @@ class TrainingClient(Generic[SamplerT]):
 
     `publish(check) -> sampling client` backs `save_weights_and_get_sampling_client`
     (the service's: this wing never imports the sampler); it runs `check()`, the
-    weights' probe (`weight_probe.require_samplable`), whenever it likes (the service:
-    beside packing them) but before the new version is anyone's, and raises what it
-    raises. `params`: the parameters the
-    optimizer updates (default: every one that requires grad); `state_module`: the
-    module whose tensors `save_state` writes and `load_state` reads (default: the
-    model); `save_for_sampler(name) -> path` backs `save_weights_for_sampler`.
+    weights' probe (`weight_probe.py`), when it likes (the service: while it packs) but
+    before the new version is anyone's, and raises what it raises. `params`: the
+    parameters the optimizer updates (default: every one that requires grad);
+    `state_module`: the module whose tensors `save_state` writes and `load_state` reads
+    (default: the model); `save_for_sampler(name) -> path` backs `save_weights_for_sampler`.
     """
 
     def __init__(

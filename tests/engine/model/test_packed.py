@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import prefixgym as pg
 from prefixgym.engine.model import ModelConfig, Transformer, lora
+from prefixgym.engine.model import onednn_linear as onednn
 from prefixgym.engine.model import packed as packing
 from prefixgym.engine.model.packed import PackedLinear, WeightPacker, packed_layers, packs
 from prefixgym.engine.service import EngineService
@@ -203,7 +204,7 @@ def test_a_full_publish_copies_into_a_freed_versions_tensors(
 
 def test_a_shape_that_rounds_by_thread_count_stays_plain(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(packing, "_thread_invariant", lambda *args: False)
+    monkeypatch.setattr(onednn, "_thread_invariant", lambda *args: False)
     model = Transformer(CONFIG)
     WeightPacker(counts=(1,)).pack(model, shared=True)
     assert len(packed_layers(model)) == LINEARS + 1  # one thread count: no check
@@ -220,44 +221,44 @@ def test_a_shape_that_rounds_by_thread_count_stays_plain(
 def test_the_thread_check_runs_each_shape_once_on_every_count(
         monkeypatch: pytest.MonkeyPatch) -> None:
     counts: list[int] = []
-    real = packing._apply
+    real = onednn.packed_product
 
     def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         counts.append(torch.get_num_threads())
         return real(x, w, b)
 
-    monkeypatch.setattr(packing, "_apply", counted)
+    monkeypatch.setattr(onednn, "packed_product", counted)
     before = torch.get_num_threads()
-    first = packing._thread_invariant(torch.randn(48, 33), None, (1, 2))
-    assert counts == [1, 2] * len(packing.CHECKED_ROWS)
+    first = onednn._thread_invariant(torch.randn(48, 33), None, (1, 2))
+    assert counts == [1, 2] * len(onednn.CHECKED_ROWS)
     assert torch.get_num_threads() == before
-    assert packing._thread_invariant(torch.randn(48, 33), None, (1, 2)) is first
-    assert len(counts) == 2 * len(packing.CHECKED_ROWS)  # the shape's answer was kept
+    assert onednn._thread_invariant(torch.randn(48, 33), None, (1, 2)) is first
+    assert len(counts) == 2 * len(onednn.CHECKED_ROWS)  # the shape's answer was kept
 
 
 def test_a_shapes_answer_is_kept_for_later_processes_on_the_same_machine(
         monkeypatch: pytest.MonkeyPatch) -> None:
     checked: list[tuple[int, int]] = []
-    real = packing._thread_invariant
+    real = onednn._thread_invariant
 
     def counted(weight: torch.Tensor, bias: torch.Tensor | None,
                 counts: tuple[int, ...]) -> bool:
         checked.append(tuple(weight.shape))
         return real(weight, bias, counts)
 
-    monkeypatch.setattr(packing, "_thread_invariant", counted)
+    monkeypatch.setattr(onednn, "_thread_invariant", counted)
     WeightPacker(counts=(1, 2)).pack(Transformer(CONFIG), shared=True)
     shapes = len(checked)
     assert shapes == 5  # wqkv, wo, w_gate_up, w_down, the head: once each
-    assert len(packing._read_store(packing.verdicts_path())) == shapes
+    assert len(onednn._read_store(onednn.verdicts_path())) == shapes
     # a new process on this machine: nothing in memory, every answer read back
-    monkeypatch.setattr(packing, "_stored", {})
+    monkeypatch.setattr(onednn, "_stored", {})
     model = Transformer(CONFIG)
     WeightPacker(counts=(1, 2)).pack(model, shared=True)
     assert len(checked) == shapes and len(packed_layers(model)) == LINEARS + 1
     # another CPU or torch build checks afresh
-    monkeypatch.setattr(packing, "_stored", {})
-    monkeypatch.setattr(packing, "_machine", lambda: "another machine")
+    monkeypatch.setattr(onednn, "_stored", {})
+    monkeypatch.setattr(onednn, "_machine", lambda: "another machine")
     WeightPacker(counts=(1, 2)).pack(Transformer(CONFIG), shared=True)
     assert len(checked) == 2 * shapes
 
@@ -270,11 +271,11 @@ def test_a_store_that_cannot_be_written_or_read_only_costs_the_check(
     WeightPacker(counts=(1, 2)).pack(model, shared=True)
     assert len(packed_layers(model)) == LINEARS + 1
     monkeypatch.setenv("PREFIXGYM_CACHE_DIR", str(tmp_path))
-    packing.verdicts_path().write_text("{not json")
+    onednn.verdicts_path().write_text("{not json")
     model = Transformer(CONFIG)
     WeightPacker(counts=(1, 2)).pack(model, shared=True)
     assert len(packed_layers(model)) == LINEARS + 1
-    assert len(packing._read_store(packing.verdicts_path())) == 5  # written anew
+    assert len(onednn._read_store(onednn.verdicts_path())) == 5  # written anew
 
 
 def test_small_weights_stay_on_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -287,12 +288,12 @@ def test_small_weights_stay_on_f_linear(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_the_counts_checked_are_the_cpus_not_the_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(packing.os, "cpu_count", lambda: 6)
-    assert packing.thread_counts() == (1, 2, 4, 6)
-    monkeypatch.setattr(packing.os, "cpu_count", lambda: 8)
-    assert packing.thread_counts() == (1, 2, 4, 8)
-    monkeypatch.setattr(packing.os, "cpu_count", lambda: 1)
-    assert packing.thread_counts() == (1,)
+    monkeypatch.setattr(onednn.os, "cpu_count", lambda: 6)
+    assert onednn.thread_counts() == (1, 2, 4, 6)
+    monkeypatch.setattr(onednn.os, "cpu_count", lambda: 8)
+    assert onednn.thread_counts() == (1, 2, 4, 8)
+    monkeypatch.setattr(onednn.os, "cpu_count", lambda: 1)
+    assert onednn.thread_counts() == (1,)
     assert WeightPacker().counts == (1,)
 
 

@@ -12,6 +12,7 @@ import torch
 
 import prefixgym as pg
 from prefixgym.engine.model import ModelConfig, Transformer
+from prefixgym.engine.model import onednn_linear as onednn
 from prefixgym.engine.model import packed as packing
 from prefixgym.engine.model.packed import WeightPacker, packs
 from prefixgym.engine.model.wide_ops import narrow, wide
@@ -81,7 +82,7 @@ def test_a_narrow_forward_gives_the_bits_of_a_wide_one(
     model = _packed_model(dtype, monkeypatch)
     assert model.narrow_steps
     counts: list[int] = []
-    real = packing._mkldnn._linear_pointwise
+    real = onednn._mkldnn._linear_pointwise
 
     class Recording:
         @staticmethod
@@ -92,7 +93,7 @@ def test_a_narrow_forward_gives_the_bits_of_a_wide_one(
     tokens = torch.randint(0, CONFIG.vocab_size, (16, 5), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         plain = model(tokens)
-        monkeypatch.setattr(packing, "_mkldnn", Recording)
+        monkeypatch.setattr(onednn, "_mkldnn", Recording)
         with narrow(2):
             narrowed = model(tokens)
     assert torch.equal(plain, narrowed)
