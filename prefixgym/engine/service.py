@@ -19,7 +19,6 @@ environments, conversations or losses.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -51,14 +50,6 @@ from prefixgym.types import Usage
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-COLLECT_ABOVE_BYTES = 256 << 20
-"""A publish runs a full garbage collection for a model of at least this many bytes of
-parameters (SmolLM2-135M in fp32 holds 540 MB; tiny and small far less)."""
-
-
-def _parameter_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 class EngineService:
@@ -209,18 +200,12 @@ class EngineService:
             self._version = self._last_version_id
             self._inference_model = snapshot
         # Release what earlier versions and steps left: a version that no client holds is
-        # freed with the last reference to it (a finished request drops its samples, which
-        # pointed back at it and held its model), or with any reference cycle it still
-        # sits in, which waits for the collector's oldest generation; and freed tensors
-        # stay resident in malloc's arenas. Without
-        # both, full GRPO on SmolLM2-135M grew its peak ~0.5 GB a step (docs/benchmarks.md,
-        # "Memory per GRPO step"). A full collection costs ~170 ms a publish in this
-        # process whatever the model (tiny's publish: 28 -> 255 ms), so it runs only for a
-        # model whose versions are worth it. The trim runs on a thread of its own: on
-        # SmolLM2-135M it took 0.02-0.4 s, a third of the publish, and the client need
-        # not wait for it.
-        if _parameter_bytes(snapshot) >= COLLECT_ABOVE_BYTES:
-            gc.collect()
+        # freed with the last reference to it (no cycle holds one: a finished request
+        # drops its samples, which pointed back at it; a test holds this), but freed
+        # tensors stay resident in malloc's arenas; without the trim, full GRPO on
+        # SmolLM2-135M grew its peak ~0.5 GB a step (docs/benchmarks.md, "Memory per GRPO
+        # step"). It runs on a thread of its own (0.02-0.4 s there): the client need not
+        # wait for it. (A full collection here, ~170 ms a publish, freed nothing more.)
         malloc_tuning.release_free_memory_later()
         return self.create_sampling_client()
 

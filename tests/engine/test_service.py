@@ -135,8 +135,8 @@ def test_the_engine_alone_knows_ids_only() -> None:
 
 def test_a_version_that_sampled_is_freed_without_the_collector() -> None:
     """A finished request lets go of its samples (which point back at it), so a version
-    that sampled and that no client holds goes when its last reference does: a model
-    too small for the publish's full collection frees it all the same."""
+    that sampled and that no client holds goes when its last reference does, with no
+    collection (a publish runs none)."""
     gc.disable()
     try:
         with LocalService("tiny", seed=0) as svc:
@@ -155,14 +155,13 @@ def test_a_version_that_sampled_is_freed_without_the_collector() -> None:
 
 def test_a_publish_lets_the_previous_version_go_and_trims_malloc(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A publish frees every older version that no client holds (its packed weights with
-    it; the publish collects cycles too, so none waits for the collector), hands malloc's
-    free bytes back
+    """An older version that no client holds is freed with its packed weights, no
+    collection needed, and every publish hands malloc's free bytes back
     (`malloc_tuning.release_free_memory_later`): the memory of a long run stays flat."""
     trims: list[int] = []
     monkeypatch.setattr(malloc_tuning, "release_free_memory_later",
                         lambda: trims.append(1) or None)
-    gc.disable()  # only the publish collects
+    gc.disable()  # nothing collects
     try:
         with LocalService(SMALL, seed=0) as svc:
             trainer = svc.create_training_client()
