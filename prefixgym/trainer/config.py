@@ -18,14 +18,14 @@ from prefixgym.files import is_gguf_path
 from prefixgym.trainer.tracking import TRACKERS
 from prefixgym.types import (
     DECOUPLED_LOSS_FN_NAMES,
-    LOSS_FN_NAMES,
+    OFF_POLICY_LOSS_FN_NAMES,
     TRAINING_DEFAULTS,
     JSONObject,
     check_training_settings,
 )
 
-GRPO_LOSSES = tuple(name for name in LOSS_FN_NAMES if name != "cross_entropy")
-"""The RL losses GRPO can train with (cross_entropy is the warm start's)."""
+GRPO_LOSSES = OFF_POLICY_LOSS_FN_NAMES
+"""GRPO's losses: all but the warm start's cross_entropy (those that read sampler logprobs)."""
 RUN_CONFIG = "config.json"
 """The run's full resolved config, in its directory: written when it starts, read
 back by --resume and `prefixgym rollout --run`."""
