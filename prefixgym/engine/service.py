@@ -51,7 +51,6 @@ from prefixgym.types import Usage
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-
 class EngineService:
     """The local engine. `model`: a preset name, a local HF checkpoint directory, a
     `ModelConfig` (randomly initialised with `seed`) or a `Transformer` (used as is).

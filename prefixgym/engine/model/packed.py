@@ -132,7 +132,7 @@ class WeightPacker:
         pack), and what it raises is raised here, with `model` left as it was: a
         publish's checks, which then cost no time of their own."""
         packing = self.enabled and packs(model)
-        if beside is not None and not (packing and not shared):
+        if beside is not None and (shared or not packing):
             beside()  # (nothing to run it beside: a shared model packs at its first forward)
         if not packing:
             return model
@@ -211,13 +211,13 @@ class WeightPacker:
         """`head` packed for good, then `beside()`, on the helper thread, which computes
         on one OpenMP thread and hands back the caller's count: torch's thread count
         also sets MKL's, which is one for the whole process."""
-        packable = self._packable(head)  # (on the caller: the answers are the packer's)
+        self._packable(head)  # answered here (a thread check, if one): the helper reads it
         count = torch.get_num_threads()
 
         def work() -> PackedLinear | None:
             torch.set_num_threads(1)
             try:
-                packed = self._private_layers([head], [packable])[0]
+                packed = self._private_layers([head])[0]
                 if beside is not None:
                     beside()
                 return packed
@@ -229,14 +229,11 @@ class WeightPacker:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix="prefixgym-pack")
             return self._helper.submit(work)
 
-    def _private_layers(self, layers: list[nn.Linear | nn.Embedding],
-                        packable: list[bool] | None = None) -> list[PackedLinear | None]:
+    def _private_layers(self, layers: list[nn.Linear | nn.Embedding]) -> list[PackedLinear | None]:
         """Each of `layers` packed for good (None where `_packable` says no)."""
-        if packable is None:
-            packable = [self._packable(layer) for layer in layers]
         return [PackedLinear(layer.weight, layer.bias if isinstance(layer, nn.Linear) else None,
-                             shared=False) if ok else None
-                for layer, ok in zip(layers, packable, strict=True)]
+                             shared=False) if self._packable(layer) else None
+                for layer in layers]
 
 
 def _block_linears(model: Transformer) -> list[tuple[nn.Module, str, nn.Module]]:

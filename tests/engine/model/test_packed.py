@@ -306,7 +306,7 @@ def test_a_full_publish_packs_the_trainers_weights_and_never_shares_them(
     if not packed:
         monkeypatch.setattr(WeightPacker, "_shared_layer", lambda self, layer: None)
         monkeypatch.setattr(WeightPacker, "_private_layers",
-                            lambda self, layers, packable=None: [None] * len(layers))
+                            lambda self, layers: [None] * len(layers))
     with service() as svc:
         trainer = svc.create_training_client()
         v1 = trainer.save_weights_and_get_sampling_client()
